@@ -1,0 +1,234 @@
+//! The codec benchmark behind `weightcast bench codec`.
+//!
+//! On the synthetic generator it measures, per step and encoding: bytes per
+//! changed element, reduction against the full bf16 size, encode and
+//! decode+apply throughput as a ratio to a plain compare of the *same two
+//! buffers in the same run*, and the extra memory each operation allocates.
+//! Ratios, not absolute speeds, are what is comparable across noisy machines.
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+use serde::Serialize;
+
+use crate::codec::scan::count_changed_plain;
+use crate::codec::{DeltaOptions, apply_delta, encode_delta};
+use crate::dtype::word_bytes;
+use crate::error::{Error, Result};
+use crate::format::Encoding;
+use crate::generator::{ChangeStats, Generator, GeneratorConfig, change_stats};
+use crate::tensors::TensorSet;
+
+/// Reads allocation figures (the binary wires a counting global allocator in).
+pub trait MemProbe: Sync {
+    /// Bytes allocated now.
+    fn current(&self) -> u64;
+    /// Highest `current` since the last reset.
+    fn peak(&self) -> u64;
+    /// Starts a new peak measurement.
+    fn reset_peak(&self);
+}
+
+/// A probe that knows nothing (memory columns read 0).
+pub struct NoProbe;
+
+impl MemProbe for NoProbe {
+    fn current(&self) -> u64 {
+        0
+    }
+    fn peak(&self) -> u64 {
+        0
+    }
+    fn reset_peak(&self) {}
+}
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct BenchConfig {
+    /// Approximate model size in elements.
+    pub elements: u64,
+    /// Measured steps.
+    pub steps: u32,
+    /// Learning rate of the generator.
+    pub lr: f32,
+    /// Encodings to measure.
+    pub encodings: Vec<Encoding>,
+    /// Seed.
+    pub seed: u64,
+}
+
+/// One measurement.
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchRow {
+    /// Step number.
+    pub step: u32,
+    /// Encoding.
+    pub encoding: Encoding,
+    /// Elements of the model.
+    pub elements: u64,
+    /// Changed elements.
+    pub changed: u64,
+    /// Changed / elements.
+    pub density: f64,
+    /// Delta object size.
+    pub delta_bytes: u64,
+    /// Delta bytes per changed element.
+    pub bytes_per_changed: f64,
+    /// Full bf16 size / delta size.
+    pub reduction: f64,
+    /// Seconds of the plain two-buffer compare.
+    pub compare_s: f64,
+    /// Seconds of diff + encode.
+    pub encode_s: f64,
+    /// Seconds of decode + verify + apply.
+    pub apply_s: f64,
+    /// compare_s / encode_s (≥ 1 means encoding is as fast as the compare).
+    pub encode_vs_compare: f64,
+    /// compare_s / apply_s.
+    pub apply_vs_compare: f64,
+    /// Bytes allocated at peak during encode, beyond what existed before it.
+    pub encode_extra_peak: u64,
+    /// Bytes allocated at peak during apply, beyond what existed before it.
+    pub apply_extra_peak: u64,
+}
+
+/// The whole report.
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchReport {
+    /// Elements of the model.
+    pub elements: u64,
+    /// Full bf16 size in bytes.
+    pub model_bytes: u64,
+    /// Rayon worker threads.
+    pub threads: usize,
+    /// Learning rate.
+    pub lr: f32,
+    /// Change statistics per step.
+    pub stats: Vec<ChangeStats>,
+    /// Measurements.
+    pub rows: Vec<BenchRow>,
+}
+
+/// The baseline: count differing words of every tensor, with the same
+/// parallelism the codec gets.
+pub fn plain_compare(a: &TensorSet, b: &TensorSet) -> u64 {
+    (0..a.len())
+        .into_par_iter()
+        .map(|i| {
+            let wb = word_bytes(a.tensors()[i].dtype);
+            let chunk = (1usize << 22) * wb;
+            a.data(i)
+                .par_chunks(chunk)
+                .zip(b.data(i).par_chunks(chunk))
+                .map(|(x, y)| count_changed_plain(wb, x, y))
+                .sum::<u64>()
+        })
+        .sum()
+}
+
+fn measured<T>(probe: &dyn MemProbe, f: impl FnOnce() -> T) -> (T, f64, u64) {
+    let before = probe.current();
+    probe.reset_peak();
+    let t = Instant::now();
+    let out = f();
+    let secs = t.elapsed().as_secs_f64();
+    (out, secs, probe.peak().saturating_sub(before))
+}
+
+/// Runs the benchmark; `progress` receives one line per measurement.
+pub fn run(
+    cfg: &BenchConfig,
+    probe: &dyn MemProbe,
+    mut progress: impl FnMut(&str),
+) -> Result<BenchReport> {
+    let mut gcfg = GeneratorConfig::with_elements(cfg.seed, cfg.elements);
+    gcfg.lr = cfg.lr;
+    let mut g = Generator::new(gcfg);
+    let elements = g.config().elements();
+    let mut report = BenchReport {
+        elements,
+        model_bytes: elements * 2,
+        threads: rayon::current_num_threads(),
+        lr: cfg.lr,
+        stats: Vec::new(),
+        rows: Vec::new(),
+    };
+    progress(&format!(
+        "model: {elements} bf16 elements ({:.2} GB), {} threads",
+        elements as f64 * 2e-9,
+        report.threads
+    ));
+    let mut base = g.snapshot();
+    for step in 1..=cfg.steps {
+        g.step();
+        let mut new = g.snapshot_without_digests();
+        let stats = change_stats(&base, &new);
+        report.stats.push(stats.clone());
+        let (changed_plain, compare_s, _) = measured(probe, || plain_compare(&base, &new));
+        for &encoding in &cfg.encodings {
+            let opts = DeltaOptions {
+                encoding,
+                model_version: step as u64,
+                base_version: step as u64 - 1,
+            };
+            let (encoded, encode_s, encode_extra_peak) =
+                measured(probe, || encode_delta(&base, &mut new, &opts));
+            let (delta, summary) = encoded?;
+            if summary.changed != changed_plain {
+                return Err(Error::metadata(
+                    "bench",
+                    format!(
+                        "codec found {} changes, compare {changed_plain}",
+                        summary.changed
+                    ),
+                ));
+            }
+            let mut replica = base.clone();
+            let (applied, apply_s, apply_extra_peak) =
+                measured(probe, || apply_delta(&mut replica, &delta));
+            applied?;
+            for i in 0..new.len() {
+                if replica.data(i) != new.data(i) {
+                    return Err(Error::tensor(
+                        &new.tensors()[i].name,
+                        "bench replica differs after apply",
+                    ));
+                }
+            }
+            drop(replica);
+            let row = BenchRow {
+                step,
+                encoding,
+                elements,
+                changed: summary.changed,
+                density: summary.changed as f64 / elements as f64,
+                delta_bytes: summary.bytes,
+                bytes_per_changed: summary.bytes as f64 / summary.changed.max(1) as f64,
+                reduction: (elements * 2) as f64 / summary.bytes as f64,
+                compare_s,
+                encode_s,
+                apply_s,
+                encode_vs_compare: compare_s / encode_s,
+                apply_vs_compare: compare_s / apply_s,
+                encode_extra_peak,
+                apply_extra_peak,
+            };
+            progress(&format!(
+                "step {step} {encoding:>7}: density {:.3}%  {:.3} B/changed  {:.0}x smaller  encode {:.2}x compare  apply {:.2}x compare  (compare {:.3}s, encode {:.3}s, apply {:.3}s)  extra peak encode {} MB, apply {} MB",
+                row.density * 100.0,
+                row.bytes_per_changed,
+                row.reduction,
+                row.encode_vs_compare,
+                row.apply_vs_compare,
+                compare_s,
+                encode_s,
+                apply_s,
+                encode_extra_peak >> 20,
+                apply_extra_peak >> 20,
+            ));
+            report.rows.push(row);
+        }
+        base = new;
+    }
+    Ok(report)
+}

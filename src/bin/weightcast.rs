@@ -1,0 +1,269 @@
+//! The `weightcast` command line: a thin layer over the library.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+use peak_alloc::PeakAlloc;
+use weightcast::bench::{BenchConfig, MemProbe};
+use weightcast::codec::{self, DeltaOptions};
+use weightcast::demo::{self, DemoConfig};
+use weightcast::format::Encoding;
+use weightcast::generator::GeneratorConfig;
+use weightcast::tensors::{Digests, TensorSet};
+
+#[global_allocator]
+static ALLOC: PeakAlloc = PeakAlloc;
+
+struct AllocProbe;
+
+impl MemProbe for AllocProbe {
+    fn current(&self) -> u64 {
+        ALLOC.current_usage() as u64
+    }
+    fn peak(&self) -> u64 {
+        ALLOC.peak_usage() as u64
+    }
+    fn reset_peak(&self) {
+        ALLOC.reset_peak_usage();
+    }
+}
+
+#[derive(Parser)]
+#[command(
+    name = "weightcast",
+    version,
+    about = "Ship RL policy weights through object storage as anchors plus exact sparse deltas"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Publish a few synthetic training steps into a local bucket, replay them in
+    /// two replicas and check bit-identity.
+    Demo {
+        /// Bucket directory (default: a fresh temporary directory).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Training steps.
+        #[arg(long, default_value_t = 8)]
+        steps: u64,
+        /// An anchor every N versions.
+        #[arg(long, default_value_t = 5)]
+        anchor_every: u64,
+        /// Delta encoding: compact or trl.
+        #[arg(long, default_value = "compact")]
+        encoding: Encoding,
+        /// Print the report as one JSON line at the end.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        what: BenchWhat,
+    },
+    /// Diff two safetensors files into a delta object.
+    Diff {
+        /// The base checkpoint (or anchor).
+        #[arg(long)]
+        base: PathBuf,
+        /// The new checkpoint.
+        #[arg(long)]
+        new: PathBuf,
+        /// Where to write the delta.
+        #[arg(long)]
+        out: PathBuf,
+        /// compact (default) or trl.
+        #[arg(long, default_value = "compact")]
+        encoding: Encoding,
+        /// Version the delta produces.
+        #[arg(long, default_value_t = 1)]
+        model_version: u64,
+        /// Version it applies to.
+        #[arg(long, default_value_t = 0)]
+        base_version: u64,
+    },
+    /// Apply a delta object to a safetensors file, verifying it.
+    Apply {
+        /// The base checkpoint.
+        #[arg(long)]
+        base: PathBuf,
+        /// The delta object.
+        #[arg(long)]
+        delta: PathBuf,
+        /// Where to write the result (an anchor-format checkpoint).
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Print the header of an anchor or delta object as JSON.
+    Inspect {
+        /// The object.
+        path: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchWhat {
+    /// Codec throughput and size on the synthetic generator.
+    Codec {
+        /// Model size in elements (1e9 = 2 GB of bf16).
+        #[arg(long, default_value_t = 100_000_000)]
+        elements: u64,
+        /// Measured steps.
+        #[arg(long, default_value_t = 3)]
+        steps: u32,
+        /// Generator learning rate.
+        #[arg(long, default_value_t = 3e-6)]
+        lr: f32,
+        /// Encodings, comma separated.
+        #[arg(long, default_value = "compact,trl", value_delimiter = ',')]
+        encodings: Vec<Encoding>,
+        /// Worker threads (default: all cores).
+        #[arg(long)]
+        threads: Option<usize>,
+        /// Write the report as JSON here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// Seed.
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+    },
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Demo {
+            dir,
+            steps,
+            anchor_every,
+            encoding,
+            json,
+        } => {
+            if anchor_every == 0 {
+                bail!("--anchor-every must be at least 1");
+            }
+            let tmp;
+            let dir = match dir {
+                Some(d) => d,
+                None => {
+                    tmp = tempfile::tempdir().context("creating a temporary bucket directory")?;
+                    tmp.path().to_path_buf()
+                }
+            };
+            let cfg = DemoConfig {
+                dir,
+                steps,
+                anchor_every,
+                encoding,
+                model: GeneratorConfig::small(7),
+            };
+            let report = demo::run(&cfg, |line| println!("{line}"))?;
+            let deltas: Vec<_> = report.steps.iter().filter(|s| s.kind == "delta").collect();
+            let delta_bytes: u64 = deltas.iter().map(|s| s.bytes).sum();
+            let changed: u64 = deltas.iter().map(|s| s.changed).sum();
+            println!(
+                "deltas: {:.3} bytes per changed element, {:.0}x smaller than full weights on average",
+                delta_bytes as f64 / changed.max(1) as f64,
+                (report.full_bytes * deltas.len() as u64) as f64 / delta_bytes.max(1) as f64
+            );
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            }
+            if !report.bit_identical {
+                bail!("verdict: FAILED, a replica diverged from the trainer");
+            }
+            println!("verdict: OK, every replica is bit-identical to the trainer at every version");
+        }
+        Command::Bench {
+            what:
+                BenchWhat::Codec {
+                    elements,
+                    steps,
+                    lr,
+                    encodings,
+                    threads,
+                    json,
+                    seed,
+                },
+        } => {
+            if let Some(t) = threads {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(t)
+                    .build_global()
+                    .context("configuring worker threads")?;
+            }
+            let cfg = BenchConfig {
+                elements,
+                steps,
+                lr,
+                encodings,
+                seed,
+            };
+            let report = weightcast::bench::run(&cfg, &AllocProbe, |l| println!("{l}"))?;
+            if let Some(p) = json {
+                std::fs::write(&p, serde_json::to_vec_pretty(&report)?)
+                    .with_context(|| format!("writing {}", p.display()))?;
+            }
+        }
+        Command::Diff {
+            base,
+            new,
+            out,
+            encoding,
+            model_version,
+            base_version,
+        } => {
+            let base_set = TensorSet::read(&base, Digests::Compute)?;
+            let mut new_set = TensorSet::read(&new, Digests::Skip)?;
+            let opts = DeltaOptions {
+                encoding,
+                model_version,
+                base_version,
+            };
+            let (bytes, summary) = codec::encode_delta(&base_set, &mut new_set, &opts)?;
+            std::fs::write(&out, bytes).with_context(|| format!("writing {}", out.display()))?;
+            println!("{}", serde_json::to_string(&summary)?);
+        }
+        Command::Apply { base, delta, out } => {
+            let mut set = TensorSet::read(&base, Digests::Compute)?;
+            let bytes =
+                std::fs::read(&delta).with_context(|| format!("reading {}", delta.display()))?;
+            let report = codec::apply_delta(&mut set, &bytes)?;
+            let version = report.model_version.unwrap_or(0);
+            let mut f = std::io::BufWriter::new(
+                std::fs::File::create(&out)
+                    .with_context(|| format!("creating {}", out.display()))?,
+            );
+            codec::write_anchor(&set, version, &mut f)?;
+            f.flush()?;
+            println!("{}", serde_json::to_string(&report)?);
+        }
+        Command::Inspect { path } => {
+            let bytes =
+                std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+            let (meta, header) = codec::inspect(&bytes)?;
+            let tensors = header
+                .as_ref()
+                .map(|_| serde_json::from_str::<serde_json::Value>(&meta["weightcast.tensors"]))
+                .transpose()?;
+            let mut meta: serde_json::Map<String, serde_json::Value> = meta
+                .into_iter()
+                .map(|(k, v)| (k, serde_json::Value::String(v)))
+                .collect();
+            if let Some(t) = tensors {
+                meta.insert("weightcast.tensors".into(), t);
+            }
+            println!("{}", serde_json::to_string_pretty(&meta)?);
+        }
+    }
+    Ok(())
+}

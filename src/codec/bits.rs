@@ -1,0 +1,247 @@
+//! LSB-first bit streams: the first bit written is bit 0 of byte 0.
+//!
+//! Hand-written rather than taken from a crate because it is the innermost loop
+//! of both encode and decode, and because the reader must be total: every read
+//! on untrusted bytes returns `None` at the end of the stream instead of
+//! panicking or reading past it.
+
+/// Appends bits to a byte vector.
+#[derive(Default)]
+pub struct BitWriter {
+    out: Vec<u8>,
+    acc: u64,
+    n: u32,
+}
+
+impl BitWriter {
+    /// A writer with room for about `bytes` bytes.
+    pub fn with_capacity(bytes: usize) -> Self {
+        BitWriter {
+            out: Vec::with_capacity(bytes),
+            acc: 0,
+            n: 0,
+        }
+    }
+
+    /// Writes the low `bits` bits of `value` (`bits <= 64`; higher bits of
+    /// `value` must be zero).
+    #[inline]
+    pub fn put(&mut self, value: u64, bits: u32) {
+        debug_assert!(bits <= 64);
+        debug_assert!(bits == 64 || value >> bits == 0);
+        if bits == 0 {
+            return;
+        }
+        self.acc |= value << self.n;
+        let total = self.n + bits;
+        if total >= 64 {
+            self.out.extend_from_slice(&self.acc.to_le_bytes());
+            // Bits of `value` that did not fit in the flushed word.
+            self.acc = if self.n == 0 {
+                0
+            } else {
+                value >> (64 - self.n)
+            };
+            self.n = total - 64;
+        } else {
+            self.n = total;
+        }
+    }
+
+    /// Writes `count` zero bits.
+    #[inline]
+    pub fn put_zeros(&mut self, mut count: u64) {
+        while count >= 32 {
+            self.put(0, 32);
+            count -= 32;
+        }
+        self.put(0, count as u32);
+    }
+
+    /// Writes `q` in unary: `q` zero bits, then a one bit.
+    #[inline]
+    pub fn put_unary(&mut self, q: u64) {
+        if q < 63 {
+            self.put(1u64 << q, q as u32 + 1);
+        } else {
+            self.put_zeros(q);
+            self.put(1, 1);
+        }
+    }
+
+    /// Number of bits written so far.
+    pub fn bit_len(&self) -> u64 {
+        self.out.len() as u64 * 8 + self.n as u64
+    }
+
+    /// Pads the last byte with zero bits and returns the bytes.
+    pub fn finish(mut self) -> Vec<u8> {
+        let bytes = self.n.div_ceil(8) as usize;
+        self.out.extend_from_slice(&self.acc.to_le_bytes()[..bytes]);
+        self.out
+    }
+}
+
+/// Reads bits from a byte slice; every read is checked against the end.
+pub struct BitReader<'a> {
+    data: &'a [u8],
+    pos: usize,
+    acc: u64,
+    n: u32,
+}
+
+impl<'a> BitReader<'a> {
+    /// A reader over `data`.
+    pub fn new(data: &'a [u8]) -> Self {
+        BitReader {
+            data,
+            pos: 0,
+            acc: 0,
+            n: 0,
+        }
+    }
+
+    #[inline]
+    fn refill(&mut self) {
+        if self.pos + 8 <= self.data.len() {
+            let w = u64::from_le_bytes(
+                self.data[self.pos..self.pos + 8]
+                    .try_into()
+                    .expect("8 bytes"),
+            );
+            let take = (63 - self.n) / 8; // whole bytes that fit
+            if take > 0 {
+                let bits = take * 8;
+                self.acc |= (w & ((1u64 << bits) - 1)) << self.n;
+                self.n += bits;
+                self.pos += take as usize;
+            }
+        } else {
+            while self.n <= 56 && self.pos < self.data.len() {
+                self.acc |= (self.data[self.pos] as u64) << self.n;
+                self.n += 8;
+                self.pos += 1;
+            }
+        }
+    }
+
+    /// Reads `bits` bits (`bits <= 64`), or `None` past the end.
+    #[inline]
+    pub fn get(&mut self, bits: u32) -> Option<u64> {
+        if bits == 0 {
+            return Some(0);
+        }
+        if bits > 56 {
+            let lo = self.get(32)?;
+            let hi = self.get(bits - 32)?;
+            return Some(lo | (hi << 32));
+        }
+        if self.n < bits {
+            self.refill();
+            if self.n < bits {
+                return None;
+            }
+        }
+        let v = self.acc & ((1u64 << bits) - 1);
+        self.acc >>= bits;
+        self.n -= bits;
+        Some(v)
+    }
+
+    /// Reads a unary number (zeros terminated by a one). Returns `None` past the
+    /// end or when more than `limit` zeros are seen.
+    #[inline]
+    pub fn unary(&mut self, limit: u64) -> Option<u64> {
+        let mut count = 0u64;
+        loop {
+            if self.acc == 0 {
+                count += self.n as u64;
+                self.n = 0;
+                if count > limit {
+                    return None;
+                }
+                self.refill();
+                if self.n == 0 {
+                    return None;
+                }
+                continue;
+            }
+            let tz = self.acc.trailing_zeros();
+            count += tz as u64;
+            if count > limit {
+                return None;
+            }
+            self.acc >>= tz;
+            self.acc >>= 1;
+            self.n -= tz + 1;
+            return Some(count);
+        }
+    }
+
+    /// True when fewer than 8 bits remain and all of them are zero padding.
+    pub fn at_clean_end(&self) -> bool {
+        self.pos == self.data.len() && self.n < 8 && self.acc == 0
+    }
+
+    /// Bits not yet consumed (including zero padding of the last byte).
+    pub fn remaining_bits(&self) -> u64 {
+        (self.data.len() - self.pos) as u64 * 8 + self.n as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Bits(u64, u32),
+        Unary(u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (any::<u64>(), 0u32..=64)
+                .prop_map(|(v, b)| Op::Bits(if b == 64 { v } else { v & ((1u64 << b) - 1) }, b)),
+            (0u64..300).prop_map(Op::Unary),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn round_trip(ops in proptest::collection::vec(op(), 0..200)) {
+            let mut w = BitWriter::default();
+            for o in &ops {
+                match *o {
+                    Op::Bits(v, b) => w.put(v, b),
+                    Op::Unary(q) => w.put_unary(q),
+                }
+            }
+            let bits = w.bit_len();
+            let bytes = w.finish();
+            prop_assert_eq!(bytes.len() as u64, bits.div_ceil(8));
+            let mut r = BitReader::new(&bytes);
+            for o in &ops {
+                match *o {
+                    Op::Bits(v, b) => prop_assert_eq!(r.get(b), Some(v)),
+                    Op::Unary(q) => prop_assert_eq!(r.unary(u64::MAX), Some(q)),
+                }
+            }
+            prop_assert!(r.remaining_bits() < 8);
+        }
+    }
+
+    #[test]
+    fn reads_past_end_fail() {
+        let mut r = BitReader::new(&[0xff]);
+        assert_eq!(r.get(8), Some(0xff));
+        assert_eq!(r.get(1), None);
+        let mut r = BitReader::new(&[0, 0, 0]);
+        assert_eq!(r.unary(u64::MAX), None);
+        let mut r = BitReader::new(&[0, 0, 0, 0x80]);
+        assert_eq!(r.unary(10), None);
+        let mut r = BitReader::new(&[0, 0, 0, 0x80]);
+        assert_eq!(r.unary(100), Some(31));
+    }
+}

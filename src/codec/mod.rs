@@ -1,0 +1,812 @@
+//! Diff, encode, decode and apply: turning two [`TensorSet`]s into a delta
+//! object and a delta object back into exact bytes, plus anchors.
+//!
+//! Apply is all-or-nothing per object: pass 1 decodes every tensor, checks it
+//! against the local bytes and the publisher's digests without writing; only if
+//! everything verifies does pass 2 write. A failed apply leaves the state as it
+//! was.
+
+pub mod bits;
+pub mod compact;
+pub mod scan;
+pub mod trl;
+
+use std::collections::BTreeMap;
+use std::io::Write;
+
+use rayon::prelude::*;
+use safetensors::SafeTensors;
+use serde::Serialize;
+
+use crate::digest::Digest;
+use crate::dtype::{Dtype, key_kind, read_word, word_bytes, write_word};
+use crate::error::{Error, Result};
+use crate::format::{BlockEntry, Encoding, Header, Kind, TensorEntry, entry_digest, keys};
+use crate::tensors::{Digests, TensorSet, safetensors_header, write_safetensors};
+
+/// What a delta is and where it sits in the version chain.
+#[derive(Clone, Copy, Debug)]
+pub struct DeltaOptions {
+    /// Delta encoding (`compact` or `trl`).
+    pub encoding: Encoding,
+    /// Version the delta produces.
+    pub model_version: u64,
+    /// Version the delta applies to.
+    pub base_version: u64,
+}
+
+/// Figures about an encoded delta.
+#[derive(Clone, Debug, Serialize)]
+pub struct DeltaSummary {
+    /// Version produced.
+    pub model_version: u64,
+    /// Version applied to.
+    pub base_version: u64,
+    /// Encoding used.
+    pub encoding: Encoding,
+    /// Changed words.
+    pub changed: u64,
+    /// All words of the file state.
+    pub total: u64,
+    /// Tensors with at least one change.
+    pub changed_tensors: usize,
+    /// Size of the delta object in bytes.
+    pub bytes: u64,
+    /// Digest of the new file state.
+    pub digest: String,
+}
+
+struct TensorOut {
+    idx: usize,
+    changed: u64,
+    digest_change: u64,
+    blocks: Option<Vec<BlockEntry>>,
+    payload: Vec<(String, Dtype, Vec<usize>, Vec<u8>)>,
+}
+
+/// Diffs `new` against `base` and encodes the delta object. Also records `new`'s
+/// digests, derived incrementally from `base`'s (so no full pass over `new`).
+///
+/// Fails with [`Error::StructureChanged`] when the two sets differ in names,
+/// dtypes or shapes: that version must be published as an anchor.
+pub fn encode_delta(
+    base: &TensorSet,
+    new: &mut TensorSet,
+    opts: &DeltaOptions,
+) -> Result<(Vec<u8>, DeltaSummary)> {
+    if !base.has_digests() {
+        return Err(Error::metadata("base", "base tensor set has no digests"));
+    }
+    if opts.encoding == Encoding::Full {
+        return Err(Error::metadata(
+            keys::ENCODING,
+            "`full` is the anchor encoding, not a delta encoding",
+        ));
+    }
+    base.same_structure(new)?;
+    let outs: Vec<TensorOut> = base
+        .tensors()
+        .par_iter()
+        .enumerate()
+        .map(|(idx, t)| -> Result<TensorOut> {
+            let wb = word_bytes(t.dtype);
+            let (old, nw) = (base.data(idx), new.data(idx));
+            match opts.encoding {
+                Encoding::Compact => {
+                    let e = compact::encode_tensor(key_kind(t.dtype), wb, t.seed, old, nw);
+                    Ok(TensorOut {
+                        idx,
+                        changed: e.changed,
+                        digest_change: e.digest_change,
+                        payload: vec![(
+                            format!("{}{}", t.name, compact::SUFFIX),
+                            Dtype::U8,
+                            vec![e.payload.len()],
+                            e.payload,
+                        )],
+                        blocks: Some(e.blocks),
+                    })
+                }
+                _ => {
+                    trl::check_representable(&t.name, t.dtype, t.words())?;
+                    let e = trl::encode_tensor(wb, t.seed, old, nw);
+                    let n = e.changed as usize;
+                    Ok(TensorOut {
+                        idx,
+                        changed: e.changed,
+                        digest_change: e.digest_change,
+                        payload: vec![
+                            (
+                                format!("{}{}", t.name, trl::INDICES),
+                                Dtype::I32,
+                                vec![n],
+                                e.indices,
+                            ),
+                            (
+                                format!("{}{}", t.name, trl::VALUES),
+                                t.dtype,
+                                vec![n],
+                                e.values,
+                            ),
+                        ],
+                        blocks: None,
+                    })
+                }
+            }
+        })
+        .collect::<Result<_>>()?;
+
+    let mut entries = BTreeMap::new();
+    let mut payload = Vec::new();
+    let (mut changed, mut total) = (0u64, 0u64);
+    for o in outs {
+        let t = &base.tensors()[o.idx];
+        let words = t.words() as u64;
+        total += words;
+        let digest = t.digest.add(Digest(o.digest_change));
+        new.set_digest(o.idx, digest);
+        if o.changed == 0 {
+            continue;
+        }
+        changed += o.changed;
+        entries.insert(
+            t.name.clone(),
+            TensorEntry {
+                dtype: t.dtype.to_string(),
+                shape: t.shape.iter().map(|&d| d as u64).collect(),
+                elements: t.elements(),
+                changed: o.changed,
+                density: o.changed as f64 / words as f64,
+                digest: digest.to_string(),
+                base_digest: Some(t.digest.to_string()),
+                block_words: o.blocks.as_ref().map(|_| compact::BLOCK_WORDS),
+                blocks: o.blocks,
+            },
+        );
+        payload.extend(o.payload);
+    }
+    new.mark_digests_valid();
+    payload.sort_by(|a, b| a.0.cmp(&b.0));
+
+    let mut hasher = blake3::Hasher::new();
+    for p in &payload {
+        hasher.update(&p.3);
+    }
+    let header = Header {
+        kind: Kind::Delta,
+        encoding: opts.encoding,
+        model_version: opts.model_version,
+        base_version: Some(opts.base_version),
+        base_digest: Some(base.digest()),
+        digest: new.digest(),
+        tensor_count: base.len() as u64,
+        total_elements: base.total_elements(),
+        changed_elements: changed,
+        density: if total == 0 {
+            0.0
+        } else {
+            changed as f64 / total as f64
+        },
+        payload_blake3: Some(hasher.finalize().to_hex().to_string()),
+        tensors: entries,
+    };
+    let mut meta = header.to_metadata();
+    if opts.encoding == Encoding::Trl {
+        add_trl_keys(&mut meta, &header);
+    }
+    let views: Vec<(&str, Dtype, &[usize], &[u8])> = payload
+        .iter()
+        .map(|(n, d, s, b)| (n.as_str(), *d, s.as_slice(), b.as_slice()))
+        .collect();
+    let mut out = Vec::new();
+    write_safetensors(&views, &meta, &mut out)?;
+    let summary = DeltaSummary {
+        model_version: opts.model_version,
+        base_version: opts.base_version,
+        encoding: opts.encoding,
+        changed,
+        total,
+        changed_tensors: header.tensors.len(),
+        bytes: out.len() as u64,
+        digest: header.digest.to_string(),
+    };
+    Ok((out, summary))
+}
+
+/// The TRL `sparse_weight_patch` keys (see docs/format.md for how
+/// `total_elements` and `sparsity` differ from TRL's own writer).
+fn add_trl_keys(meta: &mut BTreeMap<String, String>, h: &Header) {
+    let names: Vec<&String> = h.tensors.keys().collect();
+    let mut put = |k: &str, v: String| {
+        meta.insert(k.to_string(), v);
+    };
+    put("format", "sparse_weight_patch".into());
+    put("version", "1".into());
+    put("sparse", "True".into());
+    put("model_version", h.model_version.to_string());
+    put("num_changed_params", names.len().to_string());
+    put("total_changed_elements", h.changed_elements.to_string());
+    put("total_elements", h.total_elements.to_string());
+    put("sparsity", format!("{}", 1.0 - h.density));
+    put(
+        "changed_params",
+        serde_json::to_string(&names).expect("strings"),
+    );
+}
+
+/// What an apply did.
+#[derive(Clone, Debug, Serialize)]
+pub struct ApplyReport {
+    /// Version produced (absent only in foreign TRL files without it).
+    pub model_version: Option<u64>,
+    /// Version the delta applied to (absent in foreign TRL files).
+    pub base_version: Option<u64>,
+    /// Encoding of the delta.
+    pub encoding: Encoding,
+    /// Changed words written.
+    pub changed: u64,
+    /// Names of the tensors that changed.
+    pub changed_tensors: Vec<String>,
+    /// Whether the result was checked against the publisher's digests. False
+    /// only for foreign TRL files, which carry none.
+    pub verified: bool,
+}
+
+enum Payload<'a> {
+    Compact {
+        block_words: u64,
+        blocks: Vec<BlockEntry>,
+        streams: Vec<&'a [u8]>,
+    },
+    Trl {
+        indices: trl::Indices<'a>,
+        values: &'a [u8],
+    },
+}
+
+struct Job<'a> {
+    idx: usize,
+    name: String,
+    expect: Option<(u64, Digest)>,
+    payload: Payload<'a>,
+}
+
+/// Applies a delta object to `state`, verifying it; all-or-nothing.
+///
+/// Accepts weightcast deltas (`compact`, `trl`) and TRL `sparse_weight_patch`
+/// files written by other tools (applied with full structural checks; `verified`
+/// is false because they carry no digests).
+pub fn apply_delta(state: &mut TensorSet, bytes: &[u8]) -> Result<ApplyReport> {
+    let (n, meta) =
+        SafeTensors::read_metadata(bytes).map_err(|e| Error::Container(e.to_string()))?;
+    let st = SafeTensors::deserialize(bytes).map_err(|e| Error::Container(e.to_string()))?;
+    let map: BTreeMap<String, String> = meta
+        .metadata()
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
+    if !state.has_digests() {
+        state.compute_digests();
+    }
+    let header = Header::from_metadata(&map)?;
+    let (jobs, header) = match header {
+        Some(h) if h.kind == Kind::Delta => {
+            let data = &bytes[8 + n..];
+            let want = h.payload_blake3.as_deref().ok_or_else(|| {
+                Error::metadata(keys::PAYLOAD_BLAKE3, "missing (required for deltas)")
+            })?;
+            let got = blake3::hash(data).to_hex();
+            if got.as_str() != want {
+                return Err(Error::Integrity {
+                    scope: "payload".into(),
+                    expected: want.into(),
+                    actual: got.to_string(),
+                });
+            }
+            if h.tensor_count != state.len() as u64 {
+                return Err(Error::WrongBase {
+                    scope: "file (tensor count)".into(),
+                    expected: h.tensor_count.to_string(),
+                    actual: state.len().to_string(),
+                });
+            }
+            let base = h.base_digest.expect("deltas have a base digest");
+            if base != state.digest() {
+                return Err(Error::WrongBase {
+                    scope: "file".into(),
+                    expected: base.to_string(),
+                    actual: state.digest().to_string(),
+                });
+            }
+            (weightcast_jobs(state, &h, &st)?, Some(h))
+        }
+        Some(h) => {
+            return Err(Error::metadata(
+                keys::KIND,
+                format!("object is an {:?}, not a delta", h.kind),
+            ));
+        }
+        None => match (
+            map.get("format").map(String::as_str),
+            map.get("sparse").map(String::as_str),
+        ) {
+            (Some("sparse_weight_patch"), Some("True")) => {
+                (foreign_trl_jobs(state, &map, &st)?, None)
+            }
+            _ => {
+                return Err(Error::metadata(
+                    keys::FORMAT,
+                    "neither a weightcast delta nor a TRL sparse_weight_patch delta",
+                ));
+            }
+        },
+    };
+
+    // Pass 1: decode and verify every tensor against the local bytes; write nothing.
+    let checked: Vec<(u64, u64)> = jobs
+        .par_iter()
+        .map(|j| verify_job(state, j))
+        .collect::<Result<_>>()?;
+    let mut new_digests = Vec::with_capacity(jobs.len());
+    let mut file_digest = state.digest();
+    for (j, &(changed, dig)) in jobs.iter().zip(&checked) {
+        let t = &state.tensors()[j.idx];
+        let d = t.digest.add(Digest(dig));
+        if let Some((want_changed, want)) = j.expect {
+            if changed != want_changed {
+                return Err(Error::tensor(
+                    &j.name,
+                    format!("header says {want_changed} changes, payload holds {changed}"),
+                ));
+            }
+            if d != want {
+                return Err(Error::Integrity {
+                    scope: format!("tensor {}", j.name),
+                    expected: want.to_string(),
+                    actual: d.to_string(),
+                });
+            }
+        }
+        file_digest = file_digest.sub(t.digest).add(d);
+        new_digests.push(d);
+    }
+    if let Some(h) = &header {
+        if file_digest != h.digest {
+            return Err(Error::Integrity {
+                scope: "file".into(),
+                expected: h.digest.to_string(),
+                actual: file_digest.to_string(),
+            });
+        }
+    }
+
+    // Pass 2: write. Inputs are verified; a failure here is a bug, still reported.
+    let kinds: Vec<(Dtype, usize)> = jobs
+        .iter()
+        .map(|j| {
+            let t = &state.tensors()[j.idx];
+            (t.dtype, j.idx)
+        })
+        .collect();
+    {
+        let mut slices: Vec<Option<&mut [u8]>> =
+            state.all_data_mut().into_iter().map(Some).collect();
+        let work: Vec<(&Job, &mut [u8], Dtype)> = jobs
+            .iter()
+            .zip(&kinds)
+            .map(|(j, &(dtype, idx))| (j, slices[idx].take().expect("one job per tensor"), dtype))
+            .collect();
+        work.into_par_iter()
+            .map(|(j, data, dtype)| write_job(j, dtype, data))
+            .collect::<Result<Vec<()>>>()?;
+    }
+    let mut changed = 0;
+    for ((j, d), (c, _)) in jobs.iter().zip(new_digests).zip(&checked) {
+        state.set_digest(j.idx, d);
+        changed += c;
+    }
+    let encoding = header.as_ref().map_or(Encoding::Trl, |h| h.encoding);
+    Ok(ApplyReport {
+        model_version: header
+            .as_ref()
+            .map(|h| h.model_version)
+            .or_else(|| map.get("model_version").and_then(|v| v.parse().ok())),
+        base_version: header.as_ref().and_then(|h| h.base_version),
+        encoding,
+        changed,
+        changed_tensors: jobs.iter().map(|j| j.name.clone()).collect(),
+        verified: header.is_some(),
+    })
+}
+
+fn weightcast_jobs<'a>(
+    state: &TensorSet,
+    h: &Header,
+    st: &SafeTensors<'a>,
+) -> Result<Vec<Job<'a>>> {
+    let mut jobs = Vec::with_capacity(h.tensors.len());
+    let mut expected_payloads = 0usize;
+    for (name, e) in &h.tensors {
+        let idx = state
+            .position(name)
+            .ok_or_else(|| Error::tensor(name, "in the delta but not in the local state"))?;
+        let t = &state.tensors()[idx];
+        let shape: Vec<u64> = t.shape.iter().map(|&d| d as u64).collect();
+        if e.dtype != t.dtype.to_string() || e.shape != shape {
+            return Err(Error::tensor(
+                name,
+                format!(
+                    "delta is for {} {:?}, local tensor is {} {:?}",
+                    e.dtype, e.shape, t.dtype, t.shape
+                ),
+            ));
+        }
+        let base = entry_digest(name, "base_digest", e.base_digest.as_deref().unwrap_or(""))?;
+        if base != t.digest {
+            return Err(Error::WrongBase {
+                scope: format!("tensor {name}"),
+                expected: base.to_string(),
+                actual: t.digest.to_string(),
+            });
+        }
+        let digest = entry_digest(name, "digest", &e.digest)?;
+        let payload = match h.encoding {
+            Encoding::Compact => {
+                expected_payloads += 1;
+                let key = format!("{name}{}", compact::SUFFIX);
+                let view = st
+                    .tensor(&key)
+                    .map_err(|_| Error::tensor(name, format!("payload tensor `{key}` missing")))?;
+                if view.dtype() != Dtype::U8 || view.shape().len() != 1 {
+                    return Err(Error::tensor(
+                        name,
+                        "compact payload must be a 1-D U8 tensor",
+                    ));
+                }
+                let blocks = e
+                    .blocks
+                    .clone()
+                    .ok_or_else(|| Error::metadata(format!("tensors.{name}.blocks"), "missing"))?;
+                let block_words = e.block_words.ok_or_else(|| {
+                    Error::metadata(format!("tensors.{name}.block_words"), "missing")
+                })?;
+                let streams = compact::split_blocks(
+                    name,
+                    t.words() as u64,
+                    block_words,
+                    &blocks,
+                    view.data(),
+                )?;
+                Payload::Compact {
+                    block_words,
+                    blocks,
+                    streams,
+                }
+            }
+            _ => {
+                expected_payloads += 2;
+                trl_payload(name, t.dtype, st)?
+            }
+        };
+        jobs.push(Job {
+            idx,
+            name: name.clone(),
+            expect: Some((e.changed, digest)),
+            payload,
+        });
+    }
+    if st.len() != expected_payloads {
+        return Err(Error::Container(format!(
+            "{} tensors in the delta, the header describes {expected_payloads}",
+            st.len()
+        )));
+    }
+    Ok(jobs)
+}
+
+fn trl_payload<'a>(name: &str, dtype: Dtype, st: &SafeTensors<'a>) -> Result<Payload<'a>> {
+    let ik = format!("{name}{}", trl::INDICES);
+    let vk = format!("{name}{}", trl::VALUES);
+    let iv = st
+        .tensor(&ik)
+        .map_err(|_| Error::tensor(name, format!("`{ik}` missing")))?;
+    let vv = st
+        .tensor(&vk)
+        .map_err(|_| Error::tensor(name, format!("`{vk}` missing")))?;
+    if iv.shape().len() != 1 || vv.shape().len() != 1 {
+        return Err(Error::tensor(name, "indices and values must be 1-D"));
+    }
+    if vv.dtype() != dtype {
+        return Err(Error::tensor(
+            name,
+            format!("values are {}, the parameter is {dtype}", vv.dtype()),
+        ));
+    }
+    trl::check_representable(name, dtype, 0)?;
+    Ok(Payload::Trl {
+        indices: trl::Indices::new(name, iv.dtype(), iv.data())?,
+        values: vv.data(),
+    })
+}
+
+fn foreign_trl_jobs<'a>(
+    state: &TensorSet,
+    map: &BTreeMap<String, String>,
+    st: &SafeTensors<'a>,
+) -> Result<Vec<Job<'a>>> {
+    let names: Vec<String> = match map.get("changed_params") {
+        Some(s) => serde_json::from_str(s).map_err(|e| {
+            Error::metadata("changed_params", format!("not a JSON list of names: {e}"))
+        })?,
+        None => {
+            let mut v: Vec<String> = st
+                .names()
+                .iter()
+                .filter_map(|k| k.strip_suffix(trl::VALUES).map(str::to_string))
+                .collect();
+            v.sort();
+            v
+        }
+    };
+    let mut jobs = Vec::with_capacity(names.len());
+    let mut seen = std::collections::HashSet::new();
+    for name in names {
+        if !seen.insert(name.clone()) {
+            return Err(Error::metadata(
+                "changed_params",
+                format!("`{name}` listed twice"),
+            ));
+        }
+        let idx = state
+            .position(&name)
+            .ok_or_else(|| Error::tensor(&name, "in the delta but not in the local state"))?;
+        let payload = trl_payload(&name, state.tensors()[idx].dtype, st)?;
+        jobs.push(Job {
+            idx,
+            name,
+            expect: None,
+            payload,
+        });
+    }
+    if st.len() != 2 * jobs.len() {
+        return Err(Error::Container(format!(
+            "{} tensors in the file, {} expected for {} changed parameters",
+            st.len(),
+            2 * jobs.len(),
+            jobs.len()
+        )));
+    }
+    Ok(jobs)
+}
+
+fn verify_job(state: &TensorSet, j: &Job<'_>) -> Result<(u64, u64)> {
+    let t = &state.tensors()[j.idx];
+    let base = state.data(j.idx);
+    let wb = word_bytes(t.dtype);
+    match &j.payload {
+        Payload::Trl { indices, values } => {
+            trl::verify(&j.name, *indices, values, wb, t.seed, base)
+        }
+        Payload::Compact {
+            block_words,
+            blocks,
+            streams,
+        } => {
+            let kind = key_kind(t.dtype);
+            let words = t.words() as u64;
+            let seed = t.seed;
+            blocks
+                .par_iter()
+                .zip(streams.par_iter())
+                .enumerate()
+                .map(|(b, (e, s))| {
+                    let start = b as u64 * block_words;
+                    let len = (words - start).min(*block_words);
+                    let mut dig = 0u64;
+                    compact::decode_block(&j.name, b, e, s, wb, len, |i, v| {
+                        let at = start + i;
+                        let old = read_word(base, wb, at as usize);
+                        let new = v.resolve(kind, wb, old);
+                        if new == old {
+                            return Err(Error::tensor(
+                                &j.name,
+                                format!("block {b} lists element {at} as changed but it is not"),
+                            ));
+                        }
+                        dig = dig.wrapping_add(seed.change(at, old, new));
+                        Ok(())
+                    })?;
+                    Ok((e.changes, dig))
+                })
+                .try_reduce(|| (0, 0), |a, b| Ok((a.0 + b.0, a.1.wrapping_add(b.1))))
+        }
+    }
+}
+
+fn write_job(j: &Job<'_>, dtype: Dtype, data: &mut [u8]) -> Result<()> {
+    let wb = word_bytes(dtype);
+    match &j.payload {
+        Payload::Trl { indices, values } => {
+            trl::write(*indices, values, wb, data);
+            Ok(())
+        }
+        Payload::Compact {
+            block_words,
+            blocks,
+            streams,
+        } => {
+            if data.is_empty() {
+                return Ok(());
+            }
+            let kind = key_kind(dtype);
+            let words = (data.len() / wb) as u64;
+            let chunk = (*block_words).min(words) as usize * wb;
+            data.par_chunks_mut(chunk)
+                .zip(blocks.par_iter().zip(streams.par_iter()))
+                .enumerate()
+                .map(|(b, (blk, (e, s)))| {
+                    let len = (blk.len() / wb) as u64;
+                    compact::decode_block(&j.name, b, e, s, wb, len, |i, v| {
+                        let old = read_word(blk, wb, i as usize);
+                        write_word(blk, wb, i as usize, v.resolve(kind, wb, old));
+                        Ok(())
+                    })
+                })
+                .collect::<Result<Vec<()>>>()
+                .map(|_| ())
+        }
+    }
+}
+
+/// Figures about an anchor.
+#[derive(Clone, Debug, Serialize)]
+pub struct AnchorSummary {
+    /// Version.
+    pub model_version: u64,
+    /// Tensors.
+    pub tensors: usize,
+    /// Elements.
+    pub total: u64,
+    /// Object size in bytes.
+    pub bytes: u64,
+    /// Digest of the file state.
+    pub digest: String,
+}
+
+fn anchor_header(set: &TensorSet, model_version: u64) -> Header {
+    let tensors = set
+        .tensors()
+        .iter()
+        .map(|t| {
+            (
+                t.name.clone(),
+                TensorEntry {
+                    dtype: t.dtype.to_string(),
+                    shape: t.shape.iter().map(|&d| d as u64).collect(),
+                    elements: t.elements(),
+                    changed: t.words() as u64,
+                    density: 1.0,
+                    digest: t.digest.to_string(),
+                    base_digest: None,
+                    block_words: None,
+                    blocks: None,
+                },
+            )
+        })
+        .collect();
+    let words: u64 = set.tensors().iter().map(|t| t.words() as u64).sum();
+    Header {
+        kind: Kind::Anchor,
+        encoding: Encoding::Full,
+        model_version,
+        base_version: None,
+        base_digest: None,
+        digest: set.digest(),
+        tensor_count: set.len() as u64,
+        total_elements: set.total_elements(),
+        changed_elements: words,
+        density: 1.0,
+        payload_blake3: None,
+        tensors,
+    }
+}
+
+/// Streams `set` as an anchor object (a loadable safetensors checkpoint with
+/// `format=pt` and the weightcast header) into `w`.
+pub fn write_anchor(
+    set: &TensorSet,
+    model_version: u64,
+    w: &mut impl Write,
+) -> Result<AnchorSummary> {
+    if !set.has_digests() {
+        return Err(Error::metadata("anchor", "tensor set has no digests"));
+    }
+    let header = anchor_header(set, model_version);
+    let meta = header.to_metadata();
+    let views: Vec<(&str, Dtype, &[usize], &[u8])> = set
+        .tensors()
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.name.as_str(), t.dtype, t.shape.as_slice(), set.data(i)))
+        .collect();
+    let head = safetensors_header(&views, &meta)?;
+    write_safetensors(&views, &meta, w)?;
+    Ok(AnchorSummary {
+        model_version,
+        tensors: set.len(),
+        total: set.total_elements(),
+        bytes: 8 + head.len() as u64 + set.total_bytes(),
+        digest: header.digest.to_string(),
+    })
+}
+
+/// [`write_anchor`] into a new vector.
+pub fn encode_anchor(set: &TensorSet, model_version: u64) -> Result<(Vec<u8>, AnchorSummary)> {
+    let mut out = Vec::with_capacity(set.total_bytes() as usize + 4096);
+    let s = write_anchor(set, model_version, &mut out)?;
+    Ok((out, s))
+}
+
+/// Parses an anchor (or any safetensors checkpoint), computes every digest and,
+/// when it carries a weightcast header, verifies them all. Returns the header
+/// (`None` for a plain checkpoint, which is loaded unverified).
+pub fn read_anchor(buf: Vec<u8>) -> Result<(Option<Header>, TensorSet)> {
+    let set = TensorSet::from_safetensors(buf, Digests::Compute)?;
+    let header = Header::from_metadata(set.metadata())?;
+    let Some(h) = header else {
+        return Ok((None, set));
+    };
+    if h.kind != Kind::Anchor {
+        return Err(Error::metadata(
+            keys::KIND,
+            "object is a delta, not an anchor",
+        ));
+    }
+    if h.tensor_count != set.len() as u64 || h.tensors.len() != set.len() {
+        return Err(Error::metadata(
+            keys::TENSOR_COUNT,
+            format!(
+                "header lists {} tensors, file holds {}",
+                h.tensors.len(),
+                set.len()
+            ),
+        ));
+    }
+    for t in set.tensors() {
+        let e = h
+            .tensors
+            .get(&t.name)
+            .ok_or_else(|| Error::tensor(&t.name, "not described in weightcast.tensors"))?;
+        let want = entry_digest(&t.name, "digest", &e.digest)?;
+        if want != t.digest {
+            return Err(Error::Integrity {
+                scope: format!("tensor {}", t.name),
+                expected: want.to_string(),
+                actual: t.digest.to_string(),
+            });
+        }
+    }
+    if set.digest() != h.digest {
+        return Err(Error::Integrity {
+            scope: "file".into(),
+            expected: h.digest.to_string(),
+            actual: set.digest().to_string(),
+        });
+    }
+    Ok((Some(h), set))
+}
+
+/// Reads just the header of an anchor or delta object.
+pub fn inspect(bytes: &[u8]) -> Result<(BTreeMap<String, String>, Option<Header>)> {
+    let (_, meta) =
+        SafeTensors::read_metadata(bytes).map_err(|e| Error::Container(e.to_string()))?;
+    let map: BTreeMap<String, String> = meta
+        .metadata()
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
+    let h = Header::from_metadata(&map)?;
+    Ok((map, h))
+}

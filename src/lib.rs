@@ -1,0 +1,62 @@
+//! # weightcast
+//!
+//! Moves reinforcement-learning policy weights from a trainer to rollout fleets
+//! through object storage, shipping only the bytes that changed, bit-identically.
+//!
+//! A publisher writes *anchors* (full weights) and *deltas* (changed elements
+//! only) as self-describing safetensors objects; subscribers replay the latest
+//! anchor plus the deltas after it and verify the result.
+//!
+//! ## Layout
+//!
+//! The data path reads top to bottom:
+//!
+//! - [`dtype`]: what the codec needs to know about each safetensors dtype (word
+//!   width, the ordered-key bijection used for "ulp steps").
+//! - [`digest`]: additive per-element digests, so verifying a delta costs time
+//!   proportional to the changed elements, not to the model.
+//! - [`tensors`]: [`tensors::TensorSet`], named tensors in one buffer, read from
+//!   and written to safetensors.
+//! - [`format`]: the object header — metadata keys, their types, validation.
+//! - [`codec`]: diff, encode, decode, apply (`compact` and `trl`), anchors.
+//! - [`generator`]: a synthetic RL-step generator with realistic statistics, for
+//!   tests, benchmarks and the demo.
+//! - [`bench`]: the codec benchmark behind `weightcast bench codec`.
+//! - [`demo`]: the end-to-end demo behind `weightcast demo`.
+//!
+//! The binary (`src/bin/weightcast.rs`) is a thin command-line layer over these.
+//!
+//! ## Example
+//!
+//! ```
+//! use weightcast::codec::{apply_delta, encode_delta, DeltaOptions};
+//! use weightcast::format::Encoding;
+//! use weightcast::generator::{Generator, GeneratorConfig};
+//!
+//! let mut g = Generator::new(GeneratorConfig::tiny(7));
+//! let v0 = g.snapshot();
+//! g.step();
+//! let mut v1 = g.snapshot_without_digests();
+//! let opts = DeltaOptions { encoding: Encoding::Compact, model_version: 1, base_version: 0 };
+//! let (delta, summary) = encode_delta(&v0, &mut v1, &opts).unwrap();
+//! assert!(summary.changed > 0);
+//!
+//! let mut replica = v0.clone();
+//! let report = apply_delta(&mut replica, &delta).unwrap();
+//! assert!(report.verified);
+//! assert_eq!(replica.digest(), v1.digest());
+//! ```
+
+#![warn(missing_docs)]
+
+pub mod bench;
+pub mod codec;
+pub mod demo;
+pub mod digest;
+pub mod dtype;
+pub mod error;
+pub mod format;
+pub mod generator;
+pub mod tensors;
+
+pub use error::{Error, Result};
