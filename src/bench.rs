@@ -55,6 +55,8 @@ pub struct BenchConfig {
     pub encodings: Vec<Encoding>,
     /// Seed.
     pub seed: u64,
+    /// Timed repetitions per operation (the median is reported).
+    pub reps: u32,
 }
 
 /// One measurement.
@@ -126,6 +128,11 @@ pub fn plain_compare(a: &TensorSet, b: &TensorSet) -> u64 {
         .sum()
 }
 
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 fn measured<T>(probe: &dyn MemProbe, f: impl FnOnce() -> T) -> (T, f64, u64) {
     let before = probe.current();
     probe.reset_peak();
@@ -164,16 +171,36 @@ pub fn run(
         let mut new = g.snapshot_without_digests();
         let stats = change_stats(&base, &new);
         report.stats.push(stats.clone());
-        let (changed_plain, compare_s, _) = measured(probe, || plain_compare(&base, &new));
+        let reps = cfg.reps.max(1);
+        let mut compare_times = Vec::new();
+        let mut changed_plain = 0;
+        for _ in 0..reps {
+            let (c, secs, _) = measured(probe, || plain_compare(&base, &new));
+            changed_plain = c;
+            compare_times.push(secs);
+        }
+        let compare_s = median(compare_times);
         for &encoding in &cfg.encodings {
             let opts = DeltaOptions {
                 encoding,
                 model_version: step as u64,
                 base_version: step as u64 - 1,
             };
-            let (encoded, encode_s, encode_extra_peak) =
-                measured(probe, || encode_delta(&base, &mut new, &opts));
-            let (delta, summary) = encoded?;
+            let mut encode_times = Vec::new();
+            let mut encode_extra_peak = 0;
+            let mut delta = Vec::new();
+            let mut summary = None;
+            for _ in 0..reps {
+                let (encoded, secs, peak) =
+                    measured(probe, || encode_delta(&base, &mut new, &opts));
+                let (d, s) = encoded?;
+                encode_times.push(secs);
+                encode_extra_peak = encode_extra_peak.max(peak);
+                delta = d;
+                summary = Some(s);
+            }
+            let summary = summary.expect("at least one repetition");
+            let encode_s = median(encode_times);
             if summary.changed != changed_plain {
                 return Err(Error::metadata(
                     "bench",
@@ -183,19 +210,24 @@ pub fn run(
                     ),
                 ));
             }
-            let mut replica = base.clone();
-            let (applied, apply_s, apply_extra_peak) =
-                measured(probe, || apply_delta(&mut replica, &delta));
-            applied?;
-            for i in 0..new.len() {
-                if replica.data(i) != new.data(i) {
-                    return Err(Error::tensor(
-                        &new.tensors()[i].name,
-                        "bench replica differs after apply",
-                    ));
+            let mut apply_times = Vec::new();
+            let mut apply_extra_peak = 0;
+            for _ in 0..reps {
+                let mut replica = base.clone();
+                let (applied, secs, peak) = measured(probe, || apply_delta(&mut replica, &delta));
+                applied?;
+                apply_times.push(secs);
+                apply_extra_peak = apply_extra_peak.max(peak);
+                for i in 0..new.len() {
+                    if replica.data(i) != new.data(i) {
+                        return Err(Error::tensor(
+                            &new.tensors()[i].name,
+                            "bench replica differs after apply",
+                        ));
+                    }
                 }
             }
-            drop(replica);
+            let apply_s = median(apply_times);
             let row = BenchRow {
                 step,
                 encoding,

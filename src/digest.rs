@@ -6,11 +6,13 @@
 //!
 //! ```text
 //! D(t) = Σ_i  h(seed_t, i, w_i)            (mod 2^64)
-//! h(seed, i, w) = fmix64( fmix64(w ^ seed.1) ^ i ^ seed.0 )
+//! h(seed, i, w) = fmix64( V(w) ^ i ^ seed )
+//! V(w) = fmix64( w ^ 0x9e3779b97f4a7c15 )
 //! ```
 //!
 //! where `fmix64` is MurmurHash3's 64-bit finalizer, `i` the word index and `w`
-//! the word's little-endian bits zero-extended to 64 bits. The seed binds the
+//! the word's little-endian bits zero-extended to 64 bits. `V` depends on the
+//! word alone, so for words of up to two bytes it is a 64 K-entry table. The seed binds the
 //! tensor's name, dtype and shape (see [`TensorSeed::new`]), so equal bytes under
 //! another name or shape give another digest. A file's digest is the wrapping sum
 //! of its tensors' digests.
@@ -33,13 +35,13 @@ pub struct Digest(pub u64);
 impl Digest {
     /// Adds the contribution of another digest (wrapping).
     #[inline]
-    pub fn add(self, other: Digest) -> Digest {
+    pub fn wrapping_add(self, other: Digest) -> Digest {
         Digest(self.0.wrapping_add(other.0))
     }
 
     /// Removes the contribution of another digest (wrapping).
     #[inline]
-    pub fn sub(self, other: Digest) -> Digest {
+    pub fn wrapping_sub(self, other: Digest) -> Digest {
         Digest(self.0.wrapping_sub(other.0))
     }
 
@@ -58,14 +60,33 @@ impl std::fmt::Display for Digest {
     }
 }
 
-/// The per-tensor keys of the element hash.
+/// The per-tensor key of the element hash.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct TensorSeed(pub u64, pub u64);
+pub struct TensorSeed(pub u64);
+
+/// The constant xored into a word before its first mix.
+pub const VALUE_KEY: u64 = 0x9e37_79b9_7f4a_7c15;
+
+static SMALL_VALUES: std::sync::OnceLock<Box<[u64]>> = std::sync::OnceLock::new();
+
+fn small_values() -> &'static [u64] {
+    SMALL_VALUES.get_or_init(|| (0..1u64 << 16).map(|w| fmix64(w ^ VALUE_KEY)).collect())
+}
+
+/// `V(w)`: table lookup for words below 2^16, computed otherwise.
+#[inline]
+pub fn value_hash(w: u64) -> u64 {
+    if w < 1 << 16 {
+        small_values()[w as usize]
+    } else {
+        fmix64(w ^ VALUE_KEY)
+    }
+}
 
 impl TensorSeed {
     /// Derives the seed from the tensor's identity:
     /// `blake3("weightcast/digest/v1\0" ‖ name ‖ "\0" ‖ dtype ‖ "\0" ‖ ndim:u64le ‖ dims:u64le…)`,
-    /// first 8 bytes (little-endian) → `.0`, next 8 → `.1`.
+    /// first 8 bytes read as a little-endian u64.
     pub fn new(name: &str, dtype: Dtype, shape: &[usize]) -> TensorSeed {
         let mut h = blake3::Hasher::new();
         h.update(b"weightcast/digest/v1\0");
@@ -79,16 +100,13 @@ impl TensorSeed {
         }
         let out = h.finalize();
         let b = out.as_bytes();
-        TensorSeed(
-            u64::from_le_bytes(b[0..8].try_into().expect("8 bytes")),
-            u64::from_le_bytes(b[8..16].try_into().expect("8 bytes")),
-        )
+        TensorSeed(u64::from_le_bytes(b[0..8].try_into().expect("8 bytes")))
     }
 
     /// The hash of word `w` at index `i`.
     #[inline]
     pub fn hash(&self, i: u64, w: u64) -> u64 {
-        fmix64(fmix64(w ^ self.1) ^ i ^ self.0)
+        fmix64(value_hash(w) ^ i ^ self.0)
     }
 
     /// The digest change when word `i` goes from `old` to `new`.
@@ -132,10 +150,11 @@ fn chunk_sum(seed: TensorSeed, wb: usize, data: &[u8], lo: usize, hi: usize) -> 
     let mut acc = 0u64;
     match wb {
         2 => {
-            // The hot case (BF16/F16): a monomorphic loop without per-word width dispatch.
+            // The hot case (BF16/F16): a monomorphic loop over the value table.
+            let table = small_values();
             for (k, c) in data[lo * 2..hi * 2].chunks_exact(2).enumerate() {
-                let w = u16::from_le_bytes([c[0], c[1]]) as u64;
-                acc = acc.wrapping_add(seed.hash((lo + k) as u64, w));
+                let w = u16::from_le_bytes([c[0], c[1]]) as usize;
+                acc = acc.wrapping_add(fmix64(table[w] ^ (lo + k) as u64 ^ seed.0));
             }
         }
         _ => {
@@ -178,6 +197,13 @@ mod tests {
             tensor_digest(seed, Dtype::U8, &[1, 2]),
             tensor_digest(seed, Dtype::U8, &[2, 1])
         );
+    }
+
+    #[test]
+    fn value_table_matches_the_definition() {
+        for w in [0u64, 1, 0xffff, 0x1_0000, u64::MAX] {
+            assert_eq!(value_hash(w), fmix64(w ^ VALUE_KEY));
+        }
     }
 
     #[test]

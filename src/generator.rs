@@ -149,7 +149,7 @@ impl GeneratorConfig {
 
     fn shaped(seed: u64, hidden: usize) -> Self {
         let layers = (hidden / 128).max(2);
-        let inter = (hidden * 11 / 4 + 63) / 64 * 64;
+        let inter = (hidden * 11 / 4).div_ceil(64) * 64;
         Self::llama(seed, 32000, hidden, inter, layers)
     }
 
@@ -251,9 +251,9 @@ impl Generator {
                             continue;
                         }
                     }
-                    let d = 0.8 * unit_normal(mix(key, i, 0));
+                    let d = 0.3 * unit_normal(mix(key, i, 0));
                     let n = unit_normal(mix(key, i, t + 1));
-                    let u = (d + 0.3 * n) / (d * d + 1.0).sqrt();
+                    let u = (d + 0.2 * n) / (d * d + 1.0).sqrt();
                     *w -= lr * (u + wd * *w);
                 }
             });

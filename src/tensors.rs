@@ -295,7 +295,7 @@ impl TensorSet {
     pub fn digest(&self) -> Digest {
         self.tensors
             .iter()
-            .fold(Digest::default(), |acc, t| acc.add(t.digest))
+            .fold(Digest::default(), |acc, t| acc.wrapping_add(t.digest))
     }
 
     /// Total elements over all tensors.

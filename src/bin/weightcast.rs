@@ -132,6 +132,9 @@ enum BenchWhat {
         /// Seed.
         #[arg(long, default_value_t = 42)]
         seed: u64,
+        /// Timed repetitions per operation (the median is reported).
+        #[arg(long, default_value_t = 3)]
+        reps: u32,
     },
 }
 
@@ -193,6 +196,7 @@ fn main() -> Result<()> {
                     threads,
                     json,
                     seed,
+                    reps,
                 },
         } => {
             if let Some(t) = threads {
@@ -207,6 +211,7 @@ fn main() -> Result<()> {
                 lr,
                 encodings,
                 seed,
+                reps,
             };
             let report = weightcast::bench::run(&cfg, &AllocProbe, |l| println!("{l}"))?;
             if let Some(p) = json {

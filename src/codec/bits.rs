@@ -178,6 +178,30 @@ impl<'a> BitReader<'a> {
         }
     }
 
+    /// Makes at least 57 bits available in [`BitReader::peek`] when the stream
+    /// still has them.
+    #[inline]
+    pub fn ensure(&mut self) {
+        if self.n < 57 {
+            self.refill();
+        }
+    }
+
+    /// The buffered bits (LSB = next bit) and how many of them are valid; bits
+    /// above the valid count are zero.
+    #[inline]
+    pub fn peek(&self) -> (u64, u32) {
+        (self.acc, self.n)
+    }
+
+    /// Drops `bits` buffered bits (`bits` ≤ the valid count from [`BitReader::peek`]).
+    #[inline]
+    pub fn consume(&mut self, bits: u32) {
+        debug_assert!(bits <= self.n);
+        self.acc = if bits >= 64 { 0 } else { self.acc >> bits };
+        self.n -= bits;
+    }
+
     /// True when fewer than 8 bits remain and all of them are zero padding.
     pub fn at_clean_end(&self) -> bool {
         self.pos == self.data.len() && self.n < 8 && self.acc == 0

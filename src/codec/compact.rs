@@ -15,7 +15,7 @@ use rayon::prelude::*;
 use super::bits::{BitReader, BitWriter};
 use super::scan::for_each_change;
 use crate::digest::TensorSeed;
-use crate::dtype::{KeyKind, from_key, to_key, word_mask};
+use crate::dtype::{KeyKind, from_key, read_word, to_key, word_mask, write_word};
 use crate::error::{Error, Result};
 use crate::format::{BlockEntry, ValueCoding};
 
@@ -106,17 +106,27 @@ fn encode_block(
     new: &[u8],
 ) -> (BlockEntry, Vec<u8>, u64) {
     let mask = word_mask(wb);
+    let sign = 1u64 << (wb * 8 - 1);
+    let magnitude = |s: u64| {
+        if s & sign != 0 {
+            s.wrapping_neg() & mask
+        } else {
+            s
+        }
+    };
     let mut gaps: Vec<u64> = Vec::new();
     let mut steps: Vec<u64> = Vec::new();
-    let mut news: Vec<u64> = Vec::new();
+    let mut stats = Stats::default();
     let mut next = 0u64; // first index the next gap counts from
     let mut dig = 0u64;
     for_each_change(wb, base, new, |i, old, nw| {
         let i = i as u64;
-        gaps.push(i - next);
+        let g = i - next;
         next = i + 1;
-        steps.push(to_key(kind, wb, nw).wrapping_sub(to_key(kind, wb, old)) & mask);
-        news.push(nw);
+        let s = to_key(kind, wb, nw).wrapping_sub(to_key(kind, wb, old)) & mask;
+        stats.add(g, magnitude(s));
+        gaps.push(g);
+        steps.push(s);
         dig = dig.wrapping_add(seed.change(first + i, old, nw));
     });
     let n = gaps.len() as u64;
@@ -130,23 +140,14 @@ fn encode_block(
         };
         return (e, Vec::new(), 0);
     }
-    let pos_k = choose_rice_k(&gaps);
-    let sign = 1u64 << (wb * 8 - 1);
-    let magnitude = |s: u64| {
-        if s & sign != 0 {
-            s.wrapping_neg() & mask
-        } else {
-            s
-        }
-    };
-    let (val_k, step_bits) = choose_eg_k(steps.iter().map(|&s| magnitude(s)));
+    let (pos_k, pos_bits) = stats.choose_rice_k(n);
+    let (val_k, step_bits) = stats.choose_eg_k();
     let raw_bits = n * wb as u64 * 8;
     let values = if step_bits < raw_bits {
         ValueCoding::Step
     } else {
         ValueCoding::Raw
     };
-    let pos_bits: u64 = gaps.iter().map(|g| (g >> pos_k) + 1 + pos_k as u64).sum();
     let val_bits = if values == ValueCoding::Step {
         step_bits
     } else {
@@ -154,21 +155,56 @@ fn encode_block(
     };
     let mut w = BitWriter::with_capacity(((pos_bits + val_bits) / 8 + 16) as usize);
     let low = (1u64 << pos_k) - 1;
+    let k = pos_k as u32;
+    let mut at = 0u64;
     for j in 0..gaps.len() {
         let g = gaps[j];
-        w.put_unary(g >> pos_k);
-        w.put(g & low, pos_k as u32);
-        match values {
-            ValueCoding::Raw => w.put(news[j], wb as u32 * 8),
+        at += g;
+        let pos = at;
+        at += 1;
+        // One change is usually one write: [Rice gap][value], LSB first.
+        let q = g >> pos_k;
+        let (code, len) = if q + 1 + k as u64 <= 64 {
+            let q = q as u32;
+            let head = 1u64 << q;
+            let tail = if k == 0 { 0 } else { (g & low) << (q + 1) };
+            (head | tail, q + 1 + k)
+        } else {
+            w.put_unary(q);
+            w.put(g & low, k);
+            (0, 0)
+        };
+        let (vcode, vlen) = match values {
+            ValueCoding::Raw => {
+                // Raw mode is rare (large jumps); rebuild the new word from the base.
+                let old = read_word(base, wb, pos as usize);
+                (Value::Step(steps[j]).resolve(kind, wb, old), wb as u32 * 8)
+            }
             ValueCoding::Step => {
                 let s = steps[j];
                 let m = magnitude(s);
                 let y = (m - 1) + (1u64 << val_k);
                 let nb = 64 - y.leading_zeros();
-                w.put_unary((nb - 1 - val_k as u32) as u64);
-                w.put(y & ((1u64 << (nb - 1)) - 1), nb - 1);
-                w.put(u64::from(s & sign != 0), 1);
+                let z = nb - 1 - val_k as u32;
+                let rest = y & ((1u64 << (nb - 1)) - 1);
+                let sign = u64::from(s & sign != 0);
+                let vlen = z + nb + 1;
+                if vlen <= 64 {
+                    ((1u64 << z) | (rest << (z + 1)) | (sign << (z + nb)), vlen)
+                } else {
+                    w.put(code, len);
+                    w.put_unary(z as u64);
+                    w.put(rest, nb - 1);
+                    w.put(sign, 1);
+                    continue;
+                }
             }
+        };
+        if len + vlen <= 64 {
+            w.put(code | (vcode << len), len + vlen);
+        } else {
+            w.put(code, len);
+            w.put(vcode, vlen);
         }
     }
     let bytes = w.finish();
@@ -182,19 +218,6 @@ fn encode_block(
     (e, bytes, dig)
 }
 
-/// The Rice parameter with the fewest bits for these gaps (exact cost over a few
-/// candidates around the one the mean suggests).
-fn choose_rice_k(gaps: &[u64]) -> u8 {
-    let n = gaps.len() as u64;
-    let mean = gaps.iter().sum::<u64>() / n.max(1);
-    let guess = (64 - mean.leading_zeros()) as i32 - 1;
-    let lo = (guess - 2).max(0) as u8;
-    let hi = (guess + 1).clamp(0, MAX_POS_K as i32) as u8;
-    (lo..=hi)
-        .min_by_key(|&k| gaps.iter().map(|g| g >> k).sum::<u64>() + n * (k as u64 + 1))
-        .unwrap_or(0)
-}
-
 /// Bits of the order-`k` Exp-Golomb code of `m - 1`, plus the sign bit.
 #[inline]
 fn eg_bits(m: u64, k: u8) -> u64 {
@@ -203,31 +226,80 @@ fn eg_bits(m: u64, k: u8) -> u64 {
     2 * nb - k as u64
 }
 
-/// The Exp-Golomb order for step magnitudes (all ≥ 1) and the bits it costs.
-/// Exact for magnitudes below 256 (nearly all of them); larger ones are counted
-/// by bit length at their upper bound.
-fn choose_eg_k(mags: impl Iterator<Item = u64>) -> (u8, u64) {
-    const SMALL: usize = 256;
-    let mut small = [0u64; SMALL];
-    let mut large = [0u64; 65];
-    for m in mags {
-        if (m as usize) < SMALL {
-            small[m as usize] += 1;
-        } else {
-            large[(64 - m.leading_zeros()) as usize] += 1;
+/// Magnitudes below this are counted exactly when choosing the value code.
+const SMALL: usize = 256;
+
+/// Histograms gathered during the scan, from which the block's code parameters
+/// are chosen without another pass over its changes.
+struct Stats {
+    /// Per bit length `b` of a gap (0 for gap 0): count and sum of the gaps.
+    gap_count: [u64; 65],
+    gap_sum: [u64; 65],
+    /// Step magnitudes below [`SMALL`], exactly.
+    small: [u64; SMALL],
+    /// Larger magnitudes by bit length.
+    large: [u64; 65],
+}
+
+impl Default for Stats {
+    fn default() -> Self {
+        Stats {
+            gap_count: [0; 65],
+            gap_sum: [0; 65],
+            small: [0; SMALL],
+            large: [0; 65],
         }
     }
-    (0..=20u8)
-        .map(|k| {
-            let s: u64 = (1..SMALL).map(|m| small[m] * eg_bits(m as u64, k)).sum();
-            let l: u64 = (0..65)
-                .filter(|&b| large[b] > 0)
-                .map(|b| large[b] * eg_bits(if b == 64 { 1u64 << 63 } else { (1u64 << b) - 1 }, k))
-                .sum();
-            (k, s + l)
-        })
-        .min_by_key(|&(_, bits)| bits)
-        .expect("non-empty range")
+}
+
+impl Stats {
+    #[inline]
+    fn add(&mut self, gap: u64, magnitude: u64) {
+        let b = (64 - gap.leading_zeros()) as usize;
+        self.gap_count[b] += 1;
+        self.gap_sum[b] += gap;
+        if (magnitude as usize) < SMALL {
+            self.small[magnitude as usize] += 1;
+        } else {
+            self.large[(64 - magnitude.leading_zeros()) as usize] += 1;
+        }
+    }
+
+    /// The Rice parameter with the fewest bits for `n` gaps, and those bits.
+    /// `Σ (g >> k)` is taken per bit-length bucket as `sum >> k`, which is
+    /// exact up to rounding within a bucket.
+    fn choose_rice_k(&self, n: u64) -> (u8, u64) {
+        (0..=MAX_POS_K.min(40))
+            .map(|k| {
+                let q: u64 = (k as usize + 1..65).map(|b| self.gap_sum[b] >> k).sum();
+                (k, q + n * (k as u64 + 1))
+            })
+            .min_by_key(|&(_, bits)| bits)
+            .expect("non-empty range")
+    }
+
+    /// The Exp-Golomb order for step magnitudes and the bits it costs. Exact for
+    /// magnitudes below [`SMALL`]; larger ones are counted at their bit length's
+    /// upper bound.
+    fn choose_eg_k(&self) -> (u8, u64) {
+        (0..=20u8)
+            .map(|k| {
+                let s: u64 = (1..SMALL)
+                    .filter(|&m| self.small[m] > 0)
+                    .map(|m| self.small[m] * eg_bits(m as u64, k))
+                    .sum();
+                let l: u64 = (0..65)
+                    .filter(|&b| self.large[b] > 0)
+                    .map(|b| {
+                        self.large[b]
+                            * eg_bits(if b == 64 { 1u64 << 63 } else { (1u64 << b) - 1 }, k)
+                    })
+                    .sum();
+                (k, s + l)
+            })
+            .min_by_key(|&(_, bits)| bits)
+            .expect("non-empty range")
+    }
 }
 
 /// Splits a payload into per-block streams, checking the directory against the
@@ -281,7 +353,9 @@ pub fn split_blocks<'a>(
 }
 
 /// Decodes one block, calling `f(index_in_block, value)` for each entry, and
-/// checks that the stream holds exactly what the entry claims.
+/// checks that the stream holds exactly what the entry claims. With `limit`,
+/// stops after that many entries (used to undo a partial apply).
+#[allow(clippy::too_many_arguments)]
 pub fn decode_block(
     tensor: &str,
     b: usize,
@@ -289,6 +363,7 @@ pub fn decode_block(
     stream: &[u8],
     wb: usize,
     block_len: u64,
+    limit: Option<u64>,
     mut f: impl FnMut(u64, Value) -> Result<()>,
 ) -> Result<()> {
     let bad = |what: &str| Error::tensor(tensor, format!("block {b}: {what}"));
@@ -309,14 +384,25 @@ pub fn decode_block(
     let mut r = BitReader::new(stream);
     let mut next = 0u64;
     let q_limit = block_len >> e.pos_k;
-    for _ in 0..e.changes {
-        let q = r
-            .unary(q_limit)
-            .ok_or_else(|| bad("truncated or invalid position"))?;
-        let low = r
-            .get(e.pos_k as u32)
-            .ok_or_else(|| bad("truncated position"))?;
-        let idx = next + ((q << e.pos_k) | low);
+    let count = limit.map_or(e.changes, |l| l.min(e.changes));
+    let k = e.pos_k as u32;
+    let low_mask = (1u64 << k) - 1;
+    for _ in 0..count {
+        // Fast path: the whole Rice code is buffered.
+        r.ensure();
+        let (acc, avail) = r.peek();
+        let tz = acc.trailing_zeros();
+        let gap = if tz < 64 && tz + 1 + k <= avail && (tz as u64) <= q_limit {
+            r.consume(tz + 1 + k);
+            ((tz as u64) << k) | ((acc >> tz >> 1) & low_mask)
+        } else {
+            let q = r
+                .unary(q_limit)
+                .ok_or_else(|| bad("truncated or invalid position"))?;
+            let low = r.get(k).ok_or_else(|| bad("truncated position"))?;
+            (q << k) | low
+        };
+        let idx = next + gap;
         if idx >= block_len {
             return Err(bad("position beyond the block"));
         }
@@ -324,29 +410,101 @@ pub fn decode_block(
         let v = match e.values {
             ValueCoding::Raw => Value::Raw(r.get(bits).ok_or_else(|| bad("truncated value"))?),
             ValueCoding::Step => {
-                let z = r
-                    .unary(64)
-                    .ok_or_else(|| bad("truncated or invalid step"))?;
-                let width = z + e.val_k as u64;
-                if width > 63 {
-                    return Err(bad("step too large"));
-                }
-                let rest = r.get(width as u32).ok_or_else(|| bad("truncated step"))?;
-                let y = (1u64 << width) | rest;
+                r.ensure();
+                let (acc, avail) = r.peek();
+                let z = acc.trailing_zeros();
+                let width = z + e.val_k as u32;
+                let (y, neg) = if z < 64 && width <= 63 && z + width + 2 <= avail {
+                    let rest = (acc >> z >> 1) & ((1u64 << width) - 1);
+                    let neg = (acc >> (z + 1 + width)) & 1 == 1;
+                    r.consume(z + width + 2);
+                    ((1u64 << width) | rest, neg)
+                } else {
+                    let z = r
+                        .unary(64)
+                        .ok_or_else(|| bad("truncated or invalid step"))?;
+                    let width = z + e.val_k as u64;
+                    if width > 63 {
+                        return Err(bad("step too large"));
+                    }
+                    let rest = r.get(width as u32).ok_or_else(|| bad("truncated step"))?;
+                    let neg = r.get(1).ok_or_else(|| bad("truncated sign"))? == 1;
+                    ((1u64 << width) | rest, neg)
+                };
                 let m = y - (1u64 << e.val_k) + 1;
                 if m > half {
                     return Err(bad("step larger than the word"));
                 }
-                let neg = r.get(1).ok_or_else(|| bad("truncated sign"))? == 1;
                 Value::Step(if neg { m.wrapping_neg() & mask } else { m })
             }
         };
         f(idx, v)?;
     }
-    if !r.at_clean_end() {
+    if limit.is_none() && !r.at_clean_end() {
         return Err(bad("trailing bytes after the last change"));
     }
     Ok(())
+}
+
+/// Applies one block in place: writes every new word, appends each overwritten
+/// old word to `undo`, and returns the digest change. On error, what was written
+/// so far is recorded in `undo` (see [`undo_block`]).
+#[allow(clippy::too_many_arguments)]
+pub fn apply_block(
+    tensor: &str,
+    b: usize,
+    e: &BlockEntry,
+    stream: &[u8],
+    kind: KeyKind,
+    wb: usize,
+    seed: TensorSeed,
+    first: u64,
+    blk: &mut [u8],
+    undo: &mut Vec<u8>,
+) -> Result<u64> {
+    let mut dig = 0u64;
+    let len = (blk.len() / wb) as u64;
+    undo.reserve(e.changes.min(len) as usize * wb);
+    decode_block(tensor, b, e, stream, wb, len, None, |i, v| {
+        let old = read_word(blk, wb, i as usize);
+        let new = v.resolve(kind, wb, old);
+        if new == old {
+            return Err(Error::tensor(
+                tensor,
+                format!(
+                    "block {b} lists element {} as changed but it is not",
+                    first + i
+                ),
+            ));
+        }
+        undo.extend_from_slice(&old.to_le_bytes()[..wb]);
+        write_word(blk, wb, i as usize, new);
+        dig = dig.wrapping_add(seed.change(first + i, old, new));
+        Ok(())
+    })?;
+    Ok(dig)
+}
+
+/// Restores the old words [`apply_block`] recorded in `undo` (positions are
+/// decoded again; they do not depend on the base).
+pub fn undo_block(
+    tensor: &str,
+    b: usize,
+    e: &BlockEntry,
+    stream: &[u8],
+    wb: usize,
+    blk: &mut [u8],
+    undo: &[u8],
+) {
+    let n = (undo.len() / wb) as u64;
+    let len = (blk.len() / wb) as u64;
+    let mut j = 0usize;
+    // These entries decoded successfully once, so decoding them again cannot fail.
+    let _ = decode_block(tensor, b, e, stream, wb, len, Some(n), |i, _| {
+        write_word(blk, wb, i as usize, read_word(undo, wb, j));
+        j += 1;
+        Ok(())
+    });
 }
 
 #[cfg(test)]
@@ -355,15 +513,30 @@ mod tests {
 
     #[test]
     fn rice_k_follows_the_mean_gap() {
-        let gaps: Vec<u64> = (0..1000).map(|i| 40 + (i % 50)).collect();
-        let k = choose_rice_k(&gaps);
+        let mut st = Stats::default();
+        for i in 0..1000 {
+            st.add(40 + (i % 50), 1);
+        }
+        let (k, bits) = st.choose_rice_k(1000);
         assert!((4..=6).contains(&k), "{k}");
-        assert_eq!(choose_rice_k(&[0, 0, 0, 0]), 0);
+        let exact: u64 = (0..1000u64)
+            .map(|i| ((40 + (i % 50)) >> k) + 1 + k as u64)
+            .sum();
+        assert!(bits.abs_diff(exact) <= 1000, "{bits} vs {exact}");
+        let mut z = Stats::default();
+        for _ in 0..4 {
+            z.add(0, 1);
+        }
+        assert_eq!(z.choose_rice_k(4), (0, 4));
     }
 
     #[test]
     fn eg_k_prefers_zero_for_unit_steps() {
-        let (k, bits) = choose_eg_k([1u64, 1, 1, 2].into_iter());
+        let mut st = Stats::default();
+        for m in [1u64, 1, 1, 2] {
+            st.add(0, m);
+        }
+        let (k, bits) = st.choose_eg_k();
         assert_eq!(k, 0);
         assert_eq!(bits, 2 + 2 + 2 + 4);
     }

@@ -18,8 +18,8 @@ use rayon::prelude::*;
 use safetensors::SafeTensors;
 use serde::Serialize;
 
-use crate::digest::Digest;
-use crate::dtype::{Dtype, key_kind, read_word, word_bytes, write_word};
+use crate::digest::{Digest, TensorSeed};
+use crate::dtype::{Dtype, key_kind, word_bytes};
 use crate::error::{Error, Result};
 use crate::format::{BlockEntry, Encoding, Header, Kind, TensorEntry, entry_digest, keys};
 use crate::tensors::{Digests, TensorSet, safetensors_header, write_safetensors};
@@ -143,7 +143,7 @@ pub fn encode_delta(
         let t = &base.tensors()[o.idx];
         let words = t.words() as u64;
         total += words;
-        let digest = t.digest.add(Digest(o.digest_change));
+        let digest = t.digest.wrapping_add(Digest(o.digest_change));
         new.set_digest(o.idx, digest);
         if o.changed == 0 {
             continue;
@@ -264,6 +264,9 @@ enum Payload<'a> {
     },
 }
 
+/// Dtype, seed and digest of a tensor before an apply.
+type TensorMeta = (Dtype, TensorSeed, Digest);
+
 struct Job<'a> {
     idx: usize,
     name: String,
@@ -343,68 +346,81 @@ pub fn apply_delta(state: &mut TensorSet, bytes: &[u8]) -> Result<ApplyReport> {
         },
     };
 
-    // Pass 1: decode and verify every tensor against the local bytes; write nothing.
-    let checked: Vec<(u64, u64)> = jobs
-        .par_iter()
-        .map(|j| verify_job(state, j))
-        .collect::<Result<_>>()?;
-    let mut new_digests = Vec::with_capacity(jobs.len());
-    let mut file_digest = state.digest();
-    for (j, &(changed, dig)) in jobs.iter().zip(&checked) {
-        let t = &state.tensors()[j.idx];
-        let d = t.digest.add(Digest(dig));
-        if let Some((want_changed, want)) = j.expect {
-            if changed != want_changed {
-                return Err(Error::tensor(
-                    &j.name,
-                    format!("header says {want_changed} changes, payload holds {changed}"),
-                ));
-            }
-            if d != want {
-                return Err(Error::Integrity {
-                    scope: format!("tensor {}", j.name),
-                    expected: want.to_string(),
-                    actual: d.to_string(),
-                });
-            }
-        }
-        file_digest = file_digest.sub(t.digest).add(d);
-        new_digests.push(d);
-    }
-    if let Some(h) = &header {
-        if file_digest != h.digest {
-            return Err(Error::Integrity {
-                scope: "file".into(),
-                expected: h.digest.to_string(),
-                actual: file_digest.to_string(),
-            });
-        }
-    }
-
-    // Pass 2: write. Inputs are verified; a failure here is a bug, still reported.
-    let kinds: Vec<(Dtype, usize)> = jobs
+    // One pass: decode, write in place, keep the overwritten words; if anything
+    // fails to decode or verify, put every overwritten word back.
+    let info: Vec<(Dtype, TensorSeed, Digest)> = jobs
         .iter()
         .map(|j| {
             let t = &state.tensors()[j.idx];
-            (t.dtype, j.idx)
+            (t.dtype, t.seed, t.digest)
         })
         .collect();
+    let file_before = state.digest();
+    let mut failure: Option<Error> = None;
+    let mut new_digests = Vec::with_capacity(jobs.len());
+    let mut changed = 0u64;
     {
         let mut slices: Vec<Option<&mut [u8]>> =
             state.all_data_mut().into_iter().map(Some).collect();
-        let work: Vec<(&Job, &mut [u8], Dtype)> = jobs
+        let mut work: Vec<(&Job, &mut [u8], TensorMeta)> = jobs
             .iter()
-            .zip(&kinds)
-            .map(|(j, &(dtype, idx))| (j, slices[idx].take().expect("one job per tensor"), dtype))
+            .zip(&info)
+            .map(|(j, &inf)| (j, slices[j.idx].take().expect("one job per tensor"), inf))
             .collect();
-        work.into_par_iter()
-            .map(|(j, data, dtype)| write_job(j, dtype, data))
-            .collect::<Result<Vec<()>>>()?;
+        let mut outcomes: Vec<Outcome> = work
+            .par_iter_mut()
+            .map(|(j, data, (dtype, seed, _))| apply_job(j, *dtype, *seed, data))
+            .collect();
+        // The file digest after: unchanged tensors keep theirs, changed ones move.
+        let mut file_after = file_before;
+        for ((j, o), inf) in jobs.iter().zip(&mut outcomes).zip(&info) {
+            let d = inf.2.wrapping_add(Digest(o.dig));
+            changed += o.changed;
+            file_after = file_after.wrapping_sub(inf.2).wrapping_add(d);
+            new_digests.push(d);
+            if failure.is_some() {
+                continue;
+            }
+            if let Some(e) = o.err.take() {
+                failure = Some(e);
+            } else if let Some((want_changed, want)) = j.expect {
+                if o.changed != want_changed {
+                    failure = Some(Error::tensor(
+                        &j.name,
+                        format!(
+                            "header says {want_changed} changes, payload holds {}",
+                            o.changed
+                        ),
+                    ));
+                } else if d != want {
+                    failure = Some(Error::Integrity {
+                        scope: format!("tensor {}", j.name),
+                        expected: want.to_string(),
+                        actual: d.to_string(),
+                    });
+                }
+            }
+        }
+        if failure.is_none() {
+            if let Some(h) = &header {
+                if file_after != h.digest {
+                    failure = Some(Error::Integrity {
+                        scope: "file".into(),
+                        expected: h.digest.to_string(),
+                        actual: file_after.to_string(),
+                    });
+                }
+            }
+        }
+        if let Some(e) = failure {
+            work.par_iter_mut()
+                .zip(outcomes.par_iter())
+                .for_each(|((j, data, (dtype, _, _)), o)| undo_job(j, *dtype, data, o));
+            return Err(e);
+        }
     }
-    let mut changed = 0;
-    for ((j, d), (c, _)) in jobs.iter().zip(new_digests).zip(&checked) {
+    for (j, d) in jobs.iter().zip(new_digests) {
         state.set_digest(j.idx, d);
-        changed += c;
     }
     let encoding = header.as_ref().map_or(Encoding::Trl, |h| h.encoding);
     Ok(ApplyReport {
@@ -580,56 +596,34 @@ fn foreign_trl_jobs<'a>(
     Ok(jobs)
 }
 
-fn verify_job(state: &TensorSet, j: &Job<'_>) -> Result<(u64, u64)> {
-    let t = &state.tensors()[j.idx];
-    let base = state.data(j.idx);
-    let wb = word_bytes(t.dtype);
-    match &j.payload {
-        Payload::Trl { indices, values } => {
-            trl::verify(&j.name, *indices, values, wb, t.seed, base)
-        }
-        Payload::Compact {
-            block_words,
-            blocks,
-            streams,
-        } => {
-            let kind = key_kind(t.dtype);
-            let words = t.words() as u64;
-            let seed = t.seed;
-            blocks
-                .par_iter()
-                .zip(streams.par_iter())
-                .enumerate()
-                .map(|(b, (e, s))| {
-                    let start = b as u64 * block_words;
-                    let len = (words - start).min(*block_words);
-                    let mut dig = 0u64;
-                    compact::decode_block(&j.name, b, e, s, wb, len, |i, v| {
-                        let at = start + i;
-                        let old = read_word(base, wb, at as usize);
-                        let new = v.resolve(kind, wb, old);
-                        if new == old {
-                            return Err(Error::tensor(
-                                &j.name,
-                                format!("block {b} lists element {at} as changed but it is not"),
-                            ));
-                        }
-                        dig = dig.wrapping_add(seed.change(at, old, new));
-                        Ok(())
-                    })?;
-                    Ok((e.changes, dig))
-                })
-                .try_reduce(|| (0, 0), |a, b| Ok((a.0 + b.0, a.1.wrapping_add(b.1))))
-        }
-    }
+/// What applying one tensor did: enough to verify it or to undo it.
+struct Outcome {
+    changed: u64,
+    dig: u64,
+    /// Overwritten old words, per block (one entry for TRL).
+    undo: Vec<Vec<u8>>,
+    err: Option<Error>,
 }
 
-fn write_job(j: &Job<'_>, dtype: Dtype, data: &mut [u8]) -> Result<()> {
+fn apply_job(j: &Job<'_>, dtype: Dtype, seed: TensorSeed, data: &mut [u8]) -> Outcome {
     let wb = word_bytes(dtype);
     match &j.payload {
         Payload::Trl { indices, values } => {
-            trl::write(*indices, values, wb, data);
-            Ok(())
+            let mut undo = Vec::new();
+            match trl::apply(&j.name, *indices, values, wb, seed, data, &mut undo) {
+                Ok((changed, dig)) => Outcome {
+                    changed,
+                    dig,
+                    undo: vec![undo],
+                    err: None,
+                },
+                Err(e) => Outcome {
+                    changed: 0,
+                    dig: 0,
+                    undo: vec![undo],
+                    err: Some(e),
+                },
+            }
         }
         Payload::Compact {
             block_words,
@@ -637,24 +631,79 @@ fn write_job(j: &Job<'_>, dtype: Dtype, data: &mut [u8]) -> Result<()> {
             streams,
         } => {
             if data.is_empty() {
-                return Ok(());
+                return Outcome {
+                    changed: 0,
+                    dig: 0,
+                    undo: Vec::new(),
+                    err: None,
+                };
             }
             let kind = key_kind(dtype);
             let words = (data.len() / wb) as u64;
-            let chunk = (*block_words).min(words) as usize * wb;
-            data.par_chunks_mut(chunk)
+            let chunk_words = (*block_words).min(words);
+            let per_block: Vec<(Result<u64>, Vec<u8>)> = data
+                .par_chunks_mut(chunk_words as usize * wb)
                 .zip(blocks.par_iter().zip(streams.par_iter()))
                 .enumerate()
                 .map(|(b, (blk, (e, s)))| {
-                    let len = (blk.len() / wb) as u64;
-                    compact::decode_block(&j.name, b, e, s, wb, len, |i, v| {
-                        let old = read_word(blk, wb, i as usize);
-                        write_word(blk, wb, i as usize, v.resolve(kind, wb, old));
-                        Ok(())
-                    })
+                    let mut undo = Vec::new();
+                    let first = b as u64 * chunk_words;
+                    let r = compact::apply_block(
+                        &j.name, b, e, s, kind, wb, seed, first, blk, &mut undo,
+                    );
+                    (r, undo)
                 })
-                .collect::<Result<Vec<()>>>()
-                .map(|_| ())
+                .collect();
+            let mut out = Outcome {
+                changed: 0,
+                dig: 0,
+                undo: Vec::with_capacity(per_block.len()),
+                err: None,
+            };
+            for ((r, undo), e) in per_block.into_iter().zip(blocks) {
+                match r {
+                    Ok(d) => {
+                        out.changed += e.changes;
+                        out.dig = out.dig.wrapping_add(d);
+                    }
+                    Err(err) => {
+                        if out.err.is_none() {
+                            out.err = Some(err);
+                        }
+                    }
+                }
+                out.undo.push(undo);
+            }
+            out
+        }
+    }
+}
+
+fn undo_job(j: &Job<'_>, dtype: Dtype, data: &mut [u8], o: &Outcome) {
+    let wb = word_bytes(dtype);
+    match &j.payload {
+        Payload::Trl { indices, .. } => {
+            if let Some(u) = o.undo.first() {
+                trl::undo(*indices, wb, data, u);
+            }
+        }
+        Payload::Compact {
+            block_words,
+            blocks,
+            streams,
+        } => {
+            if data.is_empty() {
+                return;
+            }
+            let words = (data.len() / wb) as u64;
+            let chunk_words = (*block_words).min(words);
+            data.par_chunks_mut(chunk_words as usize * wb)
+                .zip(blocks.par_iter().zip(streams.par_iter()))
+                .zip(o.undo.par_iter())
+                .enumerate()
+                .for_each(|(b, ((blk, (e, s)), u))| {
+                    compact::undo_block(&j.name, b, e, s, wb, blk, u)
+                });
         }
     }
 }

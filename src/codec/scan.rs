@@ -4,7 +4,7 @@
 use crate::dtype::{read_word, word_mask};
 
 /// Bytes compared per step before looking at individual words.
-const CHUNK: usize = 64;
+const CHUNK: usize = 32;
 
 #[inline(always)]
 fn lane(s: &[u8], j: usize) -> u64 {

@@ -108,15 +108,18 @@ impl<'a> Indices<'a> {
     }
 }
 
-/// Pass 1 of an apply: validates indices (strictly ascending, in range) and value
-/// count, and returns (changed, digest change) computed from the local old words.
-pub fn verify(
+/// Applies a TRL tensor in place: validates indices (strictly ascending, in
+/// range) and value count, writes the new values, appends overwritten old words
+/// to `undo`, and returns (changed, digest change). On error, what was written
+/// is recorded in `undo` (see [`undo`]).
+pub fn apply(
     tensor: &str,
     indices: Indices<'_>,
     values: &[u8],
     wb: usize,
     seed: TensorSeed,
-    base: &[u8],
+    base: &mut [u8],
+    undo: &mut Vec<u8>,
 ) -> Result<(u64, u64)> {
     let n = indices.len();
     if values.len() != n * wb {
@@ -131,6 +134,7 @@ pub fn verify(
     let words = (base.len() / wb) as i64;
     let mut prev = -1i64;
     let mut dig = 0u64;
+    undo.reserve(n.min(words as usize) * wb);
     for j in 0..n {
         let i = indices.get(j);
         if i <= prev {
@@ -148,14 +152,16 @@ pub fn verify(
         prev = i;
         let old = read_word(base, wb, i as usize);
         let new = read_word(values, wb, j);
+        undo.extend_from_slice(&old.to_le_bytes()[..wb]);
+        write_word(base, wb, i as usize, new);
         dig = dig.wrapping_add(seed.change(i as u64, old, new));
     }
     Ok((n as u64, dig))
 }
 
-/// Pass 2 of an apply: scatters the values (inputs already verified).
-pub fn write(indices: Indices<'_>, values: &[u8], wb: usize, base: &mut [u8]) {
-    for j in 0..indices.len() {
-        write_word(base, wb, indices.get(j) as usize, read_word(values, wb, j));
+/// Restores the old words recorded by [`apply`].
+pub fn undo(indices: Indices<'_>, wb: usize, base: &mut [u8], undo: &[u8]) {
+    for j in 0..undo.len() / wb {
+        write_word(base, wb, indices.get(j) as usize, read_word(undo, wb, j));
     }
 }
