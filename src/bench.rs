@@ -172,52 +172,59 @@ pub fn run(
         let stats = change_stats(&base, &new);
         report.stats.push(stats.clone());
         let reps = cfg.reps.max(1);
-        let mut compare_times = Vec::new();
-        let mut changed_plain = 0;
-        for _ in 0..reps {
-            let (c, secs, _) = measured(probe, || plain_compare(&base, &new));
-            changed_plain = c;
-            compare_times.push(secs);
+        // Interleave: every repetition times the compare and then each encoding,
+        // so slow drifts of the machine hit all of them alike; ratios are taken
+        // per repetition and their median reported.
+        struct Acc {
+            encode: Vec<f64>,
+            apply: Vec<f64>,
+            encode_ratio: Vec<f64>,
+            apply_ratio: Vec<f64>,
+            encode_peak: u64,
+            apply_peak: u64,
+            summary: Option<crate::codec::DeltaSummary>,
         }
-        let compare_s = median(compare_times);
-        for &encoding in &cfg.encodings {
-            let opts = DeltaOptions {
-                encoding,
-                model_version: step as u64,
-                base_version: step as u64 - 1,
-            };
-            let mut encode_times = Vec::new();
-            let mut encode_extra_peak = 0;
-            let mut delta = Vec::new();
-            let mut summary = None;
-            for _ in 0..reps {
-                let (encoded, secs, peak) =
+        let mut accs: Vec<Acc> = cfg
+            .encodings
+            .iter()
+            .map(|_| Acc {
+                encode: Vec::new(),
+                apply: Vec::new(),
+                encode_ratio: Vec::new(),
+                apply_ratio: Vec::new(),
+                encode_peak: 0,
+                apply_peak: 0,
+                summary: None,
+            })
+            .collect();
+        let mut compare_times = Vec::new();
+        for _ in 0..reps {
+            let (changed_plain, compare_s, _) = measured(probe, || plain_compare(&base, &new));
+            compare_times.push(compare_s);
+            for (acc, &encoding) in accs.iter_mut().zip(&cfg.encodings) {
+                let opts = DeltaOptions {
+                    encoding,
+                    model_version: step as u64,
+                    base_version: step as u64 - 1,
+                };
+                let (encoded, encode_s, peak) =
                     measured(probe, || encode_delta(&base, &mut new, &opts));
-                let (d, s) = encoded?;
-                encode_times.push(secs);
-                encode_extra_peak = encode_extra_peak.max(peak);
-                delta = d;
-                summary = Some(s);
-            }
-            let summary = summary.expect("at least one repetition");
-            let encode_s = median(encode_times);
-            if summary.changed != changed_plain {
-                return Err(Error::metadata(
-                    "bench",
-                    format!(
-                        "codec found {} changes, compare {changed_plain}",
-                        summary.changed
-                    ),
-                ));
-            }
-            let mut apply_times = Vec::new();
-            let mut apply_extra_peak = 0;
-            for _ in 0..reps {
+                let (delta, summary) = encoded?;
+                if summary.changed != changed_plain {
+                    return Err(Error::metadata(
+                        "bench",
+                        format!(
+                            "codec found {} changes, compare {changed_plain}",
+                            summary.changed
+                        ),
+                    ));
+                }
+                acc.encode_peak = acc.encode_peak.max(peak);
                 let mut replica = base.clone();
-                let (applied, secs, peak) = measured(probe, || apply_delta(&mut replica, &delta));
+                let (applied, apply_s, peak) =
+                    measured(probe, || apply_delta(&mut replica, &delta));
                 applied?;
-                apply_times.push(secs);
-                apply_extra_peak = apply_extra_peak.max(peak);
+                acc.apply_peak = acc.apply_peak.max(peak);
                 for i in 0..new.len() {
                     if replica.data(i) != new.data(i) {
                         return Err(Error::tensor(
@@ -226,8 +233,18 @@ pub fn run(
                         ));
                     }
                 }
+                acc.encode.push(encode_s);
+                acc.apply.push(apply_s);
+                acc.encode_ratio.push(compare_s / encode_s);
+                acc.apply_ratio.push(compare_s / apply_s);
+                acc.summary = Some(summary);
             }
-            let apply_s = median(apply_times);
+        }
+        let compare_s = median(compare_times);
+        for (acc, &encoding) in accs.into_iter().zip(&cfg.encodings) {
+            let summary = acc.summary.expect("at least one repetition");
+            let (encode_s, apply_s) = (median(acc.encode), median(acc.apply));
+            let (encode_extra_peak, apply_extra_peak) = (acc.encode_peak, acc.apply_peak);
             let row = BenchRow {
                 step,
                 encoding,
@@ -240,8 +257,8 @@ pub fn run(
                 compare_s,
                 encode_s,
                 apply_s,
-                encode_vs_compare: compare_s / encode_s,
-                apply_vs_compare: compare_s / apply_s,
+                encode_vs_compare: median(acc.encode_ratio),
+                apply_vs_compare: median(acc.apply_ratio),
                 encode_extra_peak,
                 apply_extra_peak,
             };
