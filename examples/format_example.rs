@@ -18,7 +18,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let w0 = [0.5f32, -0.25, 0.125, 1.0, -1.0, 0.0, 2.0, 3.0];
     let base = TensorSet::from_tensors(vec![
         ("w".to_string(), Dtype::BF16, vec![2, 4], bf16s(&w0)),
-        ("n".to_string(), Dtype::F32, vec![2], vec![0, 0, 128, 63, 0, 0, 0, 64]),
+        (
+            "n".to_string(),
+            Dtype::F32,
+            vec![2],
+            vec![0, 0, 128, 63, 0, 0, 0, 64],
+        ),
     ])?;
     // Element 1 moves up one bf16 ulp (toward +inf: -0.25 → -0.2490234375),
     // element 6 down one ulp (2.0 → 1.9921875).
@@ -29,7 +34,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     w1[12..14].copy_from_slice(&e6.to_le_bytes());
     let mut new = TensorSet::from_tensors_unhashed(vec![
         ("w".to_string(), Dtype::BF16, vec![2, 4], w1),
-        ("n".to_string(), Dtype::F32, vec![2], vec![0, 0, 128, 63, 0, 0, 0, 64]),
+        (
+            "n".to_string(),
+            Dtype::F32,
+            vec![2],
+            vec![0, 0, 128, 63, 0, 0, 0, 64],
+        ),
     ])?;
     let opts = DeltaOptions {
         encoding: Encoding::Compact,
@@ -41,7 +51,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let n = u64::from_le_bytes(bytes[..8].try_into()?) as usize;
     println!("total bytes: {}", bytes.len());
     println!("header length (u64 LE): {n}");
-    println!("header: {}", std::str::from_utf8(&bytes[8..8 + n])?.trim_end());
+    println!(
+        "header: {}",
+        std::str::from_utf8(&bytes[8..8 + n])?.trim_end()
+    );
     println!("metadata:");
     for (k, v) in &meta {
         println!("  {k} = {v}");
