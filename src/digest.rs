@@ -74,7 +74,7 @@ fn small_values() -> &'static [u64] {
 }
 
 /// `V(w)`: table lookup for words below 2^16, computed otherwise.
-#[inline]
+#[inline(always)]
 pub fn value_hash(w: u64) -> u64 {
     if w < 1 << 16 {
         small_values()[w as usize]
@@ -104,20 +104,20 @@ impl TensorSeed {
     }
 
     /// The hash of word `w` at index `i`.
-    #[inline]
+    #[inline(always)]
     pub fn hash(&self, i: u64, w: u64) -> u64 {
         fmix64(value_hash(w) ^ i ^ self.0)
     }
 
     /// The digest change when word `i` goes from `old` to `new`.
-    #[inline]
+    #[inline(always)]
     pub fn change(&self, i: u64, old: u64, new: u64) -> u64 {
         self.hash(i, new).wrapping_sub(self.hash(i, old))
     }
 }
 
 /// MurmurHash3's 64-bit finalizer (a bijection on u64).
-#[inline]
+#[inline(always)]
 pub fn fmix64(mut k: u64) -> u64 {
     k ^= k >> 33;
     k = k.wrapping_mul(0xff51_afd7_ed55_8ccd);

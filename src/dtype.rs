@@ -86,55 +86,96 @@ pub fn word_mask(bytes: usize) -> u64 {
     }
 }
 
-/// Maps a word to its ordered key (see [`KeyKind`]).
+/// Maps a word to its ordered key (see [`KeyKind`]): `!w` for negative
+/// patterns, `w | sign` for positive ones. Branch-free: weight signs are random,
+/// so a branch here would mispredict half the time.
 #[inline]
 pub fn to_key(kind: KeyKind, bytes: usize, word: u64) -> u64 {
     match kind {
         KeyKind::Identity => word,
         KeyKind::SignMagnitude => {
-            let sign = 1u64 << (bytes * 8 - 1);
-            if word & sign != 0 {
-                !word & word_mask(bytes)
-            } else {
-                word | sign
-            }
+            let top = bytes as u32 * 8 - 1;
+            let sign = 1u64 << top;
+            let flip = ((word >> top) & 1).wrapping_neg() & word_mask(bytes);
+            (word ^ flip) | (sign & !flip)
         }
     }
 }
 
-/// Inverse of [`to_key`].
+/// Inverse of [`to_key`] (branch-free as well).
 #[inline]
 pub fn from_key(kind: KeyKind, bytes: usize, key: u64) -> u64 {
     match kind {
         KeyKind::Identity => key,
         KeyKind::SignMagnitude => {
-            let sign = 1u64 << (bytes * 8 - 1);
-            if key & sign != 0 {
-                key & !sign
-            } else {
-                !key & word_mask(bytes)
-            }
+            let top = bytes as u32 * 8 - 1;
+            let sign = 1u64 << top;
+            let flip = (((key >> top) & 1) ^ 1).wrapping_neg() & word_mask(bytes);
+            (key ^ flip) & !(sign & !flip)
         }
     }
+}
+
+/// Magnitude of a `bytes`-wide two's-complement step (branch-free).
+#[inline]
+pub fn step_magnitude(bytes: usize, step: u64) -> u64 {
+    let top = bytes as u32 * 8 - 1;
+    let neg = (step >> top) & 1;
+    let flip = neg.wrapping_neg() & word_mask(bytes);
+    ((step ^ flip).wrapping_add(neg)) & word_mask(bytes)
+}
+
+/// Reads the little-endian `W`-byte word `i` of `data`.
+#[inline(always)]
+pub fn load<const W: usize>(data: &[u8], i: usize) -> u64 {
+    let mut b = [0u8; 8];
+    b[..W].copy_from_slice(&data[i * W..i * W + W]);
+    u64::from_le_bytes(b)
+}
+
+/// Writes the little-endian `W`-byte word `i` of `data`.
+#[inline(always)]
+pub fn store<const W: usize>(data: &mut [u8], i: usize, word: u64) {
+    data[i * W..i * W + W].copy_from_slice(&word.to_le_bytes()[..W]);
+}
+
+/// Evaluates `$body` with `const $w: usize` set to the word width `$wb` (1, 2, 4
+/// or 8), so hot loops are compiled once per width with fixed-size word access.
+#[macro_export]
+macro_rules! with_word_width {
+    ($wb:expr, $w:ident => $body:expr) => {
+        match $wb {
+            1 => {
+                const $w: usize = 1;
+                $body
+            }
+            2 => {
+                const $w: usize = 2;
+                $body
+            }
+            4 => {
+                const $w: usize = 4;
+                $body
+            }
+            8 => {
+                const $w: usize = 8;
+                $body
+            }
+            other => unreachable!("word width {other}"),
+        }
+    };
 }
 
 /// Reads the little-endian word `i` of `data` (`bytes` wide).
 #[inline]
 pub fn read_word(data: &[u8], bytes: usize, i: usize) -> u64 {
-    let s = &data[i * bytes..(i + 1) * bytes];
-    match bytes {
-        1 => s[0] as u64,
-        2 => u16::from_le_bytes([s[0], s[1]]) as u64,
-        4 => u32::from_le_bytes([s[0], s[1], s[2], s[3]]) as u64,
-        _ => u64::from_le_bytes([s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]]),
-    }
+    with_word_width!(bytes, W => load::<W>(data, i))
 }
 
 /// Writes the little-endian word `i` of `data` (`bytes` wide).
 #[inline]
 pub fn write_word(data: &mut [u8], bytes: usize, i: usize, word: u64) {
-    let s = &mut data[i * bytes..(i + 1) * bytes];
-    s.copy_from_slice(&word.to_le_bytes()[..bytes]);
+    with_word_width!(bytes, W => store::<W>(data, i, word))
 }
 
 #[cfg(test)]
@@ -173,6 +214,16 @@ mod tests {
                 assert_eq!(from_key(KeyKind::SignMagnitude, bytes, k), w);
             }
         }
+    }
+
+    #[test]
+    fn step_magnitudes() {
+        assert_eq!(step_magnitude(2, 1), 1);
+        assert_eq!(step_magnitude(2, 0xffff), 1);
+        assert_eq!(step_magnitude(2, 0x8000), 0x8000);
+        assert_eq!(step_magnitude(8, u64::MAX), 1);
+        assert_eq!(step_magnitude(8, 1 << 63), 1 << 63);
+        assert_eq!(step_magnitude(1, 0x81), 0x7f);
     }
 
     #[test]

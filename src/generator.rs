@@ -315,12 +315,29 @@ pub struct ChangeStats {
     pub ulp_more: f64,
     /// Fraction of changes that moved up (toward +inf).
     pub up: f64,
+    /// Entropy of the changed positions in bytes per changed element, if each
+    /// tensor's changes were independent draws at its own density
+    /// (`Σ_t n_t·H(p_t) / changed`): the floor for position coding without
+    /// temporal or side-information modelling.
+    pub position_entropy: f64,
+    /// Empirical entropy of the signed ulp steps, bytes per changed element.
+    pub value_entropy: f64,
+}
+
+fn binary_entropy(p: f64) -> f64 {
+    if p <= 0.0 || p >= 1.0 {
+        0.0
+    } else {
+        -(p * p.log2() + (1.0 - p) * (1.0 - p).log2())
+    }
 }
 
 /// Measures density and the ulp-step histogram from `a` to `b` (bf16 tensors only).
 pub fn change_stats(a: &TensorSet, b: &TensorSet) -> ChangeStats {
     let mut s = ChangeStats::default();
     let (mut u1, mut u2, mut up) = (0u64, 0u64, 0u64);
+    let mut steps: std::collections::HashMap<i64, u64> = std::collections::HashMap::new();
+    let mut position_bits = 0f64;
     for (i, t) in a.tensors().iter().enumerate() {
         if t.dtype != Dtype::BF16 {
             continue;
@@ -332,7 +349,9 @@ pub fn change_stats(a: &TensorSet, b: &TensorSet) -> ChangeStats {
         if x.len() != y.len() {
             continue;
         }
-        s.elements += (x.len() / 2) as u64;
+        let words = (x.len() / 2) as u64;
+        s.elements += words;
+        let before = s.changed;
         crate::codec::scan::for_each_change(2, x, y, |_, o, n| {
             s.changed += 1;
             let (ko, kn) = (
@@ -345,7 +364,12 @@ pub fn change_stats(a: &TensorSet, b: &TensorSet) -> ChangeStats {
                 _ => {}
             }
             up += u64::from(kn > ko);
+            *steps.entry(kn - ko).or_default() += 1;
         });
+        if words > 0 {
+            position_bits +=
+                words as f64 * binary_entropy((s.changed - before) as f64 / words as f64);
+        }
     }
     let c = s.changed.max(1) as f64;
     s.density = s.changed as f64 / s.elements.max(1) as f64;
@@ -353,6 +377,15 @@ pub fn change_stats(a: &TensorSet, b: &TensorSet) -> ChangeStats {
     s.ulp2 = u2 as f64 / c;
     s.ulp_more = (s.changed - u1 - u2) as f64 / c;
     s.up = up as f64 / c;
+    s.position_entropy = position_bits / c / 8.0;
+    s.value_entropy = steps
+        .values()
+        .map(|&n| {
+            let p = n as f64 / c;
+            -p * p.log2()
+        })
+        .sum::<f64>()
+        / 8.0;
     s
 }
 

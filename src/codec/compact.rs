@@ -15,7 +15,9 @@ use rayon::prelude::*;
 use super::bits::{BitReader, BitWriter};
 use super::scan::for_each_change;
 use crate::digest::TensorSeed;
-use crate::dtype::{KeyKind, from_key, read_word, to_key, word_mask, write_word};
+use crate::dtype::{
+    KeyKind, from_key, load, read_word, step_magnitude, store, to_key, word_mask, write_word,
+};
 use crate::error::{Error, Result};
 use crate::format::{BlockEntry, ValueCoding};
 
@@ -105,17 +107,36 @@ fn encode_block(
     base: &[u8],
     new: &[u8],
 ) -> (BlockEntry, Vec<u8>, u64) {
+    SCRATCH.with(|cell| {
+        let mut scratch = cell.borrow_mut();
+        let (gaps, steps) = &mut *scratch;
+        gaps.clear();
+        steps.clear();
+        encode_block_with(kind, wb, seed, first, base, new, gaps, steps)
+    })
+}
+
+thread_local! {
+    /// Per-thread gap and step buffers, reused across blocks so encoding does
+    /// not pay fresh-page faults for every block.
+    static SCRATCH: std::cell::RefCell<(Vec<u64>, Vec<u64>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+#[allow(clippy::too_many_arguments)]
+fn encode_block_with(
+    kind: KeyKind,
+    wb: usize,
+    seed: TensorSeed,
+    first: u64,
+    base: &[u8],
+    new: &[u8],
+    gaps: &mut Vec<u64>,
+    steps: &mut Vec<u64>,
+) -> (BlockEntry, Vec<u8>, u64) {
     let mask = word_mask(wb);
     let sign = 1u64 << (wb * 8 - 1);
-    let magnitude = |s: u64| {
-        if s & sign != 0 {
-            s.wrapping_neg() & mask
-        } else {
-            s
-        }
-    };
-    let mut gaps: Vec<u64> = Vec::new();
-    let mut steps: Vec<u64> = Vec::new();
+    let magnitude = |s: u64| step_magnitude(wb, s);
     let mut stats = Stats::default();
     let mut next = 0u64; // first index the next gap counts from
     let mut dig = 0u64;
@@ -435,7 +456,9 @@ pub fn decode_block(
                 if m > half {
                     return Err(bad("step larger than the word"));
                 }
-                Value::Step(if neg { m.wrapping_neg() & mask } else { m })
+                // Branch-free negate: the sign is a coin flip.
+                let flip = u64::from(neg).wrapping_neg();
+                Value::Step(((m ^ flip).wrapping_add(u64::from(neg))) & mask)
             }
         };
         f(idx, v)?;
@@ -462,12 +485,28 @@ pub fn apply_block(
     blk: &mut [u8],
     undo: &mut Vec<u8>,
 ) -> Result<u64> {
+    crate::with_word_width!(wb, W => apply_block_w::<W>(tensor, b, e, stream, kind, seed, first, blk, undo))
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn apply_block_w<const W: usize>(
+    tensor: &str,
+    b: usize,
+    e: &BlockEntry,
+    stream: &[u8],
+    kind: KeyKind,
+    seed: TensorSeed,
+    first: u64,
+    blk: &mut [u8],
+    undo: &mut Vec<u8>,
+) -> Result<u64> {
     let mut dig = 0u64;
-    let len = (blk.len() / wb) as u64;
-    undo.reserve(e.changes.min(len) as usize * wb);
-    decode_block(tensor, b, e, stream, wb, len, None, |i, v| {
-        let old = read_word(blk, wb, i as usize);
-        let new = v.resolve(kind, wb, old);
+    let len = (blk.len() / W) as u64;
+    undo.reserve(e.changes.min(len) as usize * W);
+    decode_block(tensor, b, e, stream, W, len, None, |i, v| {
+        let old = load::<W>(blk, i as usize);
+        let new = v.resolve(kind, W, old);
         if new == old {
             return Err(Error::tensor(
                 tensor,
@@ -477,8 +516,8 @@ pub fn apply_block(
                 ),
             ));
         }
-        undo.extend_from_slice(&old.to_le_bytes()[..wb]);
-        write_word(blk, wb, i as usize, new);
+        undo.extend_from_slice(&old.to_le_bytes()[..W]);
+        store::<W>(blk, i as usize, new);
         dig = dig.wrapping_add(seed.change(first + i, old, new));
         Ok(())
     })?;

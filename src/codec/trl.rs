@@ -47,6 +47,12 @@ pub fn check_representable(name: &str, dtype: Dtype, words: usize) -> Result<()>
 
 /// Diffs and encodes one tensor.
 pub fn encode_tensor(wb: usize, seed: TensorSeed, base: &[u8], new: &[u8]) -> EncodedTensor {
+    crate::with_word_width!(wb, W => encode_tensor_w::<W>(seed, base, new))
+}
+
+#[inline(always)]
+fn encode_tensor_w<const W: usize>(seed: TensorSeed, base: &[u8], new: &[u8]) -> EncodedTensor {
+    let wb = W;
     let mut out = EncodedTensor {
         changed: 0,
         digest_change: 0,
@@ -56,7 +62,7 @@ pub fn encode_tensor(wb: usize, seed: TensorSeed, base: &[u8], new: &[u8]) -> En
     for_each_change(wb, base, new, |i, old, nw| {
         out.changed += 1;
         out.indices.extend_from_slice(&(i as i32).to_le_bytes());
-        out.values.extend_from_slice(&nw.to_le_bytes()[..wb]);
+        out.values.extend_from_slice(&nw.to_le_bytes()[..W]);
         out.digest_change = out
             .digest_change
             .wrapping_add(seed.change(i as u64, old, nw));
