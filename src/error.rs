@@ -44,6 +44,11 @@ pub enum Error {
         actual: String,
     },
 
+    /// A delta does not fit the local state's structure (tensor count, a
+    /// tensor's dtype or shape): it was made for a different model or file.
+    #[error("wrong base, the delta was made for a different file: {0}")]
+    BaseMismatch(String),
+
     /// After decoding, the result does not have the digest the publisher recorded:
     /// the payload is corrupt or the local bytes at the changed positions drifted.
     #[error("integrity check failed for {scope}: expected digest {expected}, got {actual}")]

@@ -291,7 +291,9 @@ impl Header {
             serde_json::from_str(req(m, keys::TENSORS)?)
                 .map_err(|e| Error::metadata(keys::TENSORS, e.to_string()))?;
         let payload_blake3 = match m.get(keys::PAYLOAD_BLAKE3) {
-            Some(h) if h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()) => Some(h.clone()),
+            Some(h) if h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()) => {
+                Some(h.to_ascii_lowercase())
+            }
             Some(_) => return Err(Error::metadata(keys::PAYLOAD_BLAKE3, "not 64 hex digits")),
             None => None,
         };

@@ -268,7 +268,8 @@ impl TensorSet {
     pub fn all_data_mut(&mut self) -> Vec<&mut [u8]> {
         // Ranges are disjoint; walk them in buffer order and split.
         let mut order: Vec<usize> = (0..self.tensors.len()).collect();
-        order.sort_by_key(|&i| self.tensors[i].range.start);
+        // Empty tensors may share their start with the next tensor: order by end too.
+        order.sort_by_key(|&i| (self.tensors[i].range.start, self.tensors[i].range.end));
         let mut out: Vec<Option<&mut [u8]>> = (0..self.tensors.len()).map(|_| None).collect();
         let mut rest: &mut [u8] = &mut self.buf;
         let mut consumed = 0usize;

@@ -308,11 +308,11 @@ pub fn apply_delta(state: &mut TensorSet, bytes: &[u8]) -> Result<ApplyReport> {
                 });
             }
             if h.tensor_count != state.len() as u64 {
-                return Err(Error::WrongBase {
-                    scope: "file (tensor count)".into(),
-                    expected: h.tensor_count.to_string(),
-                    actual: state.len().to_string(),
-                });
+                return Err(Error::BaseMismatch(format!(
+                    "tensor count differs: the delta's file has {} tensors, the local one {}",
+                    h.tensor_count,
+                    state.len()
+                )));
             }
             let base = h.base_digest.expect("deltas have a base digest");
             if base != state.digest() {
@@ -812,11 +812,21 @@ pub fn read_anchor(buf: Vec<u8>) -> Result<(Option<Header>, TensorSet)> {
             "object is a delta, not an anchor",
         ));
     }
-    if h.tensor_count != set.len() as u64 || h.tensors.len() != set.len() {
+    if h.tensor_count != set.len() as u64 {
         return Err(Error::metadata(
             keys::TENSOR_COUNT,
             format!(
-                "header lists {} tensors, file holds {}",
+                "header says {} tensors, file holds {}",
+                h.tensor_count,
+                set.len()
+            ),
+        ));
+    }
+    if h.tensors.len() != set.len() {
+        return Err(Error::metadata(
+            keys::TENSORS,
+            format!(
+                "lists {} tensors, file holds {}",
                 h.tensors.len(),
                 set.len()
             ),
@@ -827,6 +837,26 @@ pub fn read_anchor(buf: Vec<u8>) -> Result<(Option<Header>, TensorSet)> {
             .tensors
             .get(&t.name)
             .ok_or_else(|| Error::tensor(&t.name, "not described in weightcast.tensors"))?;
+        let shape: Vec<u64> = t.shape.iter().map(|&d| d as u64).collect();
+        if e.dtype != t.dtype.to_string() || e.shape != shape || e.elements != t.elements() {
+            return Err(Error::tensor(
+                &t.name,
+                format!(
+                    "header describes {} {:?} ({} elements), the file holds {} {:?}",
+                    e.dtype, e.shape, e.elements, t.dtype, t.shape
+                ),
+            ));
+        }
+        let shape: Vec<u64> = t.shape.iter().map(|&d| d as u64).collect();
+        if e.dtype != t.dtype.to_string() || e.shape != shape || e.elements != t.elements() {
+            return Err(Error::tensor(
+                &t.name,
+                format!(
+                    "header describes {} {:?} ({} elements), the file holds {} {:?}",
+                    e.dtype, e.shape, e.elements, t.dtype, t.shape
+                ),
+            ));
+        }
         let want = entry_digest(&t.name, "digest", &e.digest)?;
         if want != t.digest {
             return Err(Error::Integrity {
