@@ -13,7 +13,7 @@
 use rayon::prelude::*;
 
 use super::bits::{BitReader, BitWriter};
-use super::scan::for_each_change;
+use super::scan::{Changes, collect_changes};
 use crate::digest::TensorSeed;
 use crate::dtype::{
     KeyKind, from_key, load, read_word, step_magnitude, store, to_key, word_mask, write_word,
@@ -108,22 +108,18 @@ fn encode_block(
     new: &[u8],
 ) -> (BlockEntry, Vec<u8>, u64) {
     SCRATCH.with(|cell| {
-        let mut scratch = cell.borrow_mut();
-        let (gaps, steps) = &mut *scratch;
-        gaps.clear();
-        steps.clear();
-        encode_block_with(kind, wb, seed, first, base, new, gaps, steps)
+        let mut changes = cell.borrow_mut();
+        changes.clear();
+        encode_block_with(kind, wb, seed, first, base, new, &mut changes)
     })
 }
 
 thread_local! {
-    /// Per-thread gap and step buffers, reused across blocks so encoding does
-    /// not pay fresh-page faults for every block.
-    static SCRATCH: std::cell::RefCell<(Vec<u64>, Vec<u64>)> =
-        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    /// Per-thread change arrays, reused across blocks so encoding does not pay
+    /// fresh-page faults for every block.
+    static SCRATCH: std::cell::RefCell<Changes> = std::cell::RefCell::new(Changes::default());
 }
 
-#[allow(clippy::too_many_arguments)]
 fn encode_block_with(
     kind: KeyKind,
     wb: usize,
@@ -131,25 +127,31 @@ fn encode_block_with(
     first: u64,
     base: &[u8],
     new: &[u8],
-    gaps: &mut Vec<u64>,
-    steps: &mut Vec<u64>,
+    changes: &mut Changes,
 ) -> (BlockEntry, Vec<u8>, u64) {
     let mask = word_mask(wb);
     let sign = 1u64 << (wb * 8 - 1);
-    let magnitude = |s: u64| step_magnitude(wb, s);
+    collect_changes(wb, base, new, changes);
+    // One tight pass over the changes: statistics and digest; the index array
+    // becomes the gap array and the old-word array the step array.
     let mut stats = Stats::default();
     let mut next = 0u64; // first index the next gap counts from
     let mut dig = 0u64;
-    for_each_change(wb, base, new, |i, old, nw| {
-        let i = i as u64;
+    let Changes {
+        index: gaps,
+        old: steps,
+        new: news,
+    } = changes;
+    for j in 0..gaps.len() {
+        let (i, old, nw) = (gaps[j], steps[j], news[j]);
         let g = i - next;
         next = i + 1;
         let s = to_key(kind, wb, nw).wrapping_sub(to_key(kind, wb, old)) & mask;
-        stats.add(g, magnitude(s));
-        gaps.push(g);
-        steps.push(s);
+        stats.add(g, step_magnitude(wb, s));
         dig = dig.wrapping_add(seed.change(first + i, old, nw));
-    });
+        gaps[j] = g;
+        steps[j] = s;
+    }
     let n = gaps.len() as u64;
     if n == 0 {
         let e = BlockEntry {
@@ -177,12 +179,8 @@ fn encode_block_with(
     let mut w = BitWriter::with_capacity(((pos_bits + val_bits) / 8 + 16) as usize);
     let low = (1u64 << pos_k) - 1;
     let k = pos_k as u32;
-    let mut at = 0u64;
     for j in 0..gaps.len() {
         let g = gaps[j];
-        at += g;
-        let pos = at;
-        at += 1;
         // One change is usually one write: [Rice gap][value], LSB first.
         let q = g >> pos_k;
         let (code, len) = if q + 1 + k as u64 <= 64 {
@@ -196,14 +194,10 @@ fn encode_block_with(
             (0, 0)
         };
         let (vcode, vlen) = match values {
-            ValueCoding::Raw => {
-                // Raw mode is rare (large jumps); rebuild the new word from the base.
-                let old = read_word(base, wb, pos as usize);
-                (Value::Step(steps[j]).resolve(kind, wb, old), wb as u32 * 8)
-            }
+            ValueCoding::Raw => (news[j], wb as u32 * 8),
             ValueCoding::Step => {
                 let s = steps[j];
-                let m = magnitude(s);
+                let m = step_magnitude(wb, s);
                 let y = (m - 1) + (1u64 << val_k);
                 let nb = 64 - y.leading_zeros();
                 let z = nb - 1 - val_k as u32;

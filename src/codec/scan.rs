@@ -144,6 +144,46 @@ fn scan<const W: usize>(base: &[u8], new: &[u8], mut f: impl FnMut(usize, u64, u
     }
 }
 
+/// Changed words found by [`collect_changes`], as parallel arrays.
+#[derive(Default, Debug)]
+pub struct Changes {
+    /// Word indices, ascending.
+    pub index: Vec<u64>,
+    /// Old words.
+    pub old: Vec<u64>,
+    /// New words.
+    pub new: Vec<u64>,
+}
+
+impl Changes {
+    /// Empties the arrays, keeping their capacity.
+    pub fn clear(&mut self) {
+        self.index.clear();
+        self.old.clear();
+        self.new.clear();
+    }
+
+    /// Number of changes.
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Whether there is none.
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+}
+
+/// Appends every changed word of `base`/`new` to `out`. The per-change work of
+/// callers then runs in their own tight loop over the arrays.
+pub fn collect_changes(wb: usize, base: &[u8], new: &[u8], out: &mut Changes) {
+    for_each_change(wb, base, new, |i, o, n| {
+        out.index.push(i as u64);
+        out.old.push(o);
+        out.new.push(n);
+    });
+}
+
 /// The baseline: counts differing `wb`-byte words with a plain branch-free
 /// compare of the two buffers, the least work any diff must do, running at
 /// memory bandwidth. Benchmarks report codec speed as a ratio to this, measured
