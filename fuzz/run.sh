@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Bounded fuzzing run over every target, for CI and for a quick local check.
+#
+#   fuzz/run.sh [seconds-per-target]      (default 30)
+#
+# Installs cargo-fuzz if it is missing, regenerates the seed corpus
+# (examples/fuzz_seeds.rs), builds every target, then fuzzes each one for the
+# given number of seconds, replaying fuzz/regressions/<target>/ first. Exits
+# non-zero if any target finds a crash (panic, failed invariant, sanitizer
+# report, timeout or out-of-memory); the input is left in
+# fuzz/artifacts/<target>/ and each target's log in fuzz/artifacts/logs/.
+#
+# Environment:
+#   FUZZ_SANITIZER   address (default) or none
+#   FUZZ_TIMEOUT     seconds one input may take before it counts as a hang (default 20)
+#
+# The stable toolchain works: RUSTC_BOOTSTRAP=1 lets it accept the -Z flags
+# cargo-fuzz passes (-Zsanitizer=address among them).
+set -euo pipefail
+
+secs="${1:-30}"
+case "$secs" in '' | *[!0-9]*)
+    echo "usage: $0 [seconds-per-target]" >&2
+    exit 2
+    ;;
+esac
+sanitizer="${FUZZ_SANITIZER:-address}"
+timeout="${FUZZ_TIMEOUT:-20}"
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+export RUSTC_BOOTSTRAP=1
+
+if ! cargo fuzz --version >/dev/null 2>&1; then
+    echo "== installing cargo-fuzz"
+    cargo install cargo-fuzz --locked
+fi
+
+echo "== seed corpus"
+cargo run --release --quiet --example fuzz_seeds
+
+echo "== build (sanitizer: $sanitizer)"
+cargo fuzz build --sanitizer "$sanitizer"
+
+mkdir -p fuzz/artifacts/logs
+failed=()
+for t in $(cargo fuzz list); do
+    dirs=("fuzz/corpus/$t")
+    if [ -d "fuzz/regressions/$t" ]; then
+        dirs+=("fuzz/regressions/$t")
+    fi
+    dict=()
+    if [ "$t" != compact_block ]; then
+        dict=(-dict=fuzz/weightcast.dict)
+    fi
+    log="fuzz/artifacts/logs/$t.log"
+    echo "== $t: ${secs}s"
+    start=$(date +%s)
+    if cargo fuzz run --sanitizer "$sanitizer" "$t" "${dirs[@]}" -- \
+        -max_total_time="$secs" -timeout="$timeout" "${dict[@]}" -print_final_stats=1 \
+        >"$log" 2>&1; then
+        runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
+        echo "   ok: ${runs:-?} executions in $(($(date +%s) - start))s"
+    else
+        echo "   FAILED (log: $log)"
+        grep -E "panicked|ERROR:|SUMMARY:|Test unit written" "$log" | head -n 8 | sed 's/^/   /' || true
+        failed+=("$t")
+    fi
+done
+
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "== crashes in: ${failed[*]}"
+    echo "   reproduce: RUSTC_BOOTSTRAP=1 cargo fuzz run <target> fuzz/artifacts/<target>/<file>"
+    exit 1
+fi
+echo "== no crashes"
