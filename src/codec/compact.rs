@@ -497,7 +497,10 @@ fn apply_block_w<const W: usize>(
 ) -> Result<u64> {
     let mut dig = 0u64;
     let len = (blk.len() / W) as u64;
-    undo.reserve(e.changes.min(len) as usize * W);
+    // Reserve from what the stream can really hold (each entry takes at least
+    // pos_k + 2 bits), not from the header's claim.
+    let possible = (stream.len() as u64 * 8) / (e.pos_k as u64 + 2);
+    undo.reserve(e.changes.min(len).min(possible) as usize * W);
     decode_block(tensor, b, e, stream, W, len, None, |i, v| {
         let old = load::<W>(blk, i as usize);
         let new = v.resolve(kind, W, old);
