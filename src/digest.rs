@@ -6,13 +6,18 @@
 //!
 //! ```text
 //! D(t) = Σ_i  h(seed_t, i, w_i)            (mod 2^64)
-//! h(seed, i, w) = fmix64( V(w) ^ i ^ seed )
+//! h(seed, i, w) = V(w) · A(seed, i)
 //! V(w) = fmix64( w ^ 0x9e3779b97f4a7c15 )
+//! A(seed, i) = fmix64( i ^ seed ) | 1
 //! ```
 //!
 //! where `fmix64` is MurmurHash3's 64-bit finalizer, `i` the word index and `w`
 //! the word's little-endian bits zero-extended to 64 bits. `V` depends on the
-//! word alone, so for words of up to two bytes it is a 64 K-entry table. The seed binds the
+//! word alone, so for words of up to two bytes it is a 64 K-entry table built at
+//! compile time; `A` is an odd (hence invertible) pseudo-random multiplier per
+//! position, so a change of word `i` from `a` to `b` moves the digest by
+//! `(V(b) − V(a)) · A(i)`, which is never zero: one position hash and one
+//! multiply per changed word. The seed binds the
 //! tensor's name, dtype and shape (see [`TensorSeed::new`]), so equal bytes under
 //! another name or shape give another digest. A file's digest is the wrapping sum
 //! of its tensors' digests.
@@ -67,17 +72,22 @@ pub struct TensorSeed(pub u64);
 /// The constant xored into a word before its first mix.
 pub const VALUE_KEY: u64 = 0x9e37_79b9_7f4a_7c15;
 
-static SMALL_VALUES: std::sync::OnceLock<Box<[u64]>> = std::sync::OnceLock::new();
-
-fn small_values() -> &'static [u64] {
-    SMALL_VALUES.get_or_init(|| (0..1u64 << 16).map(|w| fmix64(w ^ VALUE_KEY)).collect())
-}
+/// `V(w)` for every `w < 2^16`, computed at compile time.
+static SMALL_VALUES: [u64; 1 << 16] = {
+    let mut t = [0u64; 1 << 16];
+    let mut w = 0;
+    while w < 1 << 16 {
+        t[w] = fmix64(w as u64 ^ VALUE_KEY);
+        w += 1;
+    }
+    t
+};
 
 /// `V(w)`: table lookup for words below 2^16, computed otherwise.
 #[inline(always)]
 pub fn value_hash(w: u64) -> u64 {
     if w < 1 << 16 {
-        small_values()[w as usize]
+        SMALL_VALUES[w as usize]
     } else {
         fmix64(w ^ VALUE_KEY)
     }
@@ -106,19 +116,27 @@ impl TensorSeed {
     /// The hash of word `w` at index `i`.
     #[inline(always)]
     pub fn hash(&self, i: u64, w: u64) -> u64 {
-        fmix64(value_hash(w) ^ i ^ self.0)
+        value_hash(w).wrapping_mul(self.position(i))
+    }
+
+    /// `A(seed, i)`: the odd multiplier of position `i`.
+    #[inline(always)]
+    pub fn position(&self, i: u64) -> u64 {
+        fmix64(i ^ self.0) | 1
     }
 
     /// The digest change when word `i` goes from `old` to `new`.
     #[inline(always)]
     pub fn change(&self, i: u64, old: u64, new: u64) -> u64 {
-        self.hash(i, new).wrapping_sub(self.hash(i, old))
+        value_hash(new)
+            .wrapping_sub(value_hash(old))
+            .wrapping_mul(self.position(i))
     }
 }
 
 /// MurmurHash3's 64-bit finalizer (a bijection on u64).
 #[inline(always)]
-pub fn fmix64(mut k: u64) -> u64 {
+pub const fn fmix64(mut k: u64) -> u64 {
     k ^= k >> 33;
     k = k.wrapping_mul(0xff51_afd7_ed55_8ccd);
     k ^= k >> 33;
@@ -151,10 +169,10 @@ fn chunk_sum(seed: TensorSeed, wb: usize, data: &[u8], lo: usize, hi: usize) -> 
     match wb {
         2 => {
             // The hot case (BF16/F16): a monomorphic loop over the value table.
-            let table = small_values();
             for (k, c) in data[lo * 2..hi * 2].chunks_exact(2).enumerate() {
                 let w = u16::from_le_bytes([c[0], c[1]]) as usize;
-                acc = acc.wrapping_add(fmix64(table[w] ^ (lo + k) as u64 ^ seed.0));
+                acc =
+                    acc.wrapping_add(SMALL_VALUES[w].wrapping_mul(seed.position((lo + k) as u64)));
             }
         }
         _ => {
@@ -197,6 +215,20 @@ mod tests {
             tensor_digest(seed, Dtype::U8, &[1, 2]),
             tensor_digest(seed, Dtype::U8, &[2, 1])
         );
+    }
+
+    #[test]
+    fn changes_never_cancel_alone() {
+        let seed = TensorSeed::new("w", Dtype::BF16, &[8]);
+        for i in 0..64u64 {
+            for (a, b) in [(0u64, 1u64), (0x3f80, 0x3f81), (0xffff, 0x7fff)] {
+                assert_ne!(seed.change(i, a, b), 0);
+                assert_eq!(
+                    seed.change(i, a, b),
+                    seed.hash(i, b).wrapping_sub(seed.hash(i, a))
+                );
+            }
+        }
     }
 
     #[test]

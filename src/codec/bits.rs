@@ -101,7 +101,7 @@ impl<'a> BitReader<'a> {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn refill(&mut self) {
         if self.pos + 8 <= self.data.len() {
             let w = u64::from_le_bytes(

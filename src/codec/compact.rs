@@ -13,7 +13,7 @@
 use rayon::prelude::*;
 
 use super::bits::{BitReader, BitWriter};
-use super::scan::{Changes, collect_changes};
+use super::scan::for_each_change_piece;
 use crate::digest::TensorSeed;
 use crate::dtype::{
     KeyKind, from_key, load, read_word, step_magnitude, store, to_key, word_mask, write_word,
@@ -108,50 +108,96 @@ fn encode_block(
     new: &[u8],
 ) -> (BlockEntry, Vec<u8>, u64) {
     SCRATCH.with(|cell| {
-        let mut changes = cell.borrow_mut();
-        changes.clear();
-        encode_block_with(kind, wb, seed, first, base, new, &mut changes)
+        let mut scratch = cell.borrow_mut();
+        let Scratch { gaps, steps } = &mut *scratch;
+        gaps.clear();
+        steps.clear();
+        if super::cpu::wide() {
+            // SAFETY: `cpu::wide()` confirmed every feature `encode_block_wide`
+            // is compiled with; the function is otherwise safe code.
+            #[cfg(target_arch = "x86_64")]
+            return unsafe { encode_block_wide(kind, wb, seed, first, base, new, gaps, steps) };
+        }
+        crate::with_word_width!(wb, W => encode_block_w::<W>(kind, seed, first, base, new, gaps, steps))
     })
 }
 
-thread_local! {
-    /// Per-thread change arrays, reused across blocks so encoding does not pay
-    /// fresh-page faults for every block.
-    static SCRATCH: std::cell::RefCell<Changes> = std::cell::RefCell::new(Changes::default());
-}
-
-fn encode_block_with(
+/// [`encode_block_w`] compiled for the wide feature set (see [`super::cpu`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,bmi1,bmi2,lzcnt,popcnt")]
+#[allow(clippy::too_many_arguments)]
+fn encode_block_wide(
     kind: KeyKind,
     wb: usize,
     seed: TensorSeed,
     first: u64,
     base: &[u8],
     new: &[u8],
-    changes: &mut Changes,
+    gaps: &mut Vec<u64>,
+    steps: &mut Vec<u64>,
 ) -> (BlockEntry, Vec<u8>, u64) {
-    let mask = word_mask(wb);
-    let sign = 1u64 << (wb * 8 - 1);
-    collect_changes(wb, base, new, changes);
-    // One tight pass over the changes: statistics and digest; the index array
-    // becomes the gap array and the old-word array the step array.
+    crate::with_word_width!(wb, W => encode_block_w::<W>(kind, seed, first, base, new, gaps, steps))
+}
+
+/// Per-thread gap and step arrays, reused across blocks so encoding does not pay
+/// fresh-page faults for every block.
+#[derive(Default)]
+struct Scratch {
+    gaps: Vec<u64>,
+    steps: Vec<u64>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+}
+
+#[inline(always)]
+fn encode_block_w<const W: usize>(
+    kind: KeyKind,
+    seed: TensorSeed,
+    first: u64,
+    base: &[u8],
+    new: &[u8],
+    gaps: &mut Vec<u64>,
+    steps: &mut Vec<u64>,
+) -> (BlockEntry, Vec<u8>, u64) {
+    let wb = W;
+    let mask = word_mask(W);
+    let sign = 1u64 << (W * 8 - 1);
     let mut stats = Stats::default();
     let mut next = 0u64; // first index the next gap counts from
     let mut dig = 0u64;
-    let Changes {
-        index: gaps,
-        old: steps,
-        new: news,
-    } = changes;
-    for j in 0..gaps.len() {
-        let (i, old, nw) = (gaps[j], steps[j], news[j]);
-        let g = i - next;
-        next = i + 1;
-        let s = to_key(kind, wb, nw).wrapping_sub(to_key(kind, wb, old)) & mask;
-        stats.add(g, step_magnitude(wb, s));
-        dig = dig.wrapping_add(seed.change(first + i, old, nw));
-        gaps[j] = g;
-        steps[j] = s;
-    }
+    for_each_change_piece(W, base, new, |piece_first, changed, pa, pb| {
+        // Per piece: one tight loop over its changes, with the running state in
+        // locals (the closure's captures would go through memory).
+        let (mut nx, mut dg) = (next, dig);
+        let (mut gsum, mut ones, mut twos) = (0u64, 0u64, 0u64);
+        gaps.reserve(changed.len());
+        steps.reserve(changed.len());
+        for &c in changed {
+            let (old, nw) = (load::<W>(pa, c as usize), load::<W>(pb, c as usize));
+            let i = (piece_first + c as usize) as u64;
+            let g = i - nx;
+            nx = i + 1;
+            let s = to_key(kind, W, nw).wrapping_sub(to_key(kind, W, old)) & mask;
+            let m = step_magnitude(W, s);
+            gsum += g;
+            ones += u64::from(m == 1);
+            twos += u64::from(m == 2);
+            if m > 2 {
+                stats.add_rare(m);
+            }
+            dg = dg.wrapping_add(seed.change(first + i, old, nw));
+            gaps.push(g);
+            steps.push(s);
+        }
+        stats.n += changed.len() as u64;
+        stats.gap_sum += gsum;
+        stats.ones += ones;
+        stats.twos += twos;
+        next = nx;
+        dig = dg;
+    });
     let n = gaps.len() as u64;
     if n == 0 {
         let e = BlockEntry {
@@ -163,7 +209,7 @@ fn encode_block_with(
         };
         return (e, Vec::new(), 0);
     }
-    let (pos_k, pos_bits) = stats.choose_rice_k(n);
+    let (pos_k, pos_bits) = stats.choose_rice_k();
     let (val_k, step_bits) = stats.choose_eg_k();
     let raw_bits = n * wb as u64 * 8;
     let values = if step_bits < raw_bits {
@@ -179,6 +225,7 @@ fn encode_block_with(
     let mut w = BitWriter::with_capacity(((pos_bits + val_bits) / 8 + 16) as usize);
     let low = (1u64 << pos_k) - 1;
     let k = pos_k as u32;
+    let mut at = 0u64; // word index of the current change, for raw values
     for j in 0..gaps.len() {
         let g = gaps[j];
         // One change is usually one write: [Rice gap][value], LSB first.
@@ -194,7 +241,13 @@ fn encode_block_with(
             (0, 0)
         };
         let (vcode, vlen) = match values {
-            ValueCoding::Raw => (news[j], wb as u32 * 8),
+            ValueCoding::Raw => {
+                // Raw mode is rare (large jumps); read the new word back.
+                at += g;
+                let word = load::<W>(new, at as usize);
+                at += 1;
+                (word, wb as u32 * 8)
+            }
             ValueCoding::Step => {
                 let s = steps[j];
                 let m = step_magnitude(wb, s);
@@ -244,13 +297,19 @@ fn eg_bits(m: u64, k: u8) -> u64 {
 /// Magnitudes below this are counted exactly when choosing the value code.
 const SMALL: usize = 256;
 
-/// Histograms gathered during the scan, from which the block's code parameters
-/// are chosen without another pass over its changes.
+/// Statistics gathered during the scan, from which the block's code parameters
+/// are chosen without another pass over its changes. The common cases (gap sum,
+/// ±1 and ±2 steps) are plain counters the hot loop keeps in registers; only the
+/// rare larger steps go to a histogram.
 struct Stats {
-    /// Per bit length `b` of a gap (0 for gap 0): count and sum of the gaps.
-    gap_count: [u64; 65],
-    gap_sum: [u64; 65],
-    /// Step magnitudes below [`SMALL`], exactly.
+    /// Number of changes.
+    n: u64,
+    /// Sum of the gaps.
+    gap_sum: u64,
+    /// Steps of magnitude 1 and 2.
+    ones: u64,
+    twos: u64,
+    /// Magnitudes 3..[`SMALL`], exactly.
     small: [u64; SMALL],
     /// Larger magnitudes by bit length.
     large: [u64; 65],
@@ -259,8 +318,10 @@ struct Stats {
 impl Default for Stats {
     fn default() -> Self {
         Stats {
-            gap_count: [0; 65],
-            gap_sum: [0; 65],
+            n: 0,
+            gap_sum: 0,
+            ones: 0,
+            twos: 0,
             small: [0; SMALL],
             large: [0; 65],
         }
@@ -268,11 +329,9 @@ impl Default for Stats {
 }
 
 impl Stats {
+    /// Records a magnitude of 3 or more.
     #[inline]
-    fn add(&mut self, gap: u64, magnitude: u64) {
-        let b = (64 - gap.leading_zeros()) as usize;
-        self.gap_count[b] += 1;
-        self.gap_sum[b] += gap;
+    fn add_rare(&mut self, magnitude: u64) {
         if (magnitude as usize) < SMALL {
             self.small[magnitude as usize] += 1;
         } else {
@@ -280,17 +339,34 @@ impl Stats {
         }
     }
 
-    /// The Rice parameter with the fewest bits for `n` gaps, and those bits.
-    /// `Σ (g >> k)` is taken per bit-length bucket as `sum >> k`, which is
-    /// exact up to rounding within a bucket.
-    fn choose_rice_k(&self, n: u64) -> (u8, u64) {
-        (0..=MAX_POS_K.min(40))
-            .map(|k| {
-                let q: u64 = (k as usize + 1..65).map(|b| self.gap_sum[b] >> k).sum();
-                (k, q + n * (k as u64 + 1))
+    /// Records one change (the hot loop inlines the counters instead).
+    #[cfg(test)]
+    fn add(&mut self, gap: u64, magnitude: u64) {
+        self.n += 1;
+        self.gap_sum += gap;
+        match magnitude {
+            1 => self.ones += 1,
+            2 => self.twos += 1,
+            m => self.add_rare(m),
+        }
+    }
+
+    /// The Rice parameter for the gaps and an upper bound of the bits it costs.
+    /// Chosen by the estimate `n·(k+1) + S/2^k − n·(1 − 2^−k)/2` (`S` the gap
+    /// sum; the last term is the mean rounding loss of `⌊g/2^k⌋` for spread-out
+    /// gaps); the returned bound `n·(k+1) + ⌊S/2^k⌋` is never below the truth.
+    fn choose_rice_k(&self) -> (u8, u64) {
+        let n = self.n as f64;
+        let k = (0..=MAX_POS_K)
+            .min_by(|&a, &b| {
+                let est = |k: u8| {
+                    let p = (1u64 << k) as f64;
+                    n * (k as f64 + 1.0) + self.gap_sum as f64 / p - n * (1.0 - 1.0 / p) / 2.0
+                };
+                est(a).total_cmp(&est(b))
             })
-            .min_by_key(|&(_, bits)| bits)
-            .expect("non-empty range")
+            .expect("non-empty range");
+        (k, self.n * (k as u64 + 1) + (self.gap_sum >> k))
     }
 
     /// The Exp-Golomb order for step magnitudes and the bits it costs. Exact for
@@ -299,10 +375,12 @@ impl Stats {
     fn choose_eg_k(&self) -> (u8, u64) {
         (0..=20u8)
             .map(|k| {
-                let s: u64 = (1..SMALL)
+                let s: u64 = (3..SMALL)
                     .filter(|&m| self.small[m] > 0)
                     .map(|m| self.small[m] * eg_bits(m as u64, k))
-                    .sum();
+                    .sum::<u64>()
+                    + self.ones * eg_bits(1, k)
+                    + self.twos * eg_bits(2, k);
                 let l: u64 = (0..65)
                     .filter(|&b| self.large[b] > 0)
                     .map(|b| {
@@ -371,6 +449,7 @@ pub fn split_blocks<'a>(
 /// checks that the stream holds exactly what the entry claims. With `limit`,
 /// stops after that many entries (used to undo a partial apply).
 #[allow(clippy::too_many_arguments)]
+#[inline(always)]
 pub fn decode_block(
     tensor: &str,
     b: usize,
@@ -479,6 +558,31 @@ pub fn apply_block(
     blk: &mut [u8],
     undo: &mut Vec<u8>,
 ) -> Result<u64> {
+    if super::cpu::wide() {
+        // SAFETY: `cpu::wide()` confirmed every feature `apply_block_wide` is
+        // compiled with; the function is otherwise safe code.
+        #[cfg(target_arch = "x86_64")]
+        return unsafe { apply_block_wide(tensor, b, e, stream, kind, wb, seed, first, blk, undo) };
+    }
+    crate::with_word_width!(wb, W => apply_block_w::<W>(tensor, b, e, stream, kind, seed, first, blk, undo))
+}
+
+/// [`apply_block_w`] compiled for the wide feature set (see [`super::cpu`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,bmi1,bmi2,lzcnt,popcnt")]
+#[allow(clippy::too_many_arguments)]
+fn apply_block_wide(
+    tensor: &str,
+    b: usize,
+    e: &BlockEntry,
+    stream: &[u8],
+    kind: KeyKind,
+    wb: usize,
+    seed: TensorSeed,
+    first: u64,
+    blk: &mut [u8],
+    undo: &mut Vec<u8>,
+) -> Result<u64> {
     crate::with_word_width!(wb, W => apply_block_w::<W>(tensor, b, e, stream, kind, seed, first, blk, undo))
 }
 
@@ -505,13 +609,7 @@ fn apply_block_w<const W: usize>(
         let old = load::<W>(blk, i as usize);
         let new = v.resolve(kind, W, old);
         if new == old {
-            return Err(Error::tensor(
-                tensor,
-                format!(
-                    "block {b} lists element {} as changed but it is not",
-                    first + i
-                ),
-            ));
+            return Err(unchanged_error(tensor, b, first + i));
         }
         undo.extend_from_slice(&old.to_le_bytes()[..W]);
         store::<W>(blk, i as usize, new);
@@ -519,6 +617,15 @@ fn apply_block_w<const W: usize>(
         Ok(())
     })?;
     Ok(dig)
+}
+
+#[cold]
+#[inline(never)]
+fn unchanged_error(tensor: &str, b: usize, at: u64) -> Error {
+    Error::tensor(
+        tensor,
+        format!("block {b} lists element {at} as changed but it is not"),
+    )
 }
 
 /// Restores the old words [`apply_block`] recorded in `undo` (positions are
@@ -553,17 +660,17 @@ mod tests {
         for i in 0..1000 {
             st.add(40 + (i % 50), 1);
         }
-        let (k, bits) = st.choose_rice_k(1000);
+        let (k, bits) = st.choose_rice_k();
         assert!((4..=6).contains(&k), "{k}");
         let exact: u64 = (0..1000u64)
             .map(|i| ((40 + (i % 50)) >> k) + 1 + k as u64)
             .sum();
-        assert!(bits.abs_diff(exact) <= 1000, "{bits} vs {exact}");
+        assert!(bits >= exact && bits - exact <= 1000, "{bits} vs {exact}");
         let mut z = Stats::default();
         for _ in 0..4 {
             z.add(0, 1);
         }
-        assert_eq!(z.choose_rice_k(4), (0, 4));
+        assert_eq!(z.choose_rice_k(), (0, 4));
     }
 
     #[test]

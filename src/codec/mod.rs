@@ -8,6 +8,7 @@
 
 pub mod bits;
 pub mod compact;
+pub mod cpu;
 pub mod scan;
 pub mod trl;
 

@@ -3,185 +3,171 @@
 
 use crate::dtype::{read_word, word_mask};
 
-/// Bytes compared per step before looking at individual words.
-const CHUNK: usize = 32;
+/// Bytes per piece: the unit the scan hands to its caller (L1-sized).
+pub const PIECE: usize = 16 * 1024;
 
 #[inline(always)]
 fn lane(s: &[u8], j: usize) -> u64 {
     u64::from_le_bytes(s[j * 8..j * 8 + 8].try_into().expect("8 bytes"))
 }
 
+/// The diff, batched: for each piece of up to [`PIECE`] bytes, calls
+/// `f(first_word, changed, base_piece, new_piece)` where `changed` lists, in
+/// ascending order, the indices (relative to the piece) of the `wb`-byte words
+/// that differ. Pieces without changes are skipped.
+///
+/// Callers do their per-change work in their own loop over `changed`, while the
+/// words are still in cache; the scan itself stays branch-light (see
+/// `scan_u16`). `base.len()` must equal `new.len()` and be a multiple of `wb`
+/// (1, 2, 4 or 8).
+#[inline(always)]
+pub fn for_each_change_piece(
+    wb: usize,
+    base: &[u8],
+    new: &[u8],
+    mut f: impl FnMut(usize, &[u16], &[u8], &[u8]),
+) {
+    assert_eq!(base.len(), new.len(), "diffed buffers differ in length");
+    assert!(matches!(wb, 1 | 2 | 4 | 8), "word width {wb}");
+    // At most one index per word of a piece, plus slack for unconditional writes.
+    let mut idx = [0u16; PIECE + 8];
+    let wide = super::cpu::wide();
+    for (p, (pa, pb)) in base.chunks(PIECE).zip(new.chunks(PIECE)).enumerate() {
+        let len = if wb == 2 {
+            if wide {
+                changed_u16_wide(pa, pb, &mut idx)
+            } else {
+                changed_u16(pa, pb, &mut idx)
+            }
+        } else {
+            changed_lanes(wb, pa, pb, &mut idx)
+        };
+        if len > 0 {
+            f(p * (PIECE / wb), &idx[..len], pa, pb);
+        }
+    }
+}
+
 /// Calls `f(word_index, old_word, new_word)` for every `wb`-byte word whose bytes
 /// differ between `base` and `new`, in ascending index order.
-///
-/// Compares 64 bytes at a time as eight u64 lanes and only looks at words inside
-/// lanes that differ, so the cost on unchanged data is that of a plain compare.
-/// `base.len()` must equal `new.len()` and be a multiple of `wb` (1, 2, 4 or 8).
 #[inline(always)]
-pub fn for_each_change(wb: usize, base: &[u8], new: &[u8], f: impl FnMut(usize, u64, u64)) {
-    assert_eq!(base.len(), new.len(), "diffed buffers differ in length");
-    match wb {
-        1 => scan::<1>(base, new, f),
-        2 => scan_u16(base, new, f),
-        4 => scan::<4>(base, new, f),
-        8 => scan::<8>(base, new, f),
-        _ => unreachable!("word width {wb}"),
-    }
+pub fn for_each_change(wb: usize, base: &[u8], new: &[u8], mut f: impl FnMut(usize, u64, u64)) {
+    for_each_change_piece(wb, base, new, |first, changed, pa, pb| {
+        for &i in changed {
+            let i = i as usize;
+            f(first + i, read_word(pa, wb, i), read_word(pb, wb, i));
+        }
+    })
 }
 
-/// The hot case (BF16/F16), nearly branch-free.
+/// Changed-word indices of one piece for BF16/F16, nearly branch-free.
 ///
 /// Weight changes fall at random positions, so a branch per lane or per word
-/// mispredicts several times per change. Instead, per 16 KiB piece (L1-sized):
-/// phase 1 turns every 128 bytes (64 words) into a u64 mask of changed words and
-/// appends the set bits' indices to a small buffer with unconditional writes;
-/// phase 2 visits the buffered indices, whose words are still in cache, in a
-/// loop of known length.
+/// mispredicts several times per change. Instead every 128 bytes (64 words)
+/// become a u64 mask of changed words (SWAR, vectorized by the compiler), and
+/// the set bits' indices are appended with unconditional writes.
 #[inline(always)]
-fn scan_u16(base: &[u8], new: &[u8], mut f: impl FnMut(usize, u64, u64)) {
+fn changed_u16(pa: &[u8], pb: &[u8], idx: &mut [u16; PIECE + 8]) -> usize {
     const LANES: usize = 16;
     const BYTES: usize = LANES * 8;
-    const PIECE: usize = 16 * 1024;
     const LOW: u64 = 0x7fff_7fff_7fff_7fff;
     const HIGH: u64 = 0x8000_8000_8000_8000;
-    // At most one index per word of a piece, plus slack for unconditional writes.
-    let mut idx = [0u16; PIECE / 2 + 8];
-    let full = base.len() - base.len() % BYTES;
-    for (p, (pa, pb)) in base[..full]
-        .chunks(PIECE)
-        .zip(new[..full].chunks(PIECE))
+    let full = pa.len() - pa.len() % BYTES;
+    let mut len = 0usize;
+    for (c, (a, b)) in pa[..full]
+        .chunks_exact(BYTES)
+        .zip(pb[..full].chunks_exact(BYTES))
         .enumerate()
     {
-        let mut len = 0usize;
-        for (c, (a, b)) in pa
-            .chunks_exact(BYTES)
-            .zip(pb.chunks_exact(BYTES))
-            .enumerate()
-        {
-            let mut mask = 0u64;
-            for j in 0..LANES {
-                let d = lane(a, j) ^ lane(b, j);
-                // Top bit of each 16-bit field set iff the field is non-zero.
-                let m = ((((d & LOW).wrapping_add(LOW)) | d) & HIGH) >> 15;
-                // Bits 0, 16, 32, 48 → 0, 1, 2, 3: the lane's four words in order.
-                let m = (m | (m >> 15) | (m >> 30) | (m >> 45)) & 0xf;
-                mask |= m << (4 * j);
-            }
-            let count = mask.count_ones() as usize;
-            let first = (c * 64) as u16;
-            // Usually 0–2 changes per 64 words: four unconditional writes cover
-            // them without a data-dependent branch; indices past `count` are
-            // overwritten by the next chunk.
-            let mut m = mask;
-            for k in 0..4 {
-                idx[len + k] = first.wrapping_add(m.trailing_zeros() as u16);
-                m &= m.wrapping_sub(1);
-            }
-            if count > 4 {
-                let mut k = 4;
-                while m != 0 {
-                    idx[len + k] = first + m.trailing_zeros() as u16;
-                    m &= m - 1;
-                    k += 1;
-                }
-            }
-            len += count;
+        let mut mask = 0u64;
+        for j in 0..LANES {
+            let d = lane(a, j) ^ lane(b, j);
+            // Top bit of each 16-bit field set iff the field is non-zero.
+            let m = ((((d & LOW).wrapping_add(LOW)) | d) & HIGH) >> 15;
+            // Bits 0, 16, 32, 48 → 0, 1, 2, 3: the lane's four words in order.
+            let m = (m | (m >> 15) | (m >> 30) | (m >> 45)) & 0xf;
+            mask |= m << (4 * j);
         }
-        let offset = p * (PIECE / 2);
-        for &i in &idx[..len] {
-            let at = 2 * i as usize;
-            let x = u16::from_le_bytes([pa[at], pa[at + 1]]);
-            let y = u16::from_le_bytes([pb[at], pb[at + 1]]);
-            f(offset + i as usize, x as u64, y as u64);
+        let count = mask.count_ones() as usize;
+        let first = (c * 64) as u16;
+        // Usually 0–2 changes per 64 words: four unconditional writes cover them
+        // without a data-dependent branch; entries past `count` are overwritten
+        // by the next chunk.
+        let mut m = mask;
+        for k in 0..4 {
+            idx[len + k] = first.wrapping_add(m.trailing_zeros() as u16);
+            m &= m.wrapping_sub(1);
+        }
+        if count > 4 {
+            let mut k = 4;
+            while m != 0 {
+                idx[len + k] = first + m.trailing_zeros() as u16;
+                m &= m - 1;
+                k += 1;
+            }
+        }
+        len += count;
+    }
+    for i in full / 2..pa.len() / 2 {
+        if read_word(pa, 2, i) != read_word(pb, 2, i) {
+            idx[len] = i as u16;
+            len += 1;
         }
     }
-    for i in full / 2..base.len() / 2 {
-        let (o, n) = (read_word(base, 2, i), read_word(new, 2, i));
-        if o != n {
-            f(i, o, n);
-        }
-    }
+    len
+}
+
+/// [`changed_u16`] compiled for the wide feature set (see [`super::cpu`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,bmi1,bmi2,lzcnt,popcnt")]
+fn changed_u16_avx2(pa: &[u8], pb: &[u8], idx: &mut [u16; PIECE + 8]) -> usize {
+    changed_u16(pa, pb, idx)
 }
 
 #[inline(always)]
-fn scan<const W: usize>(base: &[u8], new: &[u8], mut f: impl FnMut(usize, u64, u64)) {
-    let bits = (W * 8) as u32;
-    let wmask = word_mask(W);
-    let full = base.len() - base.len() % CHUNK;
-    for (c, (a, b)) in base[..full]
-        .chunks_exact(CHUNK)
-        .zip(new[..full].chunks_exact(CHUNK))
+fn changed_u16_wide(pa: &[u8], pb: &[u8], idx: &mut [u16; PIECE + 8]) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: callers reach this only when `cpu::wide()` (runtime CPUID
+        // detection) returned true, so the CPU has every feature the function
+        // is compiled with; it is otherwise safe code. Exercised by
+        // `wide_and_portable_scans_agree`.
+        unsafe { changed_u16_avx2(pa, pb, idx) }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        changed_u16(pa, pb, idx)
+    }
+}
+
+/// Changed-word indices of one piece for the other widths: compares eight bytes
+/// at a time and looks at individual words only inside lanes that differ.
+fn changed_lanes(wb: usize, pa: &[u8], pb: &[u8], idx: &mut [u16; PIECE + 8]) -> usize {
+    let bits = (wb * 8) as u32;
+    let wmask = word_mask(wb);
+    let full = pa.len() - pa.len() % 8;
+    let mut len = 0usize;
+    for (j, (a, b)) in pa[..full]
+        .chunks_exact(8)
+        .zip(pb[..full].chunks_exact(8))
         .enumerate()
     {
-        let mut any = 0u64;
-        for j in 0..CHUNK / 8 {
-            any |= lane(a, j) ^ lane(b, j);
-        }
-        if any == 0 {
-            continue;
-        }
-        for j in 0..CHUNK / 8 {
-            let (x, y) = (lane(a, j), lane(b, j));
-            let mut d = x ^ y;
-            while d != 0 {
-                let w = d.trailing_zeros() / bits;
-                let sh = w * bits;
-                f(
-                    (c * CHUNK + j * 8) / W + w as usize,
-                    (x >> sh) & wmask,
-                    (y >> sh) & wmask,
-                );
-                // Clear this word's bits (for W = 8 the mask is every bit).
-                d &= !(wmask << sh);
-            }
+        let mut d = lane(a, 0) ^ lane(b, 0);
+        while d != 0 {
+            let w = d.trailing_zeros() / bits;
+            idx[len] = (j * 8 / wb) as u16 + w as u16;
+            len += 1;
+            // Clear this word's bits (for 8-byte words the mask is every bit).
+            d &= !(wmask << (w * bits));
         }
     }
-    for i in full / W..base.len() / W {
-        let (o, n) = (read_word(base, W, i), read_word(new, W, i));
-        if o != n {
-            f(i, o, n);
+    for i in full / wb..pa.len() / wb {
+        if read_word(pa, wb, i) != read_word(pb, wb, i) {
+            idx[len] = i as u16;
+            len += 1;
         }
     }
-}
-
-/// Changed words found by [`collect_changes`], as parallel arrays.
-#[derive(Default, Debug)]
-pub struct Changes {
-    /// Word indices, ascending.
-    pub index: Vec<u64>,
-    /// Old words.
-    pub old: Vec<u64>,
-    /// New words.
-    pub new: Vec<u64>,
-}
-
-impl Changes {
-    /// Empties the arrays, keeping their capacity.
-    pub fn clear(&mut self) {
-        self.index.clear();
-        self.old.clear();
-        self.new.clear();
-    }
-
-    /// Number of changes.
-    pub fn len(&self) -> usize {
-        self.index.len()
-    }
-
-    /// Whether there is none.
-    pub fn is_empty(&self) -> bool {
-        self.index.is_empty()
-    }
-}
-
-/// Appends every changed word of `base`/`new` to `out`. The per-change work of
-/// callers then runs in their own tight loop over the arrays.
-pub fn collect_changes(wb: usize, base: &[u8], new: &[u8], out: &mut Changes) {
-    for_each_change(wb, base, new, |i, o, n| {
-        out.index.push(i as u64);
-        out.old.push(o);
-        out.new.push(n);
-    });
+    len
 }
 
 /// The baseline: counts differing `wb`-byte words with a plain branch-free
@@ -194,6 +180,24 @@ pub fn collect_changes(wb: usize, base: &[u8], new: &[u8], out: &mut Changes) {
 /// (`0x7f…`) repeated; a popcount of those top bits counts the changed words.
 pub fn count_changed_plain(wb: usize, base: &[u8], new: &[u8]) -> u64 {
     assert_eq!(base.len(), new.len(), "compared buffers differ in length");
+    // The baseline gets the same instruction set as the scan it is compared with.
+    #[cfg(target_arch = "x86_64")]
+    if super::cpu::wide() {
+        // SAFETY: only reached after `cpu::wide()` detected every feature the
+        // function is compiled with; it is otherwise safe code.
+        return unsafe { count_changed_avx2(wb, base, new) };
+    }
+    count_changed_portable(wb, base, new)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,bmi1,bmi2,lzcnt,popcnt")]
+fn count_changed_avx2(wb: usize, base: &[u8], new: &[u8]) -> u64 {
+    count_changed_portable(wb, base, new)
+}
+
+#[inline(always)]
+fn count_changed_portable(wb: usize, base: &[u8], new: &[u8]) -> u64 {
     let (low, high) = match wb {
         1 => (0x7f7f_7f7f_7f7f_7f7fu64, 0x8080_8080_8080_8080u64),
         2 => (0x7fff_7fff_7fff_7fff, 0x8000_8000_8000_8000),
@@ -243,6 +247,26 @@ mod tests {
         });
         assert_eq!(got, expect);
         assert_eq!(count_changed_plain(2, base, &new), expect.len() as u64);
+    }
+
+    #[test]
+    fn wide_and_portable_scans_agree() {
+        let base: Vec<u8> = (0..40_000u32).map(|i| (i * 31 % 253) as u8).collect();
+        let mut new = base.clone();
+        for k in (0..new.len()).step_by(37) {
+            new[k] ^= 1 << (k % 8);
+        }
+        for piece in base.chunks(PIECE).zip(new.chunks(PIECE)) {
+            let (mut a, mut b) = ([0u16; PIECE + 8], [0u16; PIECE + 8]);
+            let la = changed_u16(piece.0, piece.1, &mut a);
+            let lb = changed_u16_wide(piece.0, piece.1, &mut b);
+            assert_eq!(&a[..la], &b[..lb]);
+        }
+        assert_eq!(
+            count_changed_plain(2, &base, &new),
+            count_changed_portable(2, &base, &new)
+        );
+        eprintln!("wide path in use: {}", crate::codec::cpu::wide());
     }
 
     proptest! {
