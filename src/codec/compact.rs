@@ -605,17 +605,39 @@ fn apply_block_w<const W: usize>(
     // pos_k + 2 bits), not from the header's claim.
     let possible = (stream.len() as u64 * 8) / (e.pos_k as u64 + 2);
     undo.reserve(e.changes.min(len).min(possible) as usize * W);
-    decode_block(tensor, b, e, stream, W, len, None, |i, v| {
-        let old = load::<W>(blk, i as usize);
-        let new = v.resolve(kind, W, old);
-        if new == old {
-            return Err(unchanged_error(tensor, b, first + i));
+    // Decode ahead in batches, then touch the tensor: the old words of a batch
+    // are loaded back to back, so their cache misses overlap instead of each
+    // change waiting for its own (at low density every change is a miss).
+    // Applied entries stay a prefix of the decoded ones, as `undo_block` needs.
+    const BATCH: usize = 32;
+    let mut pending = [(0u64, Value::Raw(0)); BATCH];
+    let mut count = 0usize;
+    let mut flush = |batch: &[(u64, Value)]| -> Result<()> {
+        let mut olds = [0u64; BATCH];
+        for (o, &(i, _)) in olds.iter_mut().zip(batch) {
+            *o = load::<W>(blk, i as usize);
         }
-        undo.extend_from_slice(&old.to_le_bytes()[..W]);
-        store::<W>(blk, i as usize, new);
-        dig = dig.wrapping_add(seed.change(first + i, old, new));
+        for (&old, &(i, v)) in olds.iter().zip(batch) {
+            let new = v.resolve(kind, W, old);
+            if new == old {
+                return Err(unchanged_error(tensor, b, first + i));
+            }
+            undo.extend_from_slice(&old.to_le_bytes()[..W]);
+            store::<W>(blk, i as usize, new);
+            dig = dig.wrapping_add(seed.change(first + i, old, new));
+        }
+        Ok(())
+    };
+    decode_block(tensor, b, e, stream, W, len, None, |i, v| {
+        pending[count] = (i, v);
+        count += 1;
+        if count == BATCH {
+            flush(&pending)?;
+            count = 0;
+        }
         Ok(())
     })?;
+    flush(&pending[..count])?;
     Ok(dig)
 }
 
