@@ -23,7 +23,7 @@ use crate::digest::{Digest, TensorSeed};
 use crate::dtype::{Dtype, key_kind, word_bytes};
 use crate::error::{Error, Result};
 use crate::format::{BlockEntry, Encoding, Header, Kind, TensorEntry, entry_digest, keys};
-use crate::tensors::{Digests, TensorSet, safetensors_header, write_safetensors};
+use crate::tensors::{Digests, TensorInfo, TensorSet, safetensors_header, write_safetensors};
 
 /// What a delta is and where it sits in the version chain.
 #[derive(Clone, Copy, Debug)]
@@ -449,8 +449,7 @@ fn weightcast_jobs<'a>(
             .position(name)
             .ok_or_else(|| Error::tensor(name, "in the delta but not in the local state"))?;
         let t = &state.tensors()[idx];
-        let shape: Vec<u64> = t.shape.iter().map(|&d| d as u64).collect();
-        if e.dtype != t.dtype.to_string() || e.shape != shape {
+        if !entry_describes(e, t) {
             return Err(Error::tensor(
                 name,
                 format!(
@@ -520,6 +519,14 @@ fn weightcast_jobs<'a>(
         )));
     }
     Ok(jobs)
+}
+
+/// Whether a header entry describes this tensor (dtype, shape, element count).
+fn entry_describes(e: &TensorEntry, t: &TensorInfo) -> bool {
+    e.dtype == t.dtype.to_string()
+        && e.shape.len() == t.shape.len()
+        && e.shape.iter().zip(&t.shape).all(|(&a, &b)| a == b as u64)
+        && e.elements == t.elements()
 }
 
 fn trl_payload<'a>(name: &str, dtype: Dtype, st: &SafeTensors<'a>) -> Result<Payload<'a>> {
@@ -838,18 +845,7 @@ pub fn read_anchor(buf: Vec<u8>) -> Result<(Option<Header>, TensorSet)> {
             .tensors
             .get(&t.name)
             .ok_or_else(|| Error::tensor(&t.name, "not described in weightcast.tensors"))?;
-        let shape: Vec<u64> = t.shape.iter().map(|&d| d as u64).collect();
-        if e.dtype != t.dtype.to_string() || e.shape != shape || e.elements != t.elements() {
-            return Err(Error::tensor(
-                &t.name,
-                format!(
-                    "header describes {} {:?} ({} elements), the file holds {} {:?}",
-                    e.dtype, e.shape, e.elements, t.dtype, t.shape
-                ),
-            ));
-        }
-        let shape: Vec<u64> = t.shape.iter().map(|&d| d as u64).collect();
-        if e.dtype != t.dtype.to_string() || e.shape != shape || e.elements != t.elements() {
+        if !entry_describes(e, t) {
             return Err(Error::tensor(
                 &t.name,
                 format!(
