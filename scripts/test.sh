@@ -7,6 +7,17 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n== %s ==\n' "$*"; }
 
+# Real object-store servers the integration tests start on loopback, in a
+# virtual environment of the project's own (.ci-work/, git-ignored).
+step "test servers (moto)"
+venv=.ci-work/venv
+if [ ! -x "$venv/bin/moto_server" ]; then
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check 'moto[server]==5.*'
+fi
+export MOTO_SERVER="$PWD/$venv/bin/moto_server"
+"$MOTO_SERVER" --help >/dev/null
+
 step "format"
 cargo fmt --all -- --check
 

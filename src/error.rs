@@ -77,6 +77,23 @@ pub enum Error {
         reason: String,
     },
 
+    /// Configuration is wrong (a store URL, an option).
+    #[error("configuration: {0}")]
+    Config(String),
+
+    /// An object-store operation failed.
+    #[cfg(feature = "store")]
+    #[error("store {op} `{key}`: {source}")]
+    Store {
+        /// The operation.
+        op: String,
+        /// The object key.
+        key: String,
+        /// The backend's error.
+        #[source]
+        source: Box<object_store::Error>,
+    },
+
     /// An I/O error with the path it happened on.
     #[error("{context}: {source}")]
     Io {

@@ -19,6 +19,8 @@
 //!   and written to safetensors.
 //! - [`format`]: the object header — metadata keys, their types, validation.
 //! - [`codec`]: diff, encode, decode, apply (`compact` and `trl`), anchors.
+//! - [`store`]: the bucket — any object store opened by URL, with conditional
+//!   creates, conditional reads and a probe for stores that ignore conditions.
 //! - [`generator`]: a synthetic RL-step generator with realistic statistics, for
 //!   tests, benchmarks and the demo.
 //! - [`bench`]: the codec benchmark behind `weightcast bench codec`.
@@ -57,6 +59,8 @@ pub mod dtype;
 pub mod error;
 pub mod format;
 pub mod generator;
+#[cfg(feature = "store")]
+pub mod store;
 pub mod tensors;
 
 pub use error::{Error, Result};

@@ -1,0 +1,171 @@
+//! The store layer against every backend the suite can run: in-memory, local
+//! filesystem and S3 (moto, a real server on loopback).
+
+mod common;
+
+use bytes::Bytes;
+use weightcast::store::{ConditionalWrites, Created, Fetched, Store};
+
+fn opts(v: &[(String, String)]) -> Vec<(&str, &str)> {
+    v.iter().map(|(k, x)| (k.as_str(), x.as_str())).collect()
+}
+
+/// What every backend must do.
+async fn conformance(store: &Store, etags: bool) {
+    // Round trip, missing keys, listing in key order.
+    store.put("a/1", Bytes::from_static(b"one")).await.unwrap();
+    store.put("a/0", Bytes::from_static(b"zero")).await.unwrap();
+    store.put("b", Bytes::from_static(b"bee")).await.unwrap();
+    assert_eq!(
+        store.get("a/1").await.unwrap().as_deref(),
+        Some(&b"one"[..])
+    );
+    assert_eq!(store.get("nope").await.unwrap(), None);
+    let keys: Vec<String> = store
+        .list("a")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|l| l.key)
+        .collect();
+    assert_eq!(keys, vec!["a/0", "a/1"]);
+    let all = store.list("").await.unwrap();
+    assert!(all.iter().any(|l| l.key == "b" && l.size == 3), "{all:?}");
+
+    // Overwrite, delete, delete of a missing key.
+    store.put("b", Bytes::from_static(b"bee2")).await.unwrap();
+    assert_eq!(store.get("b").await.unwrap().as_deref(), Some(&b"bee2"[..]));
+    store.delete("b").await.unwrap();
+    store.delete("b").await.unwrap();
+    assert_eq!(store.get("b").await.unwrap(), None);
+
+    // Keys cannot climb out of the prefix.
+    assert!(store.put("../escape", Bytes::new()).await.is_err());
+    assert!(store.get("a/../../x").await.is_err());
+
+    // Conditional reads: an unchanged object costs no body.
+    if etags {
+        let Fetched::Body { etag, .. } = store.fetch("a/1", None).await.unwrap() else {
+            panic!("a/1 exists");
+        };
+        let etag = etag.expect("store reports ETags");
+        assert_eq!(
+            store.fetch("a/1", Some(&etag)).await.unwrap(),
+            Fetched::NotModified
+        );
+        store.put("a/1", Bytes::from_static(b"uno")).await.unwrap();
+        match store.fetch("a/1", Some(&etag)).await.unwrap() {
+            Fetched::Body { bytes, etag: e2 } => {
+                assert_eq!(&bytes[..], b"uno");
+                assert_ne!(e2.as_deref(), Some(etag.as_str()));
+            }
+            other => panic!("changed object not returned: {other:?}"),
+        }
+    }
+    assert_eq!(
+        store.fetch("missing", None).await.unwrap(),
+        Fetched::Missing
+    );
+}
+
+/// Stores that enforce create-if-absent: one winner among racers.
+async fn one_writer_per_key(store: &Store) {
+    assert_eq!(
+        store.probe_conditional_writes().await.unwrap(),
+        ConditionalWrites::Enforced
+    );
+    assert_eq!(
+        store.create("c/x", Bytes::from_static(b"1")).await.unwrap(),
+        Created::Created
+    );
+    assert_eq!(
+        store.create("c/x", Bytes::from_static(b"2")).await.unwrap(),
+        Created::AlreadyExists
+    );
+    assert_eq!(store.get("c/x").await.unwrap().as_deref(), Some(&b"1"[..]));
+    // Eight concurrent creators of one key: exactly one wins, and its bytes stay.
+    let racers: Vec<_> = (0..8u8)
+        .map(|i| {
+            let s = store.clone();
+            tokio::spawn(
+                async move { (i, s.create("c/race", Bytes::from(vec![i])).await.unwrap()) },
+            )
+        })
+        .collect();
+    let mut winners = Vec::new();
+    for r in racers {
+        let (i, outcome) = r.await.unwrap();
+        if outcome == Created::Created {
+            winners.push(i);
+        }
+    }
+    assert_eq!(winners.len(), 1, "winners: {winners:?}");
+    assert_eq!(
+        store.get("c/race").await.unwrap().as_deref(),
+        Some(&[winners[0]][..])
+    );
+}
+
+/// Objects above the multipart threshold round-trip.
+async fn large_object(store: &Store) {
+    let n = weightcast::store::MULTIPART_THRESHOLD + weightcast::store::PART_SIZE / 2 + 7;
+    let data: Vec<u8> = (0..n).map(|i| (i * 131 % 251) as u8).collect();
+    store
+        .put("big/object", Bytes::from(data.clone()))
+        .await
+        .unwrap();
+    let back = store
+        .get("big/object")
+        .await
+        .unwrap()
+        .expect("big object exists");
+    assert_eq!(back.len(), n);
+    assert!(back[..] == data[..], "multipart bytes differ");
+}
+
+#[tokio::test]
+async fn memory_store() {
+    let store = Store::open("memory:///some/prefix").unwrap();
+    conformance(&store, true).await;
+    one_writer_per_key(&store).await;
+    large_object(&store).await;
+}
+
+#[tokio::test]
+async fn local_filesystem_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = url::Url::from_directory_path(dir.path().join("bucket")).unwrap();
+    let store = Store::open(url.as_str()).unwrap();
+    conformance(&store, true).await;
+    one_writer_per_key(&store).await;
+    large_object(&store).await;
+    // Everything stayed inside the directory.
+    assert!(dir.path().join("bucket/a/0").exists());
+}
+
+#[tokio::test]
+async fn s3_store_on_moto() {
+    common::moto_bucket("weights").await;
+    let o = common::moto_options();
+    let store = Store::open_with("s3://weights/run-1", &opts(&o)).unwrap();
+    conformance(&store, true).await;
+    one_writer_per_key(&store).await;
+    large_object(&store).await;
+    // The prefix is honoured on the server side.
+    let root = Store::open_with("s3://weights", &opts(&o)).unwrap();
+    assert!(root.get("run-1/a/0").await.unwrap().is_some());
+}
+
+#[tokio::test]
+async fn bad_urls_are_refused_with_the_reason() {
+    for (url, needle) in [
+        ("ftp://x/y", "unknown scheme"),
+        ("not a url", "store URL"),
+        ("s3://weights", ""),
+    ] {
+        match Store::open_with(url, &[("aws_no_such_option", "1")]) {
+            Ok(_) => panic!("{url} accepted"),
+            Err(e) => assert!(e.to_string().contains(needle), "{url}: {e}"),
+        }
+    }
+}
