@@ -21,6 +21,8 @@
 //! - [`codec`]: diff, encode, decode, apply (`compact` and `trl`), anchors.
 //! - [`store`]: the bucket — any object store opened by URL, with conditional
 //!   creates, conditional reads and a probe for stores that ignore conditions.
+//! - [`protocol`]: the bucket layout and the commit protocol — objects first,
+//!   then a manifest created only if absent, then the `latest.json` hint.
 //! - [`generator`]: a synthetic RL-step generator with realistic statistics, for
 //!   tests, benchmarks and the demo.
 //! - [`bench`]: the codec benchmark behind `weightcast bench codec`.
@@ -59,6 +61,8 @@ pub mod dtype;
 pub mod error;
 pub mod format;
 pub mod generator;
+#[cfg(feature = "store")]
+pub mod protocol;
 #[cfg(feature = "store")]
 pub mod store;
 pub mod tensors;
