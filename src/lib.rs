@@ -23,6 +23,8 @@
 //!   creates, conditional reads and a probe for stores that ignore conditions.
 //! - [`protocol`]: the bucket layout and the commit protocol — objects first,
 //!   then a manifest created only if absent, then the `latest.json` hint.
+//! - [`publisher`]: checkpoints (single file or Hugging Face shards) to
+//!   committed anchors and deltas, with a persisted, verified snapshot.
 //! - [`generator`]: a synthetic RL-step generator with realistic statistics, for
 //!   tests, benchmarks and the demo.
 //! - [`bench`]: the codec benchmark behind `weightcast bench codec`.
@@ -63,6 +65,8 @@ pub mod format;
 pub mod generator;
 #[cfg(feature = "store")]
 pub mod protocol;
+#[cfg(feature = "store")]
+pub mod publisher;
 #[cfg(feature = "store")]
 pub mod store;
 pub mod tensors;

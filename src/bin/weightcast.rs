@@ -100,6 +100,30 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Publish a checkpoint (a .safetensors file or a Hugging Face directory) as
+    /// the next version; prints one JSON line.
+    Publish {
+        /// Store URL (file://, memory://, s3://, gs://, az://, http(s)://);
+        /// credentials and endpoints from AWS_*, GOOGLE_*, AZURE_* variables.
+        #[arg(long, env = "WEIGHTCAST_STORE")]
+        store: String,
+        /// The checkpoint.
+        #[arg(long)]
+        checkpoint: PathBuf,
+        /// Publisher state directory (the snapshot of the last committed version).
+        #[arg(long, env = "WEIGHTCAST_STATE", default_value = "weightcast-state")]
+        state: PathBuf,
+        /// Delta encoding: compact or trl.
+        #[arg(long, default_value = "compact")]
+        encoding: Encoding,
+        /// An anchor at least every N versions.
+        #[arg(long, default_value_t = 10)]
+        anchor_every: u64,
+        /// Accept a store that ignores conditional writes: you guarantee that
+        /// exactly one publisher writes this prefix.
+        #[arg(long)]
+        single_writer: bool,
+    },
     /// Print the header of an anchor or delta object as JSON.
     Inspect {
         /// The object.
@@ -251,6 +275,34 @@ fn main() -> Result<()> {
             codec::write_anchor(&set, version, &mut f)?;
             f.flush()?;
             println!("{}", serde_json::to_string(&report)?);
+        }
+        Command::Publish {
+            store,
+            checkpoint,
+            state,
+            encoding,
+            anchor_every,
+            single_writer,
+        } => {
+            if anchor_every == 0 {
+                bail!("--anchor-every must be at least 1");
+            }
+            let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            let published = rt.block_on(async {
+                let store = weightcast::store::Store::open(&store)?;
+                let cfg = weightcast::publisher::PublisherConfig {
+                    state_dir: state,
+                    encoding,
+                    anchors: weightcast::publisher::AnchorPolicy {
+                        every: anchor_every,
+                        ..Default::default()
+                    },
+                    single_writer,
+                };
+                let mut p = weightcast::publisher::Publisher::open(store, cfg).await?;
+                p.publish(&checkpoint).await
+            })?;
+            println!("{}", serde_json::to_string(&published)?);
         }
         Command::Inspect { path } => {
             let bytes =

@@ -1,0 +1,562 @@
+//! The publisher: turns checkpoints into committed versions.
+//!
+//! Each call to [`Publisher::publish`] takes a checkpoint — one `.safetensors`
+//! file, or a Hugging Face directory of shards plus
+//! `model.safetensors.index.json`, config and tokenizer files — and commits it
+//! as the next version: an anchor (every safetensors file in full) or a delta
+//! (per safetensors file, only the changed elements), plus every non-tensor
+//! file that is new or changed.
+//!
+//! The publisher's snapshot is the last *committed* state, kept in memory and
+//! persisted under the state directory (as anchor-format files carrying their
+//! digests, plus `state.json`) only after the commit succeeded. A restarted
+//! publisher reloads it, re-verifies its digests, and checks the bucket: if the
+//! bucket moved past the snapshot (another writer, or a crash between commit and
+//! snapshot write), or the snapshot does not verify, it publishes a fresh
+//! anchor instead of a delta.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::codec::{DeltaOptions, encode_anchor, encode_delta, read_anchor};
+use crate::error::{Error, Result};
+use crate::format::Encoding;
+use crate::protocol::{
+    Commit, Latest, MANIFEST_FORMAT, Manifest, ObjectEntry, ObjectRole, VersionKind, commit,
+    is_safe_file_name, upload_object, versions_after, write_latest, writer_token,
+};
+use crate::store::{ConditionalWrites, Store};
+use crate::tensors::{Digests, TensorSet};
+
+/// When to write an anchor instead of a delta.
+#[derive(Clone, Debug)]
+pub struct AnchorPolicy {
+    /// An anchor at least every this many versions.
+    pub every: u64,
+    /// An anchor when the deltas since the last anchor, plus this one, would
+    /// exceed this fraction of an anchor's size (what a newcomer replays).
+    pub max_replay_fraction: f64,
+    /// An anchor when a delta would exceed this fraction of the anchor's size
+    /// (e.g. after re-quantization nearly everything changed).
+    pub max_delta_fraction: f64,
+}
+
+impl Default for AnchorPolicy {
+    fn default() -> Self {
+        AnchorPolicy {
+            every: 10,
+            max_replay_fraction: 0.5,
+            max_delta_fraction: 0.3,
+        }
+    }
+}
+
+/// Publisher settings.
+#[derive(Clone, Debug)]
+pub struct PublisherConfig {
+    /// Where the snapshot and `state.json` live.
+    pub state_dir: PathBuf,
+    /// Delta encoding.
+    pub encoding: Encoding,
+    /// Anchor policy.
+    pub anchors: AnchorPolicy,
+    /// Publish even if the store ignores conditional writes (the operator
+    /// guarantees a single writer per prefix).
+    pub single_writer: bool,
+}
+
+/// What one publish did (the CLI prints it as one JSON line).
+#[derive(Clone, Debug, Serialize)]
+pub struct Published {
+    /// The committed version.
+    pub version: u64,
+    /// `anchor` or `delta`.
+    pub kind: VersionKind,
+    /// Bytes written to the bucket for this version (objects and manifest).
+    pub bytes: u64,
+    /// Changed elements (anchors: all).
+    pub changed: u64,
+    /// Elements of the checkpoint.
+    pub total: u64,
+    /// Why an anchor was written, when it was.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub anchor_reason: Option<String>,
+}
+
+/// Persisted publisher state (`state.json`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+struct State {
+    version: u64,
+    anchor_version: u64,
+    anchor_bytes: u64,
+    bytes_since_anchor: u64,
+    /// Non-tensor files of the snapshot: name → BLAKE3.
+    files: BTreeMap<String, String>,
+    /// Safetensors files of the snapshot: name → file digest.
+    tensor_files: BTreeMap<String, String>,
+}
+
+/// A checkpoint as read from disk.
+struct Checkpoint {
+    /// Safetensors files by name.
+    tensors: BTreeMap<String, TensorSet>,
+    /// Other files by name.
+    files: BTreeMap<String, Bytes>,
+}
+
+fn read_checkpoint(path: &Path) -> Result<Checkpoint> {
+    let mut cp = Checkpoint {
+        tensors: BTreeMap::new(),
+        files: BTreeMap::new(),
+    };
+    let meta =
+        std::fs::metadata(path).map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+    let entries: Vec<(String, PathBuf)> = if meta.is_dir() {
+        let mut v = Vec::new();
+        for e in std::fs::read_dir(path)
+            .map_err(|e| Error::io(format!("listing {}", path.display()), e))?
+        {
+            let e = e.map_err(|e| Error::io(format!("listing {}", path.display()), e))?;
+            let ft = e
+                .file_type()
+                .map_err(|err| Error::io(format!("reading {}", e.path().display()), err))?;
+            if ft.is_file() {
+                if let Some(name) = e.file_name().to_str() {
+                    v.push((name.to_string(), e.path()));
+                }
+            }
+        }
+        v
+    } else {
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .ok_or_else(|| Error::Config(format!("{}: not a file name", path.display())))?;
+        vec![(name.to_string(), path.to_path_buf())]
+    };
+    for (name, p) in entries {
+        if !is_safe_file_name(&name) || name.starts_with('.') {
+            continue;
+        }
+        if name.ends_with(".safetensors") {
+            cp.tensors.insert(name, TensorSet::read(&p, Digests::Skip)?);
+        } else {
+            let bytes =
+                std::fs::read(&p).map_err(|e| Error::io(format!("reading {}", p.display()), e))?;
+            cp.files.insert(name, Bytes::from(bytes));
+        }
+    }
+    if cp.tensors.is_empty() {
+        return Err(Error::Config(format!(
+            "{}: no .safetensors file",
+            path.display()
+        )));
+    }
+    Ok(cp)
+}
+
+/// Publishes checkpoints to one store prefix.
+pub struct Publisher {
+    store: Store,
+    cfg: PublisherConfig,
+    state: Option<State>,
+    snapshot: BTreeMap<String, TensorSet>,
+}
+
+impl Publisher {
+    /// Opens a publisher: probes the store's conditional writes (refusing a
+    /// store that ignores them unless `single_writer`), loads and verifies the
+    /// snapshot, and reconciles it with the bucket.
+    pub async fn open(store: Store, cfg: PublisherConfig) -> Result<Publisher> {
+        if store.probe_conditional_writes().await? == ConditionalWrites::Ignored
+            && !cfg.single_writer
+        {
+            return Err(Error::Config(format!(
+                "store `{}` accepts conditional writes but does not enforce them (a second \
+                 create-if-absent overwrote the first), so two publishers could both commit the \
+                 same version. Use a store that enforces them (AWS S3, MinIO, R2, GCS, Azure), or \
+                 pass --single-writer if exactly one publisher ever writes this prefix.",
+                store.url()
+            )));
+        }
+        let mut p = Publisher {
+            store,
+            cfg,
+            state: None,
+            snapshot: BTreeMap::new(),
+        };
+        p.load_snapshot().await;
+        Ok(p)
+    }
+
+    fn state_path(&self) -> PathBuf {
+        self.cfg.state_dir.join("state.json")
+    }
+
+    fn snapshot_dir(&self) -> PathBuf {
+        self.cfg.state_dir.join("snapshot")
+    }
+
+    /// Loads the persisted snapshot; any doubt (missing, unreadable, digests
+    /// wrong, bucket ahead of it) leaves no snapshot, so the next publish is an
+    /// anchor.
+    async fn load_snapshot(&mut self) {
+        let Ok(bytes) = std::fs::read(self.state_path()) else {
+            return;
+        };
+        let Ok(state) = serde_json::from_slice::<State>(&bytes) else {
+            tracing::warn!("publisher state unreadable; the next version will be an anchor");
+            return;
+        };
+        let mut snapshot = BTreeMap::new();
+        for (name, digest) in &state.tensor_files {
+            let path = self.snapshot_dir().join(name);
+            let loaded = std::fs::read(&path)
+                .map_err(|e| Error::io(path.display().to_string(), e))
+                .and_then(read_anchor);
+            match loaded {
+                Ok((_, set)) if set.digest().to_string() == *digest => {
+                    snapshot.insert(name.clone(), set);
+                }
+                _ => {
+                    tracing::warn!(file = %name, "snapshot file missing or corrupt; the next version will be an anchor");
+                    return;
+                }
+            }
+        }
+        match versions_after(&self.store, Some(state.version)).await {
+            Ok(newer) if newer.is_empty() => {
+                self.state = Some(state);
+                self.snapshot = snapshot;
+            }
+            Ok(newer) => {
+                tracing::warn!(
+                    snapshot = state.version,
+                    bucket = newer.last().copied().unwrap_or_default(),
+                    "the bucket is ahead of the snapshot; the next version will be an anchor"
+                );
+                // Keep numbering after the bucket's newest version.
+                self.state = Some(State {
+                    version: *newer.last().expect("non-empty"),
+                    ..State::default()
+                });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot list versions; the next version will be an anchor")
+            }
+        }
+    }
+
+    /// The last committed version, if any.
+    pub fn version(&self) -> Option<u64> {
+        self.state.as_ref().map(|s| s.version)
+    }
+
+    /// Publishes the checkpoint at `path` as the next version.
+    pub async fn publish(&mut self, path: &Path) -> Result<Published> {
+        let mut cp = read_checkpoint(path)?;
+        let next = match &self.state {
+            Some(s) => s.version + 1,
+            None => match versions_after(&self.store, None).await?.last() {
+                Some(&v) => v + 1,
+                None => 0,
+            },
+        };
+        let anchor_reason = self.anchor_reason(&cp, next);
+        let writer = writer_token();
+        let mut objects: Vec<ObjectEntry> = Vec::new();
+        let mut bytes = 0u64;
+        let mut changed = 0u64;
+        let total: u64 = cp.tensors.values().map(|t| t.total_elements()).sum();
+        let kind = if anchor_reason.is_some() {
+            VersionKind::Anchor
+        } else {
+            VersionKind::Delta
+        };
+        let mut deltas: Vec<(String, Vec<u8>)> = Vec::new();
+
+        if kind == VersionKind::Delta {
+            // Encode every delta first: if one cannot be expressed (structure
+            // changed), fall back to an anchor before uploading anything.
+            let mut fallback = None;
+            for (name, set) in cp.tensors.iter_mut() {
+                let base = &self.snapshot[name];
+                let opts = DeltaOptions {
+                    encoding: self.cfg.encoding,
+                    model_version: next,
+                    base_version: next - 1,
+                };
+                match encode_delta(base, set, &opts) {
+                    Ok((d, s)) => {
+                        changed += s.changed;
+                        deltas.push((name.clone(), d));
+                    }
+                    Err(Error::StructureChanged(why)) => {
+                        fallback = Some(format!("{name}: {why}"));
+                        break;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            let delta_bytes: u64 = deltas.iter().map(|d| d.1.len() as u64).sum();
+            let st = self.state.as_ref().expect("delta implies a state");
+            let reason = fallback.or_else(|| {
+                let anchor = st.anchor_bytes.max(1) as f64;
+                if delta_bytes as f64 > self.cfg.anchors.max_delta_fraction * anchor {
+                    Some(format!(
+                        "delta would be {:.0}% of an anchor",
+                        100.0 * delta_bytes as f64 / anchor
+                    ))
+                } else if (st.bytes_since_anchor + delta_bytes) as f64
+                    > self.cfg.anchors.max_replay_fraction * anchor
+                {
+                    Some("a newcomer's replay since the last anchor would exceed the limit".into())
+                } else {
+                    None
+                }
+            });
+            if let Some(reason) = reason {
+                return self.publish_anchor(cp, next, reason).await;
+            }
+        } else {
+            return self
+                .publish_anchor(cp, next, anchor_reason.expect("anchor"))
+                .await;
+        }
+
+        for (name, d) in deltas {
+            bytes += d.len() as u64;
+            objects.push(
+                upload_object(
+                    &self.store,
+                    next,
+                    &writer,
+                    &name,
+                    ObjectRole::Delta,
+                    Bytes::from(d),
+                )
+                .await?,
+            );
+        }
+        let st = self.state.clone().expect("delta implies a state");
+        bytes += self
+            .upload_changed_files(&cp, next, &writer, &st.files, &mut objects)
+            .await?;
+        let manifest = Manifest {
+            format: MANIFEST_FORMAT.into(),
+            version: next,
+            kind,
+            base_version: Some(next - 1),
+            anchor_version: st.anchor_version,
+            writer,
+            objects,
+        };
+        bytes += self.commit(&manifest).await?;
+        let new_state = State {
+            version: next,
+            anchor_version: st.anchor_version,
+            anchor_bytes: st.anchor_bytes,
+            bytes_since_anchor: st.bytes_since_anchor + bytes,
+            files: file_hashes(&cp),
+            tensor_files: cp
+                .tensors
+                .iter()
+                .map(|(n, t)| (n.clone(), t.digest().to_string()))
+                .collect(),
+        };
+        self.persist(cp.tensors, new_state)?;
+        Ok(Published {
+            version: next,
+            kind,
+            bytes,
+            changed,
+            total,
+            anchor_reason: None,
+        })
+    }
+
+    fn anchor_reason(&self, cp: &Checkpoint, next: u64) -> Option<String> {
+        let Some(st) = &self.state else {
+            return Some(
+                "no trusted snapshot (first version, or the snapshot could not be verified)".into(),
+            );
+        };
+        if self.snapshot.is_empty() {
+            return Some("no trusted snapshot".into());
+        }
+        if next - st.anchor_version >= self.cfg.anchors.every {
+            return Some(format!("every {} versions", self.cfg.anchors.every));
+        }
+        let same_files = cp.tensors.len() == self.snapshot.len()
+            && cp.tensors.keys().all(|k| self.snapshot.contains_key(k));
+        if !same_files {
+            return Some("the set of safetensors files changed".into());
+        }
+        None
+    }
+
+    async fn publish_anchor(
+        &mut self,
+        mut cp: Checkpoint,
+        next: u64,
+        reason: String,
+    ) -> Result<Published> {
+        let writer = writer_token();
+        let mut objects = Vec::new();
+        let mut bytes = 0u64;
+        let total: u64 = cp.tensors.values().map(|t| t.total_elements()).sum();
+        for (name, set) in cp.tensors.iter_mut() {
+            if !set.has_digests() {
+                set.compute_digests();
+            }
+            let (a, _) = encode_anchor(set, next)?;
+            bytes += a.len() as u64;
+            objects.push(
+                upload_object(
+                    &self.store,
+                    next,
+                    &writer,
+                    name,
+                    ObjectRole::Anchor,
+                    Bytes::from(a),
+                )
+                .await?,
+            );
+        }
+        let anchor_bytes = bytes;
+        bytes += self
+            .upload_changed_files(&cp, next, &writer, &BTreeMap::new(), &mut objects)
+            .await?;
+        let manifest = Manifest {
+            format: MANIFEST_FORMAT.into(),
+            version: next,
+            kind: VersionKind::Anchor,
+            base_version: None,
+            anchor_version: next,
+            writer,
+            objects,
+        };
+        bytes += self.commit(&manifest).await?;
+        let new_state = State {
+            version: next,
+            anchor_version: next,
+            anchor_bytes,
+            bytes_since_anchor: 0,
+            files: file_hashes(&cp),
+            tensor_files: cp
+                .tensors
+                .iter()
+                .map(|(n, t)| (n.clone(), t.digest().to_string()))
+                .collect(),
+        };
+        self.persist(cp.tensors, new_state)?;
+        Ok(Published {
+            version: next,
+            kind: VersionKind::Anchor,
+            bytes,
+            changed: total,
+            total,
+            anchor_reason: Some(reason),
+        })
+    }
+
+    /// Uploads the non-tensor files that differ from `previous` (name → BLAKE3).
+    async fn upload_changed_files(
+        &self,
+        cp: &Checkpoint,
+        version: u64,
+        writer: &str,
+        previous: &BTreeMap<String, String>,
+        objects: &mut Vec<ObjectEntry>,
+    ) -> Result<u64> {
+        let mut bytes = 0;
+        for (name, body) in &cp.files {
+            let hash = blake3::hash(body).to_hex().to_string();
+            if previous.get(name) == Some(&hash) {
+                continue;
+            }
+            bytes += body.len() as u64;
+            objects.push(
+                upload_object(
+                    &self.store,
+                    version,
+                    writer,
+                    name,
+                    ObjectRole::File,
+                    body.clone(),
+                )
+                .await?,
+            );
+        }
+        Ok(bytes)
+    }
+
+    /// Commits a manifest and updates the hint; returns the manifest's size.
+    async fn commit(&self, manifest: &Manifest) -> Result<u64> {
+        match commit(&self.store, manifest).await? {
+            Commit::Committed => {}
+            Commit::VersionTaken => {
+                return Err(Error::Config(format!(
+                    "version {} was committed by another publisher; this publisher's objects are \
+                     not visible. Restart it to continue after the bucket's newest version.",
+                    manifest.version
+                )));
+            }
+        }
+        write_latest(
+            &self.store,
+            &Latest {
+                version: manifest.version,
+                anchor_version: manifest.anchor_version,
+            },
+        )
+        .await?;
+        Ok(serde_json::to_vec_pretty(manifest)
+            .map(|v| v.len() as u64)
+            .unwrap_or(0))
+    }
+
+    /// Makes the committed checkpoint the snapshot, in memory and on disk:
+    /// files go to a fresh directory that replaces the old one, then
+    /// `state.json` is replaced; a crash in between is caught on reload by the
+    /// digest check or the bucket-ahead check.
+    fn persist(&mut self, tensors: BTreeMap<String, TensorSet>, state: State) -> Result<()> {
+        let dir = self.snapshot_dir();
+        let tmp = self.cfg.state_dir.join("snapshot.tmp");
+        let io = |what: &str, p: &Path, e| Error::io(format!("{what} {}", p.display()), e);
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp).map_err(|e| io("creating", &tmp, e))?;
+        for (name, set) in &tensors {
+            let p = tmp.join(name);
+            let mut f = std::io::BufWriter::new(
+                std::fs::File::create(&p).map_err(|e| io("creating", &p, e))?,
+            );
+            crate::codec::write_anchor(set, state.version, &mut f)?;
+            use std::io::Write;
+            f.flush().map_err(|e| io("writing", &p, e))?;
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::rename(&tmp, &dir).map_err(|e| io("renaming", &tmp, e))?;
+        let sp = self.state_path();
+        let st_tmp = sp.with_extension("json.tmp");
+        std::fs::write(
+            &st_tmp,
+            serde_json::to_vec_pretty(&state).expect("state serializes"),
+        )
+        .map_err(|e| io("writing", &st_tmp, e))?;
+        std::fs::rename(&st_tmp, &sp).map_err(|e| io("renaming", &st_tmp, e))?;
+        self.snapshot = tensors;
+        self.state = Some(state);
+        Ok(())
+    }
+}
+
+fn file_hashes(cp: &Checkpoint) -> BTreeMap<String, String> {
+    cp.files
+        .iter()
+        .map(|(n, b)| (n.clone(), blake3::hash(b).to_hex().to_string()))
+        .collect()
+}
