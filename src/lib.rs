@@ -25,6 +25,8 @@
 //!   then a manifest created only if absent, then the `latest.json` hint.
 //! - [`publisher`]: checkpoints (single file or Hugging Face shards) to
 //!   committed anchors and deltas, with a persisted, verified snapshot.
+//! - [`subscriber`]: catch up from the bucket (newest anchor or local state
+//!   plus deltas), verify, and switch an output directory atomically.
 //! - [`generator`]: a synthetic RL-step generator with realistic statistics, for
 //!   tests, benchmarks and the demo.
 //! - [`bench`]: the codec benchmark behind `weightcast bench codec`.
@@ -69,6 +71,8 @@ pub mod protocol;
 pub mod publisher;
 #[cfg(feature = "store")]
 pub mod store;
+#[cfg(feature = "store")]
+pub mod subscriber;
 pub mod tensors;
 
 pub use error::{Error, Result};

@@ -124,6 +124,22 @@ enum Command {
         #[arg(long)]
         single_writer: bool,
     },
+    /// Keep DIR at the newest committed version: replay, verify, switch
+    /// DIR/current atomically. With --once, catch up, print one JSON line, exit.
+    Subscribe {
+        /// Store URL (see `publish`).
+        #[arg(long, env = "WEIGHTCAST_STORE")]
+        store: String,
+        /// Output directory; the checkpoint is at DIR/current.
+        #[arg(long)]
+        out: PathBuf,
+        /// Catch up once and exit (non-zero if no verified state was reached).
+        #[arg(long)]
+        once: bool,
+        /// Seconds between polls.
+        #[arg(long, default_value_t = 5.0)]
+        poll_interval: f64,
+    },
     /// Print the header of an anchor or delta object as JSON.
     Inspect {
         /// The object.
@@ -303,6 +319,39 @@ fn main() -> Result<()> {
                 p.publish(&checkpoint).await
             })?;
             println!("{}", serde_json::to_string(&published)?);
+        }
+        Command::Subscribe {
+            store,
+            out,
+            once,
+            poll_interval,
+        } => {
+            if !(poll_interval > 0.0 && poll_interval.is_finite()) {
+                bail!("--poll-interval must be a positive number of seconds");
+            }
+            let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            rt.block_on(async {
+                let store = weightcast::store::Store::open(&store)?;
+                std::fs::create_dir_all(&out)
+                    .with_context(|| format!("creating {}", out.display()))?;
+                loop {
+                    match weightcast::subscriber::catch_up(&store, &out).await {
+                        Ok(Some(c)) => {
+                            if once || c.previous != Some(c.version) {
+                                println!("{}", serde_json::to_string(&c)?);
+                            }
+                        }
+                        Ok(None) if once => bail!("the bucket has no committed version yet"),
+                        Ok(None) => {}
+                        Err(e) if once => return Err(e.into()),
+                        Err(e) => tracing::error!(error = %e, "catch-up failed; will retry"),
+                    }
+                    if once {
+                        return Ok(());
+                    }
+                    tokio::time::sleep(std::time::Duration::from_secs_f64(poll_interval)).await;
+                }
+            })?;
         }
         Command::Inspect { path } => {
             let bytes =
