@@ -361,11 +361,7 @@ impl Publisher {
             anchor_bytes: st.anchor_bytes,
             bytes_since_anchor: st.bytes_since_anchor + bytes,
             files: file_hashes(&cp),
-            tensor_files: cp
-                .tensors
-                .iter()
-                .map(|(n, t)| (n.clone(), t.digest().to_string()))
-                .collect(),
+            tensor_files: tensor_digests(&cp),
         };
         self.persist(cp.tensors, new_state)?;
         Ok(Published {
@@ -446,11 +442,7 @@ impl Publisher {
             anchor_bytes,
             bytes_since_anchor: 0,
             files: file_hashes(&cp),
-            tensor_files: cp
-                .tensors
-                .iter()
-                .map(|(n, t)| (n.clone(), t.digest().to_string()))
-                .collect(),
+            tensor_files: tensor_digests(&cp),
         };
         self.persist(cp.tensors, new_state)?;
         Ok(Published {
@@ -552,6 +544,13 @@ impl Publisher {
         self.state = Some(state);
         Ok(())
     }
+}
+
+fn tensor_digests(cp: &Checkpoint) -> BTreeMap<String, String> {
+    cp.tensors
+        .iter()
+        .map(|(n, t)| (n.clone(), t.digest().to_string()))
+        .collect()
 }
 
 fn file_hashes(cp: &Checkpoint) -> BTreeMap<String, String> {

@@ -281,15 +281,8 @@ struct Job<'a> {
 /// files written by other tools (applied with full structural checks; `verified`
 /// is false because they carry no digests).
 pub fn apply_delta(state: &mut TensorSet, bytes: &[u8]) -> Result<ApplyReport> {
-    let (n, meta) =
-        SafeTensors::read_metadata(bytes).map_err(|e| Error::Container(e.to_string()))?;
+    let (n, map) = metadata_map(bytes)?;
     let st = SafeTensors::deserialize(bytes).map_err(|e| Error::Container(e.to_string()))?;
-    let map: BTreeMap<String, String> = meta
-        .metadata()
-        .clone()
-        .unwrap_or_default()
-        .into_iter()
-        .collect();
     if !state.has_digests() {
         state.compute_digests();
     }
@@ -873,16 +866,22 @@ pub fn read_anchor(buf: Vec<u8>) -> Result<(Option<Header>, TensorSet)> {
     Ok((Some(h), set))
 }
 
-/// Reads just the header of an anchor or delta object.
-pub fn inspect(bytes: &[u8]) -> Result<(BTreeMap<String, String>, Option<Header>)> {
-    let (_, meta) =
+/// Validates the container and returns the header length and `__metadata__`.
+fn metadata_map(bytes: &[u8]) -> Result<(usize, BTreeMap<String, String>)> {
+    let (n, meta) =
         SafeTensors::read_metadata(bytes).map_err(|e| Error::Container(e.to_string()))?;
-    let map: BTreeMap<String, String> = meta
+    let map = meta
         .metadata()
         .clone()
         .unwrap_or_default()
         .into_iter()
         .collect();
+    Ok((n, map))
+}
+
+/// Reads just the header of an anchor or delta object.
+pub fn inspect(bytes: &[u8]) -> Result<(BTreeMap<String, String>, Option<Header>)> {
+    let (_, map) = metadata_map(bytes)?;
     let h = Header::from_metadata(&map)?;
     Ok((map, h))
 }
