@@ -341,6 +341,93 @@ pub async fn repair_latest(store: &Store) -> Result<Option<Latest>> {
     Ok(Some(latest))
 }
 
+/// What a garbage collection removed (or would remove, in a dry run).
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct Collected {
+    /// The oldest version kept (every version before it is gone).
+    pub keep_from: Option<u64>,
+    /// Versions whose manifests were removed.
+    pub versions: Vec<u64>,
+    /// Objects removed (of removed versions, and objects no manifest references).
+    pub objects: u64,
+    /// Bytes those objects held.
+    pub bytes: u64,
+}
+
+/// Retention: keeps the newest `keep_anchors` anchors and every version after
+/// the oldest of them; removes older versions (manifest first, so a version
+/// vanishes at once, then its objects) and objects that no manifest references
+/// (a losing writer's uploads), except those of versions newer than the newest
+/// commit, which a publisher may be uploading right now. Subscribers behind the
+/// kept range re-bootstrap from a kept anchor.
+pub async fn collect_garbage(
+    store: &Store,
+    keep_anchors: usize,
+    dry_run: bool,
+) -> Result<Collected> {
+    if keep_anchors == 0 {
+        return Err(Error::Config("keep at least one anchor".into()));
+    }
+    let versions = versions_after(store, None).await?;
+    let Some(&newest) = versions.last() else {
+        return Ok(Collected::default());
+    };
+    let mut manifests = std::collections::BTreeMap::new();
+    for &v in &versions {
+        if let Some(m) = read_manifest(store, v).await? {
+            manifests.insert(v, m);
+        }
+    }
+    let anchors: Vec<u64> = manifests
+        .values()
+        .filter(|m| m.kind == VersionKind::Anchor)
+        .map(|m| m.version)
+        .collect();
+    let keep_from = if anchors.len() >= keep_anchors {
+        anchors[anchors.len() - keep_anchors]
+    } else {
+        anchors.first().copied().unwrap_or(0)
+    };
+    let mut out = Collected {
+        keep_from: Some(keep_from),
+        ..Collected::default()
+    };
+    // Objects referenced by the versions we keep.
+    let referenced: std::collections::HashSet<&str> = manifests
+        .range(keep_from..)
+        .flat_map(|(_, m)| m.objects.iter().map(|o| o.key.as_str()))
+        .collect();
+    for &v in manifests.keys().filter(|&&v| v < keep_from) {
+        out.versions.push(v);
+        if !dry_run {
+            store.delete(&manifest_key(v)).await?;
+        }
+    }
+    for l in store.list(OBJECTS_PREFIX).await? {
+        if referenced.contains(l.key.as_str()) {
+            continue;
+        }
+        // objects/<version:020>-<writer>/<file>
+        let version = l
+            .key
+            .strip_prefix(OBJECTS_PREFIX)
+            .and_then(|r| r.strip_prefix('/'))
+            .and_then(|r| r.get(..20))
+            .and_then(|d| d.parse::<u64>().ok());
+        match version {
+            Some(v) if v <= newest => {}
+            // In flight (or not ours to judge): leave it.
+            _ => continue,
+        }
+        out.objects += 1;
+        out.bytes += l.size;
+        if !dry_run {
+            store.delete(&l.key).await?;
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -140,6 +140,19 @@ enum Command {
         #[arg(long, default_value_t = 5.0)]
         poll_interval: f64,
     },
+    /// Retention: keep the newest K anchors and every version after the oldest
+    /// of them; remove older versions and unreferenced objects. Prints JSON.
+    Gc {
+        /// Store URL (see `publish`).
+        #[arg(long, env = "WEIGHTCAST_STORE")]
+        store: String,
+        /// Anchors to keep.
+        #[arg(long, default_value_t = 2)]
+        keep_anchors: usize,
+        /// Report what would be removed without removing it.
+        #[arg(long)]
+        dry_run: bool,
+    },
     /// Print the header of an anchor or delta object as JSON.
     Inspect {
         /// The object.
@@ -352,6 +365,18 @@ fn main() -> Result<()> {
                     tokio::time::sleep(std::time::Duration::from_secs_f64(poll_interval)).await;
                 }
             })?;
+        }
+        Command::Gc {
+            store,
+            keep_anchors,
+            dry_run,
+        } => {
+            let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            let collected = rt.block_on(async {
+                let store = weightcast::store::Store::open(&store)?;
+                weightcast::protocol::collect_garbage(&store, keep_anchors, dry_run).await
+            })?;
+            println!("{}", serde_json::to_string(&collected)?);
         }
         Command::Inspect { path } => {
             let bytes =
