@@ -27,6 +27,10 @@
 //!   committed anchors and deltas, with a persisted, verified snapshot.
 //! - [`subscriber`]: catch up from the bucket (newest anchor or local state
 //!   plus deltas), verify, and switch an output directory atomically.
+//! - [`notify`]: authenticated notifications (BLAKE3-keyed MAC) and subscriber
+//!   registrations in the bucket.
+//! - [`server`]: the subscriber's HTTP endpoint (`/v1/notify`, `/v1/status`,
+//!   `/healthz`, `/metrics`), `run(listener, state, shutdown)`.
 //! - [`generator`]: a synthetic RL-step generator with realistic statistics, for
 //!   tests, benchmarks and the demo.
 //! - [`bench`]: the codec benchmark behind `weightcast bench codec`.
@@ -66,9 +70,13 @@ pub mod error;
 pub mod format;
 pub mod generator;
 #[cfg(feature = "store")]
+pub mod notify;
+#[cfg(feature = "store")]
 pub mod protocol;
 #[cfg(feature = "store")]
 pub mod publisher;
+#[cfg(feature = "store")]
+pub mod server;
 #[cfg(feature = "store")]
 pub mod store;
 #[cfg(feature = "store")]

@@ -66,6 +66,10 @@ pub struct PublisherConfig {
     /// Publish even if the store ignores conditional writes (the operator
     /// guarantees a single writer per prefix).
     pub single_writer: bool,
+    /// Subscribers to notify besides those registered in the bucket.
+    pub notify_urls: Vec<String>,
+    /// The notify secret; without it no notification is sent.
+    pub notify_key: Option<crate::notify::Key>,
 }
 
 /// What one publish did (the CLI prints it as one JSON line).
@@ -84,6 +88,8 @@ pub struct Published {
     /// Why an anchor was written, when it was.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub anchor_reason: Option<String>,
+    /// Subscribers notified successfully.
+    pub notified: usize,
 }
 
 /// Persisted publisher state (`state.json`).
@@ -364,6 +370,7 @@ impl Publisher {
             tensor_files: tensor_digests(&cp),
         };
         self.persist(cp.tensors, new_state)?;
+        let notified = self.notify(next, st.anchor_version).await;
         Ok(Published {
             version: next,
             kind,
@@ -371,6 +378,7 @@ impl Publisher {
             changed,
             total,
             anchor_reason: None,
+            notified,
         })
     }
 
@@ -445,6 +453,7 @@ impl Publisher {
             tensor_files: tensor_digests(&cp),
         };
         self.persist(cp.tensors, new_state)?;
+        let notified = self.notify(next, next).await;
         Ok(Published {
             version: next,
             kind: VersionKind::Anchor,
@@ -452,7 +461,32 @@ impl Publisher {
             changed: total,
             total,
             anchor_reason: Some(reason),
+            notified,
         })
+    }
+
+    /// Notifies the static and registered subscribers; never fails the publish.
+    async fn notify(&self, version: u64, anchor_version: u64) -> usize {
+        let Some(key) = &self.cfg.notify_key else {
+            return 0;
+        };
+        let mut urls = self.cfg.notify_urls.clone();
+        match crate::notify::registrations(&self.store).await {
+            Ok(regs) => urls.extend(regs.into_iter().filter_map(|r| r.notify_url)),
+            Err(e) => tracing::warn!(error = %e, "cannot list subscriber registrations"),
+        }
+        urls.sort();
+        urls.dedup();
+        let n = crate::notify::Notification {
+            store: self.store.url().to_string(),
+            version,
+            anchor_version,
+        };
+        crate::notify::send(&urls, key, &n)
+            .await
+            .iter()
+            .filter(|d| d.ok)
+            .count()
     }
 
     /// Uploads the non-tensor files that differ from `previous` (name → BLAKE3).

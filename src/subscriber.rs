@@ -327,3 +327,73 @@ fn materialize(out: &Path, r: &Replica) -> Result<()> {
     }
     Ok(())
 }
+
+/// Daemon settings.
+#[derive(Clone, Debug)]
+pub struct DaemonConfig {
+    /// Output directory.
+    pub out: PathBuf,
+    /// Seconds between polls when no notification arrives.
+    pub poll_interval: std::time::Duration,
+    /// Registration id (registers in the bucket when set).
+    pub id: Option<String>,
+    /// The URL publishers should POST notifications to.
+    pub notify_url: Option<String>,
+}
+
+/// Catches up forever: after each attempt, waits for a notification or the
+/// poll interval, whichever comes first (bursts of notifications coalesce).
+/// Updates the shared status and, with an id, the bucket registration.
+pub async fn run_daemon(store: &Store, cfg: &DaemonConfig, shared: &crate::server::Shared) -> ! {
+    loop {
+        let started = std::time::Instant::now();
+        match catch_up(store, &cfg.out).await {
+            Ok(Some(c)) => {
+                if let Ok(mut s) = shared.status.lock() {
+                    let changed = s.version != Some(c.version);
+                    s.version = Some(c.version);
+                    s.newest = Some(s.newest.map_or(c.version, |v| v.max(c.version)));
+                    s.lag = s.newest.map(|n| n.saturating_sub(c.version));
+                    s.last_error = None;
+                    s.bytes_downloaded += c.downloaded;
+                    s.repairs += c.repairs;
+                    if changed {
+                        s.versions_applied += c.deltas_applied.max(1);
+                        s.last_apply_seconds = started.elapsed().as_secs_f64();
+                    }
+                }
+                if c.previous != Some(c.version) {
+                    tracing::info!(
+                        version = c.version,
+                        downloaded = c.downloaded,
+                        from_anchor = c.from_anchor,
+                        "caught up"
+                    );
+                }
+                if let Some(id) = &cfg.id {
+                    let reg = crate::notify::Registration {
+                        id: id.clone(),
+                        notify_url: cfg.notify_url.clone(),
+                        version: Some(c.version),
+                        updated_at: crate::notify::unix_now(),
+                    };
+                    if let Err(e) = crate::notify::register(store, &reg).await {
+                        tracing::warn!(error = %e, "registration failed");
+                    }
+                }
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::error!(error = %e, "catch-up failed; keeping the current version");
+                if let Ok(mut s) = shared.status.lock() {
+                    s.failures += 1;
+                    s.last_error = Some(e.to_string());
+                }
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(cfg.poll_interval) => {}
+            _ = shared.wake.notified() => {}
+        }
+    }
+}

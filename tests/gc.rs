@@ -24,6 +24,8 @@ async fn gc_suite(store: Store) {
             ..AnchorPolicy::default()
         },
         single_writer: false,
+        notify_urls: Vec::new(),
+        notify_key: None,
     };
     let mut p = Publisher::open(store.clone(), cfg).await.unwrap();
     let mut g = Generator::new(GeneratorConfig::tiny(2));

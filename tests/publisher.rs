@@ -22,6 +22,8 @@ fn cfg(state: &Path, every: u64) -> PublisherConfig {
             ..AnchorPolicy::default()
         },
         single_writer: false,
+        notify_urls: Vec::new(),
+        notify_key: None,
     }
 }
 

@@ -32,6 +32,8 @@ impl Trainer {
                 ..AnchorPolicy::default()
             },
             single_writer: false,
+            notify_urls: Vec::new(),
+            notify_key: None,
         };
         Trainer {
             g: Generator::new(GeneratorConfig::tiny(9)),

@@ -123,6 +123,12 @@ enum Command {
         /// exactly one publisher writes this prefix.
         #[arg(long)]
         single_writer: bool,
+        /// Subscriber notify URL (repeatable), besides those registered in the bucket.
+        #[arg(long = "notify")]
+        notify: Vec<String>,
+        /// Shared secret for notifications (16+ characters); without it none are sent.
+        #[arg(long, env = "WEIGHTCAST_NOTIFY_KEY", hide_env_values = true)]
+        notify_key: Option<String>,
     },
     /// Keep DIR at the newest committed version: replay, verify, switch
     /// DIR/current atomically. With --once, catch up, print one JSON line, exit.
@@ -139,6 +145,20 @@ enum Command {
         /// Seconds between polls.
         #[arg(long, default_value_t = 5.0)]
         poll_interval: f64,
+        /// Serve /v1/notify, /v1/status, /healthz and /metrics on this address.
+        #[arg(long)]
+        listen: Option<std::net::SocketAddr>,
+        /// Shared secret for notifications (16+ characters); without it
+        /// /v1/notify refuses everything.
+        #[arg(long, env = "WEIGHTCAST_NOTIFY_KEY", hide_env_values = true)]
+        notify_key: Option<String>,
+        /// Register in the bucket under this id (so publishers notify it and
+        /// retention knows its version).
+        #[arg(long)]
+        id: Option<String>,
+        /// The notify URL to register (default: http://<listen>/v1/notify).
+        #[arg(long)]
+        advertise: Option<String>,
     },
     /// Retention: keep the newest K anchors and every version after the oldest
     /// of them; remove older versions and unreferenced objects. Prints JSON.
@@ -312,6 +332,8 @@ fn main() -> Result<()> {
             encoding,
             anchor_every,
             single_writer,
+            notify,
+            notify_key,
         } => {
             if anchor_every == 0 {
                 bail!("--anchor-every must be at least 1");
@@ -327,6 +349,11 @@ fn main() -> Result<()> {
                         ..Default::default()
                     },
                     single_writer,
+                    notify_urls: notify,
+                    notify_key: notify_key
+                        .as_deref()
+                        .map(weightcast::notify::Key::new)
+                        .transpose()?,
                 };
                 let mut p = weightcast::publisher::Publisher::open(store, cfg).await?;
                 p.publish(&checkpoint).await
@@ -338,32 +365,58 @@ fn main() -> Result<()> {
             out,
             once,
             poll_interval,
+            listen,
+            notify_key,
+            id,
+            advertise,
         } => {
             if !(poll_interval > 0.0 && poll_interval.is_finite()) {
                 bail!("--poll-interval must be a positive number of seconds");
             }
+            let key = notify_key
+                .as_deref()
+                .map(weightcast::notify::Key::new)
+                .transpose()?;
             let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             rt.block_on(async {
                 let store = weightcast::store::Store::open(&store)?;
                 std::fs::create_dir_all(&out)
                     .with_context(|| format!("creating {}", out.display()))?;
-                loop {
-                    match weightcast::subscriber::catch_up(&store, &out).await {
-                        Ok(Some(c)) => {
-                            if once || c.previous != Some(c.version) {
-                                println!("{}", serde_json::to_string(&c)?);
-                            }
+                if once {
+                    return match weightcast::subscriber::catch_up(&store, &out).await? {
+                        Some(c) => {
+                            println!("{}", serde_json::to_string(&c)?);
+                            Ok(())
                         }
-                        Ok(None) if once => bail!("the bucket has no committed version yet"),
-                        Ok(None) => {}
-                        Err(e) if once => return Err(e.into()),
-                        Err(e) => tracing::error!(error = %e, "catch-up failed; will retry"),
-                    }
-                    if once {
-                        return Ok(());
-                    }
-                    tokio::time::sleep(std::time::Duration::from_secs_f64(poll_interval)).await;
+                        None => bail!("the bucket has no committed version yet"),
+                    };
                 }
+                let shared = weightcast::server::Shared::new(store.url(), key);
+                let mut notify_url = advertise;
+                if let Some(addr) = listen {
+                    let listener = tokio::net::TcpListener::bind(addr)
+                        .await
+                        .with_context(|| format!("binding {addr}"))?;
+                    let bound = listener.local_addr()?;
+                    notify_url.get_or_insert_with(|| format!("http://{bound}/v1/notify"));
+                    tracing::info!(%bound, "serving /v1/notify, /v1/status, /healthz, /metrics");
+                    let s = shared.clone();
+                    tokio::spawn(async move {
+                        let stop = async {
+                            let _ = tokio::signal::ctrl_c().await;
+                        };
+                        if let Err(e) = weightcast::server::run(listener, s, stop).await {
+                            tracing::error!(error = %e, "HTTP server stopped");
+                        }
+                    });
+                }
+                let cfg = weightcast::subscriber::DaemonConfig {
+                    out,
+                    poll_interval: std::time::Duration::from_secs_f64(poll_interval),
+                    id,
+                    notify_url,
+                };
+                weightcast::subscriber::run_daemon(&store, &cfg, &shared).await
             })?;
         }
         Command::Gc {
