@@ -108,15 +108,12 @@ async fn gc_suite(store: Store) {
 
 #[tokio::test]
 async fn gc_on_local_filesystem() {
-    let dir = tempfile::tempdir().unwrap();
-    let url = url::Url::from_directory_path(dir.path()).unwrap();
-    gc_suite(Store::open(url.as_str()).unwrap()).await;
+    let (store, _dir) = common::local_store();
+    gc_suite(store).await;
 }
 
 #[tokio::test]
 async fn gc_on_s3_moto() {
-    common::moto_bucket("gc-test").await;
-    let o = common::moto_options();
-    let opts: Vec<(&str, &str)> = o.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    gc_suite(Store::open_with("s3://gc-test/run", &opts).unwrap()).await;
+    let store = common::moto_store("gc-test", "run").await;
+    gc_suite(store).await;
 }

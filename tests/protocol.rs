@@ -166,15 +166,12 @@ async fn protocol_on_memory() {
 
 #[tokio::test]
 async fn protocol_on_local_filesystem() {
-    let dir = tempfile::tempdir().unwrap();
-    let url = url::Url::from_directory_path(dir.path()).unwrap();
-    protocol_suite(&Store::open(url.as_str()).unwrap()).await;
+    let (store, _dir) = common::local_store();
+    protocol_suite(&store).await;
 }
 
 #[tokio::test]
 async fn protocol_on_s3_moto() {
-    common::moto_bucket("protocol").await;
-    let o = common::moto_options();
-    let opts: Vec<(&str, &str)> = o.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    protocol_suite(&Store::open_with("s3://protocol/run", &opts).unwrap()).await;
+    let store = common::moto_store("protocol", "run").await;
+    protocol_suite(&store).await;
 }

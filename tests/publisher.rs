@@ -224,15 +224,12 @@ async fn publisher_suite(store: Store) {
 
 #[tokio::test]
 async fn publisher_on_local_filesystem() {
-    let dir = tempfile::tempdir().unwrap();
-    let url = url::Url::from_directory_path(dir.path()).unwrap();
-    publisher_suite(Store::open(url.as_str()).unwrap()).await;
+    let (store, _dir) = common::local_store();
+    publisher_suite(store).await;
 }
 
 #[tokio::test]
 async fn publisher_on_s3_moto() {
-    common::moto_bucket("publisher").await;
-    let o = common::moto_options();
-    let opts: Vec<(&str, &str)> = o.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    publisher_suite(Store::open_with("s3://publisher/run", &opts).unwrap()).await;
+    let store = common::moto_store("publisher", "run").await;
+    publisher_suite(store).await;
 }

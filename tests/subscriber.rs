@@ -180,15 +180,12 @@ async fn suite(store: Store) {
 
 #[tokio::test]
 async fn subscribers_on_local_filesystem() {
-    let dir = tempfile::tempdir().unwrap();
-    let url = url::Url::from_directory_path(dir.path()).unwrap();
-    suite(Store::open(url.as_str()).unwrap()).await;
+    let (store, _dir) = common::local_store();
+    suite(store).await;
 }
 
 #[tokio::test]
 async fn subscribers_on_s3_moto() {
-    common::moto_bucket("subscriber").await;
-    let o = common::moto_options();
-    let opts: Vec<(&str, &str)> = o.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    suite(Store::open_with("s3://subscriber/run", &opts).unwrap()).await;
+    let store = common::moto_store("subscriber", "run").await;
+    suite(store).await;
 }

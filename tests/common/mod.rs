@@ -109,3 +109,22 @@ pub fn moto_options() -> Vec<(String, String)> {
         ("aws_region".into(), "us-east-1".into()),
     ]
 }
+
+/// A store on a local directory (kept alive by the returned guard).
+pub fn local_store() -> (weightcast::store::Store, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let url = url::Url::from_directory_path(dir.path()).expect("absolute path");
+    (
+        weightcast::store::Store::open(url.as_str()).expect("local store"),
+        dir,
+    )
+}
+
+/// A store on a fresh moto bucket, under `prefix`.
+pub async fn moto_store(bucket: &str, prefix: &str) -> weightcast::store::Store {
+    moto_bucket(bucket).await;
+    let o = moto_options();
+    let opts: Vec<(&str, &str)> = o.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    weightcast::store::Store::open_with(&format!("s3://{bucket}/{prefix}"), &opts)
+        .expect("s3 store")
+}
