@@ -185,6 +185,50 @@ pub async fn registrations(store: &Store) -> Result<Vec<Registration>> {
     Ok(out)
 }
 
+/// One subscriber in the fleet view.
+#[derive(Clone, Debug, Serialize)]
+pub struct FleetMember {
+    /// Its registration.
+    #[serde(flatten)]
+    pub registration: Registration,
+    /// Committed versions it has not applied.
+    pub lag: Option<u64>,
+    /// Seconds since it last wrote its registration.
+    pub seen_seconds_ago: u64,
+}
+
+/// The fleet view behind `weightcast status`.
+#[derive(Clone, Debug, Serialize)]
+pub struct Fleet {
+    /// The newest committed version.
+    pub newest: Option<u64>,
+    /// Registered subscribers, by id.
+    pub subscribers: Vec<FleetMember>,
+}
+
+/// Reads the newest version and every registration.
+pub async fn fleet(store: &Store) -> Result<Fleet> {
+    let newest = crate::protocol::versions_after(store, None)
+        .await?
+        .last()
+        .copied();
+    let now = unix_now();
+    let mut subscribers: Vec<FleetMember> = registrations(store)
+        .await?
+        .into_iter()
+        .map(|r| FleetMember {
+            lag: newest.zip(r.version).map(|(n, v)| n.saturating_sub(v)),
+            seen_seconds_ago: now.saturating_sub(r.updated_at),
+            registration: r,
+        })
+        .collect();
+    subscribers.sort_by(|a, b| a.registration.id.cmp(&b.registration.id));
+    Ok(Fleet {
+        newest,
+        subscribers,
+    })
+}
+
 /// Outcome of notifying one subscriber.
 #[derive(Clone, Debug, Serialize)]
 pub struct Delivery {

@@ -173,6 +173,13 @@ enum Command {
         #[arg(long)]
         dry_run: bool,
     },
+    /// Fleet view: the newest committed version and every registered
+    /// subscriber with its version and lag, as JSON.
+    Status {
+        /// Store URL (see `publish`).
+        #[arg(long, env = "WEIGHTCAST_STORE")]
+        store: String,
+    },
     /// Print the header of an anchor or delta object as JSON.
     Inspect {
         /// The object.
@@ -418,6 +425,14 @@ fn main() -> Result<()> {
                 };
                 weightcast::subscriber::run_daemon(&store, &cfg, &shared).await
             })?;
+        }
+        Command::Status { store } => {
+            let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            let view = rt.block_on(async {
+                let store = weightcast::store::Store::open(&store)?;
+                weightcast::notify::fleet(&store).await
+            })?;
+            println!("{}", serde_json::to_string_pretty(&view)?);
         }
         Command::Gc {
             store,
