@@ -130,6 +130,40 @@ enum Command {
         #[arg(long, env = "WEIGHTCAST_NOTIFY_KEY", hide_env_values = true)]
         notify_key: Option<String>,
     },
+    /// Publisher daemon: `POST /v1/publish {"checkpoint": PATH}` (bearer token)
+    /// publishes PATH as the next version and answers the same JSON as `publish`.
+    Publisher {
+        /// Store URL (see `publish`).
+        #[arg(long, env = "WEIGHTCAST_STORE")]
+        store: String,
+        /// Publisher state directory.
+        #[arg(long, env = "WEIGHTCAST_STATE", default_value = "weightcast-state")]
+        state: PathBuf,
+        /// Address to serve on.
+        #[arg(long, default_value = "127.0.0.1:8470")]
+        listen: std::net::SocketAddr,
+        /// Bearer token clients must present (16+ characters).
+        #[arg(long, env = "WEIGHTCAST_API_TOKEN", hide_env_values = true)]
+        token: String,
+        /// Only checkpoints under this directory may be published.
+        #[arg(long)]
+        checkpoint_root: PathBuf,
+        /// Delta encoding: compact or trl.
+        #[arg(long, default_value = "compact")]
+        encoding: Encoding,
+        /// An anchor at least every N versions.
+        #[arg(long, default_value_t = 10)]
+        anchor_every: u64,
+        /// Accept a store that ignores conditional writes (single writer).
+        #[arg(long)]
+        single_writer: bool,
+        /// Subscriber notify URL (repeatable).
+        #[arg(long = "notify")]
+        notify: Vec<String>,
+        /// Shared secret for notifications.
+        #[arg(long, env = "WEIGHTCAST_NOTIFY_KEY", hide_env_values = true)]
+        notify_key: Option<String>,
+    },
     /// Keep DIR at the newest committed version: replay, verify, switch
     /// DIR/current atomically. With --once, catch up, print one JSON line, exit.
     Subscribe {
@@ -424,6 +458,52 @@ fn main() -> Result<()> {
                     notify_url,
                 };
                 weightcast::subscriber::run_daemon(&store, &cfg, &shared).await
+            })?;
+        }
+        Command::Publisher {
+            store,
+            state,
+            listen,
+            token,
+            checkpoint_root,
+            encoding,
+            anchor_every,
+            single_writer,
+            notify,
+            notify_key,
+        } => {
+            if anchor_every == 0 {
+                bail!("--anchor-every must be at least 1");
+            }
+            let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            rt.block_on(async {
+                let store = weightcast::store::Store::open(&store)?;
+                let cfg = weightcast::publisher::PublisherConfig {
+                    state_dir: state,
+                    encoding,
+                    anchors: weightcast::publisher::AnchorPolicy {
+                        every: anchor_every,
+                        ..Default::default()
+                    },
+                    single_writer,
+                    notify_urls: notify,
+                    notify_key: notify_key
+                        .as_deref()
+                        .map(weightcast::notify::Key::new)
+                        .transpose()?,
+                };
+                let publisher = weightcast::publisher::Publisher::open(store, cfg).await?;
+                let shared =
+                    weightcast::server::PublisherShared::new(publisher, &token, &checkpoint_root)?;
+                let listener = tokio::net::TcpListener::bind(listen)
+                    .await
+                    .with_context(|| format!("binding {listen}"))?;
+                tracing::info!(addr = %listener.local_addr()?, "serving POST /v1/publish");
+                let stop = async {
+                    let _ = tokio::signal::ctrl_c().await;
+                };
+                weightcast::server::run_publisher(listener, shared, stop).await?;
+                anyhow::Ok(())
             })?;
         }
         Command::Status { store } => {

@@ -1,0 +1,137 @@
+//! The publisher daemon over loopback HTTP: authenticated requests publish,
+//! others are refused without touching the bucket.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use weightcast::generator::{Generator, GeneratorConfig};
+use weightcast::protocol::versions_after;
+use weightcast::publisher::{AnchorPolicy, Publisher, PublisherConfig};
+use weightcast::server::PublisherShared;
+use weightcast::subscriber::catch_up;
+
+const TOKEN: &str = "test-token-0123456789";
+
+#[tokio::test]
+async fn publish_over_http() {
+    let (store, _bucket) = common::local_store();
+    let work = tempfile::tempdir().unwrap();
+    let root = work.path().join("checkpoints");
+    std::fs::create_dir_all(&root).unwrap();
+    let publisher = Publisher::open(
+        store.clone(),
+        PublisherConfig {
+            state_dir: work.path().join("state"),
+            encoding: weightcast::format::Encoding::Compact,
+            anchors: AnchorPolicy::default(),
+            single_writer: false,
+            notify_urls: Vec::new(),
+            notify_key: None,
+        },
+    )
+    .await
+    .unwrap();
+    assert!(
+        PublisherShared::new(
+            Publisher::open(
+                store.clone(),
+                PublisherConfig {
+                    state_dir: work.path().join("unused"),
+                    encoding: weightcast::format::Encoding::Compact,
+                    anchors: AnchorPolicy::default(),
+                    single_writer: false,
+                    notify_urls: Vec::new(),
+                    notify_key: None,
+                }
+            )
+            .await
+            .unwrap(),
+            "short",
+            &root
+        )
+        .is_err()
+    );
+    let shared = PublisherShared::new(publisher, TOKEN, &root).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(weightcast::server::run_publisher(
+        listener,
+        shared,
+        std::future::pending(),
+    ));
+
+    let mut g = Generator::new(GeneratorConfig::tiny(8));
+    let client = reqwest::Client::new();
+    let post = |token: &'static str, body: serde_json::Value| {
+        client
+            .post(format!("{base}/v1/publish"))
+            .header("authorization", format!("Bearer {token}"))
+            .json(&body)
+    };
+    for v in 0..2u64 {
+        if v > 0 {
+            g.step();
+        }
+        let dir = root.join(format!("step-{v}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut f = std::fs::File::create(dir.join("model.safetensors")).unwrap();
+        g.snapshot().write_to(&BTreeMap::new(), &mut f).unwrap();
+        let r = post(TOKEN, serde_json::json!({ "checkpoint": dir }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        let out: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(out["version"], v);
+        assert_eq!(out["kind"], if v == 0 { "anchor" } else { "delta" });
+        assert!(out["bytes"].as_u64().unwrap() > 0);
+    }
+
+    // Refusals: no change to the bucket.
+    let outside = work.path().join("elsewhere");
+    std::fs::create_dir_all(&outside).unwrap();
+    let cases = [
+        (
+            post(
+                "wrong-token-0123456789",
+                serde_json::json!({ "checkpoint": root.join("step-1") }),
+            ),
+            401,
+        ),
+        (
+            post(TOKEN, serde_json::json!({ "checkpoint": outside })),
+            403,
+        ),
+        (
+            post(
+                TOKEN,
+                serde_json::json!({ "checkpoint": root.join("step-1/../../elsewhere") }),
+            ),
+            403,
+        ),
+        (
+            post(
+                TOKEN,
+                serde_json::json!({ "checkpoint": root.join("missing") }),
+            ),
+            400,
+        ),
+        (post(TOKEN, serde_json::json!({ "path": "x" })), 400),
+    ];
+    for (req, want) in cases {
+        assert_eq!(req.send().await.unwrap().status().as_u16(), want);
+    }
+    let no_auth = client
+        .post(format!("{base}/v1/publish"))
+        .json(&serde_json::json!({ "checkpoint": root.join("step-1") }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(no_auth.status().as_u16(), 401);
+    assert_eq!(versions_after(&store, None).await.unwrap(), vec![0, 1]);
+
+    // What was published replays.
+    let sub = work.path().join("sub");
+    assert_eq!(catch_up(&store, &sub).await.unwrap().unwrap().version, 1);
+}
