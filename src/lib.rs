@@ -29,6 +29,8 @@
 //!   plus deltas), verify, and switch an output directory atomically.
 //! - [`notify`]: authenticated notifications (BLAKE3-keyed MAC) and subscriber
 //!   registrations in the bucket.
+//! - [`hooks`]: engine hand-off after each version (SGLang, vLLM, webhook,
+//!   command), with the engine pause measured.
 //! - [`server`]: the subscriber's HTTP endpoint (`/v1/notify`, `/v1/status`,
 //!   `/healthz`, `/metrics`), `run(listener, state, shutdown)`.
 //! - [`generator`]: a synthetic RL-step generator with realistic statistics, for
@@ -69,6 +71,8 @@ pub mod dtype;
 pub mod error;
 pub mod format;
 pub mod generator;
+#[cfg(feature = "store")]
+pub mod hooks;
 #[cfg(feature = "store")]
 pub mod notify;
 #[cfg(feature = "store")]

@@ -46,6 +46,10 @@ pub struct Status {
     pub refused: u64,
     /// Seconds spent in the last catch-up that changed the version.
     pub last_apply_seconds: f64,
+    /// The engine's pause window for the last version (pause answered → resume answered).
+    pub last_pause_seconds: f64,
+    /// Hooks that failed.
+    pub hook_failures: u64,
 }
 
 /// State shared by the HTTP handlers and the catch-up loop.
@@ -202,6 +206,18 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
         "gauge",
         "Duration of the last catch-up that changed the version.",
         s.last_apply_seconds,
+    );
+    metric(
+        "weightcast_engine_pause_seconds",
+        "gauge",
+        "Engine pause window of the last version (pause answered to resume answered).",
+        s.last_pause_seconds,
+    );
+    metric(
+        "weightcast_hook_failures_total",
+        "counter",
+        "Hooks that failed.",
+        s.hook_failures as f64,
     );
     ([("content-type", "text/plain; version=0.0.4")], out)
 }

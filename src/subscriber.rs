@@ -50,6 +50,10 @@ pub struct CaughtUp {
     pub from_anchor: bool,
     /// Repairs: replays that failed verification and were redone from an anchor.
     pub repairs: u64,
+    /// Tensors changed by the deltas applied since the last anchor load, sorted
+    /// (empty when an anchor was loaded: everything may have changed).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub changed_tensors: Vec<String>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -64,6 +68,8 @@ struct Replica {
     version: u64,
     tensors: BTreeMap<String, TensorSet>,
     files: BTreeMap<String, Vec<u8>>,
+    /// Tensors changed by deltas since the last anchor this replica loaded.
+    changed: std::collections::BTreeSet<String>,
 }
 
 /// Catches `out` up to the newest committed version of `store`. Returns `None`
@@ -82,6 +88,7 @@ pub async fn catch_up(store: &Store, out: &Path) -> Result<Option<CaughtUp>> {
                 deltas_applied: 0,
                 from_anchor: false,
                 repairs: 0,
+                changed_tensors: Vec::new(),
             }));
         }
     }
@@ -126,6 +133,11 @@ pub async fn catch_up(store: &Store, out: &Path) -> Result<Option<CaughtUp>> {
         deltas_applied: applied,
         from_anchor,
         repairs,
+        changed_tensors: if from_anchor {
+            Vec::new()
+        } else {
+            replica.changed.into_iter().collect()
+        },
     }))
 }
 
@@ -161,6 +173,7 @@ async fn apply_manifest(store: &Store, r: &mut Replica, m: &Manifest) -> Result<
                     ));
                 }
                 r.tensors.insert(o.name.clone(), set);
+                r.changed.clear();
             }
             ObjectRole::Delta => {
                 let set = r.tensors.get_mut(&o.name).ok_or_else(|| {
@@ -179,6 +192,7 @@ async fn apply_manifest(store: &Store, r: &mut Replica, m: &Manifest) -> Result<
                         ),
                     ));
                 }
+                r.changed.extend(report.changed_tensors);
             }
             ObjectRole::File => {
                 r.files.insert(o.name.clone(), body);
@@ -198,6 +212,7 @@ async fn bootstrap(store: &Store, anchor: u64, to: u64) -> Result<(Replica, u64,
         version: anchor,
         tensors: BTreeMap::new(),
         files: BTreeMap::new(),
+        changed: Default::default(),
     };
     let mut bytes = apply_manifest(store, &mut r, &m).await?;
     let (r, more, applied) = replay_from(store, r, to).await?;
@@ -241,6 +256,7 @@ fn load_local(out: &Path) -> Option<(LocalState, Replica)> {
         version: state.version,
         tensors: BTreeMap::new(),
         files: BTreeMap::new(),
+        changed: Default::default(),
     };
     for entry in std::fs::read_dir(&dir).ok()? {
         let entry = entry.ok()?;
@@ -339,6 +355,8 @@ pub struct DaemonConfig {
     pub id: Option<String>,
     /// The URL publishers should POST notifications to.
     pub notify_url: Option<String>,
+    /// What runs after each new version (engine reloads, webhooks, commands).
+    pub hooks: Vec<crate::hooks::Hook>,
 }
 
 /// Catches up forever: after each attempt, waits for a notification or the
@@ -369,6 +387,16 @@ pub async fn run_daemon(store: &Store, cfg: &DaemonConfig, shared: &crate::serve
                         from_anchor = c.from_anchor,
                         "caught up"
                     );
+                    let event = crate::hooks::Event {
+                        version: c.version,
+                        dir: cfg.out.join("current"),
+                        changed_tensors: c.changed_tensors.clone(),
+                    };
+                    let report = crate::hooks::run(&cfg.hooks, &event).await;
+                    if let Ok(mut s) = shared.status.lock() {
+                        s.last_pause_seconds = report.pause_seconds;
+                        s.hook_failures += report.failed as u64;
+                    }
                 }
                 if let Some(id) = &cfg.id {
                     let reg = crate::notify::Registration {

@@ -29,6 +29,7 @@ async fn start_subscriber(store: &Store, out: &std::path::Path) -> (Arc<Shared>,
         poll_interval: Duration::from_secs(3600),
         id: Some("rollout-1".into()),
         notify_url: Some(format!("{base}/v1/notify")),
+        hooks: Vec::new(),
     };
     let (st, sh) = (store.clone(), shared.clone());
     tokio::spawn(async move { run_daemon(&st, &cfg, &sh).await });

@@ -193,6 +193,10 @@ enum Command {
         /// The notify URL to register (default: http://<listen>/v1/notify).
         #[arg(long)]
         advertise: Option<String>,
+        /// After each new version (repeatable): sglang:URL, vllm:URL,
+        /// webhook:URL or command:CMD.
+        #[arg(long = "hook")]
+        hooks: Vec<weightcast::hooks::Hook>,
     },
     /// Retention: keep the newest K anchors and every version after the oldest
     /// of them; remove older versions and unreferenced objects. Prints JSON.
@@ -410,6 +414,7 @@ fn main() -> Result<()> {
             notify_key,
             id,
             advertise,
+            hooks,
         } => {
             if !(poll_interval > 0.0 && poll_interval.is_finite()) {
                 bail!("--poll-interval must be a positive number of seconds");
@@ -426,6 +431,21 @@ fn main() -> Result<()> {
                 if once {
                     return match weightcast::subscriber::catch_up(&store, &out).await? {
                         Some(c) => {
+                            if c.previous != Some(c.version) {
+                                let event = weightcast::hooks::Event {
+                                    version: c.version,
+                                    dir: out.join("current"),
+                                    changed_tensors: c.changed_tensors.clone(),
+                                };
+                                let report = weightcast::hooks::run(&hooks, &event).await;
+                                if report.failed > 0 {
+                                    bail!(
+                                        "{} hook(s) failed after switching to version {}",
+                                        report.failed,
+                                        c.version
+                                    );
+                                }
+                            }
                             println!("{}", serde_json::to_string(&c)?);
                             Ok(())
                         }
@@ -456,6 +476,7 @@ fn main() -> Result<()> {
                     poll_interval: std::time::Duration::from_secs_f64(poll_interval),
                     id,
                     notify_url,
+                    hooks,
                 };
                 weightcast::subscriber::run_daemon(&store, &cfg, &shared).await
             })?;
