@@ -186,8 +186,8 @@ enum Command {
         /// /v1/notify refuses everything.
         #[arg(long, env = "WEIGHTCAST_NOTIFY_KEY", hide_env_values = true)]
         notify_key: Option<String>,
-        /// Register in the bucket under this id (so publishers notify it and
-        /// retention knows its version).
+        /// Register in the bucket under this id (so publishers find and notify
+        /// it, and `weightcast status` lists it).
         #[arg(long)]
         id: Option<String>,
         /// The notify URL to register (default: http://<listen>/v1/notify).
