@@ -10,23 +10,13 @@ use weightcast::generator::{Generator, GeneratorConfig};
 use weightcast::protocol::{
     ObjectRole, collect_garbage, upload_object, versions_after, writer_token,
 };
-use weightcast::publisher::{AnchorPolicy, Publisher, PublisherConfig};
+use weightcast::publisher::Publisher;
 use weightcast::store::Store;
 use weightcast::subscriber::catch_up;
 
 async fn gc_suite(store: Store) {
     let work = tempfile::tempdir().unwrap();
-    let cfg = PublisherConfig {
-        state_dir: work.path().join("state"),
-        encoding: weightcast::format::Encoding::Compact,
-        anchors: AnchorPolicy {
-            every: 4,
-            ..AnchorPolicy::default()
-        },
-        single_writer: false,
-        notify_urls: Vec::new(),
-        notify_key: None,
-    };
+    let cfg = common::publisher_config(&work.path().join("state"), 4, None);
     let mut p = Publisher::open(store.clone(), cfg).await.unwrap();
     let mut g = Generator::new(GeneratorConfig::tiny(2));
     let sub = work.path().join("sub");

@@ -16,7 +16,7 @@ use axum::http::Uri;
 use axum::routing::post;
 use weightcast::generator::{Generator, GeneratorConfig};
 use weightcast::hooks::Hook;
-use weightcast::publisher::{AnchorPolicy, Publisher, PublisherConfig};
+use weightcast::publisher::Publisher;
 use weightcast::server::Shared;
 use weightcast::subscriber::{DaemonConfig, run_daemon};
 
@@ -73,14 +73,7 @@ async fn hooks_run_after_each_verified_version() {
     ];
     let mut publisher = Publisher::open(
         store.clone(),
-        PublisherConfig {
-            state_dir: work.path().join("pub"),
-            encoding: weightcast::format::Encoding::Compact,
-            anchors: AnchorPolicy::default(),
-            single_writer: false,
-            notify_urls: Vec::new(),
-            notify_key: None,
-        },
+        common::publisher_config(&work.path().join("pub"), 10, None),
     )
     .await
     .unwrap();

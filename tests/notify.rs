@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use weightcast::generator::{Generator, GeneratorConfig};
 use weightcast::notify::{Key, SIGNATURE_HEADER, TIMESTAMP_HEADER, registrations, unix_now};
-use weightcast::publisher::{AnchorPolicy, Publisher, PublisherConfig};
+use weightcast::publisher::Publisher;
 use weightcast::server::Shared;
 use weightcast::store::Store;
 use weightcast::subscriber::{DaemonConfig, run_daemon};
@@ -67,14 +67,11 @@ async fn notifications_wake_subscribers_and_bad_ones_are_refused() {
     };
     let mut publisher = Publisher::open(
         store.clone(),
-        PublisherConfig {
-            state_dir: work.path().join("pub"),
-            encoding: weightcast::format::Encoding::Compact,
-            anchors: AnchorPolicy::default(),
-            single_writer: false,
-            notify_urls: Vec::new(),
-            notify_key: Some(Key::new(SECRET).unwrap()),
-        },
+        common::publisher_config(
+            &work.path().join("pub"),
+            10,
+            Some(Key::new(SECRET).unwrap()),
+        ),
     )
     .await
     .unwrap();
@@ -101,14 +98,7 @@ async fn notifications_wake_subscribers_and_bad_ones_are_refused() {
     // v2 committed without notifying anyone (a publisher without the key).
     let mut quiet = Publisher::open(
         store.clone(),
-        PublisherConfig {
-            state_dir: work.path().join("pub"),
-            encoding: weightcast::format::Encoding::Compact,
-            anchors: AnchorPolicy::default(),
-            single_writer: false,
-            notify_urls: Vec::new(),
-            notify_key: None,
-        },
+        common::publisher_config(&work.path().join("pub"), 10, None),
     )
     .await
     .unwrap();

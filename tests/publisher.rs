@@ -9,22 +9,12 @@ use std::path::Path;
 use weightcast::codec::{apply_delta, read_anchor};
 use weightcast::generator::{Generator, GeneratorConfig};
 use weightcast::protocol::{ObjectRole, VersionKind, read_manifest, versions_after};
-use weightcast::publisher::{AnchorPolicy, Publisher, PublisherConfig};
+use weightcast::publisher::{Publisher, PublisherConfig};
 use weightcast::store::Store;
 use weightcast::tensors::TensorSet;
 
 fn cfg(state: &Path, every: u64) -> PublisherConfig {
-    PublisherConfig {
-        state_dir: state.to_path_buf(),
-        encoding: weightcast::format::Encoding::Compact,
-        anchors: AnchorPolicy {
-            every,
-            ..AnchorPolicy::default()
-        },
-        single_writer: false,
-        notify_urls: Vec::new(),
-        notify_key: None,
-    }
+    common::publisher_config(state, every, None)
 }
 
 /// Writes a generator snapshot as a two-shard HF checkpoint with a config.

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use weightcast::generator::{Generator, GeneratorConfig};
 use weightcast::protocol::versions_after;
-use weightcast::publisher::{AnchorPolicy, Publisher, PublisherConfig};
+use weightcast::publisher::Publisher;
 use weightcast::server::PublisherShared;
 use weightcast::subscriber::catch_up;
 
@@ -21,14 +21,7 @@ async fn publish_over_http() {
     std::fs::create_dir_all(&root).unwrap();
     let publisher = Publisher::open(
         store.clone(),
-        PublisherConfig {
-            state_dir: work.path().join("state"),
-            encoding: weightcast::format::Encoding::Compact,
-            anchors: AnchorPolicy::default(),
-            single_writer: false,
-            notify_urls: Vec::new(),
-            notify_key: None,
-        },
+        common::publisher_config(&work.path().join("state"), 10, None),
     )
     .await
     .unwrap();
@@ -36,14 +29,7 @@ async fn publish_over_http() {
         PublisherShared::new(
             Publisher::open(
                 store.clone(),
-                PublisherConfig {
-                    state_dir: work.path().join("unused"),
-                    encoding: weightcast::format::Encoding::Compact,
-                    anchors: AnchorPolicy::default(),
-                    single_writer: false,
-                    notify_urls: Vec::new(),
-                    notify_key: None,
-                }
+                common::publisher_config(&work.path().join("unused"), 10, None)
             )
             .await
             .unwrap(),

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use bytes::Bytes;
 use weightcast::generator::{Generator, GeneratorConfig};
 use weightcast::protocol::{ObjectRole, read_manifest};
-use weightcast::publisher::{AnchorPolicy, Publisher, PublisherConfig};
+use weightcast::publisher::Publisher;
 use weightcast::store::Store;
 use weightcast::subscriber::catch_up;
 use weightcast::tensors::{Digests, TensorSet};
@@ -24,17 +24,7 @@ struct Trainer {
 
 impl Trainer {
     async fn new(store: &Store, work: &Path, every: u64) -> Trainer {
-        let cfg = PublisherConfig {
-            state_dir: work.join("pub-state"),
-            encoding: weightcast::format::Encoding::Compact,
-            anchors: AnchorPolicy {
-                every,
-                ..AnchorPolicy::default()
-            },
-            single_writer: false,
-            notify_urls: Vec::new(),
-            notify_key: None,
-        };
+        let cfg = common::publisher_config(&work.join("pub-state"), every, None);
         Trainer {
             g: Generator::new(GeneratorConfig::tiny(9)),
             work: work.to_path_buf(),

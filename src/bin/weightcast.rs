@@ -103,42 +103,15 @@ enum Command {
     /// Publish a checkpoint (a .safetensors file or a Hugging Face directory) as
     /// the next version; prints one JSON line.
     Publish {
-        /// Store URL (file://, memory://, s3://, gs://, az://, http(s)://);
-        /// credentials and endpoints from AWS_*, GOOGLE_*, AZURE_* variables.
-        #[arg(long, env = "WEIGHTCAST_STORE")]
-        store: String,
         /// The checkpoint.
         #[arg(long)]
         checkpoint: PathBuf,
-        /// Publisher state directory (the snapshot of the last committed version).
-        #[arg(long, env = "WEIGHTCAST_STATE", default_value = "weightcast-state")]
-        state: PathBuf,
-        /// Delta encoding: compact or trl.
-        #[arg(long, default_value = "compact")]
-        encoding: Encoding,
-        /// An anchor at least every N versions.
-        #[arg(long, default_value_t = 10)]
-        anchor_every: u64,
-        /// Accept a store that ignores conditional writes: you guarantee that
-        /// exactly one publisher writes this prefix.
-        #[arg(long)]
-        single_writer: bool,
-        /// Subscriber notify URL (repeatable), besides those registered in the bucket.
-        #[arg(long = "notify")]
-        notify: Vec<String>,
-        /// Shared secret for notifications (16+ characters); without it none are sent.
-        #[arg(long, env = "WEIGHTCAST_NOTIFY_KEY", hide_env_values = true)]
-        notify_key: Option<String>,
+        #[command(flatten)]
+        opts: PublishOpts,
     },
     /// Publisher daemon: `POST /v1/publish {"checkpoint": PATH}` (bearer token)
     /// publishes PATH as the next version and answers the same JSON as `publish`.
     Publisher {
-        /// Store URL (see `publish`).
-        #[arg(long, env = "WEIGHTCAST_STORE")]
-        store: String,
-        /// Publisher state directory.
-        #[arg(long, env = "WEIGHTCAST_STATE", default_value = "weightcast-state")]
-        state: PathBuf,
         /// Address to serve on.
         #[arg(long, default_value = "127.0.0.1:8470")]
         listen: std::net::SocketAddr,
@@ -148,21 +121,8 @@ enum Command {
         /// Only checkpoints under this directory may be published.
         #[arg(long)]
         checkpoint_root: PathBuf,
-        /// Delta encoding: compact or trl.
-        #[arg(long, default_value = "compact")]
-        encoding: Encoding,
-        /// An anchor at least every N versions.
-        #[arg(long, default_value_t = 10)]
-        anchor_every: u64,
-        /// Accept a store that ignores conditional writes (single writer).
-        #[arg(long)]
-        single_writer: bool,
-        /// Subscriber notify URL (repeatable).
-        #[arg(long = "notify")]
-        notify: Vec<String>,
-        /// Shared secret for notifications.
-        #[arg(long, env = "WEIGHTCAST_NOTIFY_KEY", hide_env_values = true)]
-        notify_key: Option<String>,
+        #[command(flatten)]
+        opts: PublishOpts,
     },
     /// Keep DIR at the newest committed version: replay, verify, switch
     /// DIR/current atomically. With --once, catch up, print one JSON line, exit.
@@ -223,6 +183,60 @@ enum Command {
         /// The object.
         path: PathBuf,
     },
+}
+
+/// Flags shared by `publish` and `publisher`.
+#[derive(clap::Args)]
+struct PublishOpts {
+    /// Store URL (file://, memory://, s3://, gs://, az://, http(s)://);
+    /// credentials and endpoints from AWS_*, GOOGLE_*, AZURE_* variables.
+    #[arg(long, env = "WEIGHTCAST_STORE")]
+    store: String,
+    /// Publisher state directory (the snapshot of the last committed version).
+    #[arg(long, env = "WEIGHTCAST_STATE", default_value = "weightcast-state")]
+    state: PathBuf,
+    /// Delta encoding: compact or trl.
+    #[arg(long, default_value = "compact")]
+    encoding: Encoding,
+    /// An anchor at least every N versions.
+    #[arg(long, default_value_t = 10)]
+    anchor_every: u64,
+    /// Accept a store that ignores conditional writes: you guarantee that
+    /// exactly one publisher writes this prefix.
+    #[arg(long)]
+    single_writer: bool,
+    /// Subscriber notify URL (repeatable), besides those registered in the bucket.
+    #[arg(long = "notify")]
+    notify: Vec<String>,
+    /// Shared secret for notifications (16+ characters); without it none are sent.
+    #[arg(long, env = "WEIGHTCAST_NOTIFY_KEY", hide_env_values = true)]
+    notify_key: Option<String>,
+}
+
+impl PublishOpts {
+    /// Opens the store and the publisher these flags describe.
+    async fn open(self) -> Result<weightcast::publisher::Publisher> {
+        if self.anchor_every == 0 {
+            bail!("--anchor-every must be at least 1");
+        }
+        let store = weightcast::store::Store::open(&self.store)?;
+        let cfg = weightcast::publisher::PublisherConfig {
+            state_dir: self.state,
+            encoding: self.encoding,
+            anchors: weightcast::publisher::AnchorPolicy {
+                every: self.anchor_every,
+                ..Default::default()
+            },
+            single_writer: self.single_writer,
+            notify_urls: self.notify,
+            notify_key: self
+                .notify_key
+                .as_deref()
+                .map(weightcast::notify::Key::new)
+                .transpose()?,
+        };
+        Ok(weightcast::publisher::Publisher::open(store, cfg).await?)
+    }
 }
 
 #[derive(Subcommand)]
@@ -370,38 +384,11 @@ fn main() -> Result<()> {
             f.flush()?;
             println!("{}", serde_json::to_string(&report)?);
         }
-        Command::Publish {
-            store,
-            checkpoint,
-            state,
-            encoding,
-            anchor_every,
-            single_writer,
-            notify,
-            notify_key,
-        } => {
-            if anchor_every == 0 {
-                bail!("--anchor-every must be at least 1");
-            }
+        Command::Publish { checkpoint, opts } => {
             let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             let published = rt.block_on(async {
-                let store = weightcast::store::Store::open(&store)?;
-                let cfg = weightcast::publisher::PublisherConfig {
-                    state_dir: state,
-                    encoding,
-                    anchors: weightcast::publisher::AnchorPolicy {
-                        every: anchor_every,
-                        ..Default::default()
-                    },
-                    single_writer,
-                    notify_urls: notify,
-                    notify_key: notify_key
-                        .as_deref()
-                        .map(weightcast::notify::Key::new)
-                        .transpose()?,
-                };
-                let mut p = weightcast::publisher::Publisher::open(store, cfg).await?;
-                p.publish(&checkpoint).await
+                let mut p = opts.open().await?;
+                anyhow::Ok(p.publish(&checkpoint).await?)
             })?;
             println!("{}", serde_json::to_string(&published)?);
         }
@@ -482,38 +469,14 @@ fn main() -> Result<()> {
             })?;
         }
         Command::Publisher {
-            store,
-            state,
             listen,
             token,
             checkpoint_root,
-            encoding,
-            anchor_every,
-            single_writer,
-            notify,
-            notify_key,
+            opts,
         } => {
-            if anchor_every == 0 {
-                bail!("--anchor-every must be at least 1");
-            }
             let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             rt.block_on(async {
-                let store = weightcast::store::Store::open(&store)?;
-                let cfg = weightcast::publisher::PublisherConfig {
-                    state_dir: state,
-                    encoding,
-                    anchors: weightcast::publisher::AnchorPolicy {
-                        every: anchor_every,
-                        ..Default::default()
-                    },
-                    single_writer,
-                    notify_urls: notify,
-                    notify_key: notify_key
-                        .as_deref()
-                        .map(weightcast::notify::Key::new)
-                        .transpose()?,
-                };
-                let publisher = weightcast::publisher::Publisher::open(store, cfg).await?;
+                let publisher = opts.open().await?;
                 let shared =
                     weightcast::server::PublisherShared::new(publisher, &token, &checkpoint_root)?;
                 let listener = tokio::net::TcpListener::bind(listen)

@@ -128,3 +128,22 @@ pub async fn moto_store(bucket: &str, prefix: &str) -> weightcast::store::Store 
     weightcast::store::Store::open_with(&format!("s3://{bucket}/{prefix}"), &opts)
         .expect("s3 store")
 }
+
+/// A compact-encoding publisher configuration for tests.
+pub fn publisher_config(
+    state_dir: &std::path::Path,
+    anchor_every: u64,
+    notify_key: Option<weightcast::notify::Key>,
+) -> weightcast::publisher::PublisherConfig {
+    weightcast::publisher::PublisherConfig {
+        state_dir: state_dir.to_path_buf(),
+        encoding: weightcast::format::Encoding::Compact,
+        anchors: weightcast::publisher::AnchorPolicy {
+            every: anchor_every,
+            ..Default::default()
+        },
+        single_writer: false,
+        notify_urls: Vec::new(),
+        notify_key,
+    }
+}
