@@ -94,6 +94,17 @@ pub enum Error {
         source: Box<object_store::Error>,
     },
 
+    /// A bucket object is larger than the reader accepts for it.
+    #[error("object `{key}` is {size} bytes, more than the {max} accepted for it")]
+    TooLarge {
+        /// The object key.
+        key: String,
+        /// Its size.
+        size: u64,
+        /// The limit.
+        max: u64,
+    },
+
     /// An I/O error with the path it happened on.
     #[error("{context}: {source}")]
     Io {

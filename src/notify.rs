@@ -174,8 +174,14 @@ pub async fn registrations(store: &Store) -> Result<Vec<Registration>> {
             tracing::warn!(key = %l.key, "oversized registration ignored");
             continue;
         }
-        let Some(body) = store.get(&l.key).await? else {
-            continue;
+        // The listing's size is only a hint: the read enforces the limit too.
+        let body = match store.get_at_most(&l.key, MAX_BODY as u64).await {
+            Ok(Some(body)) => body,
+            Ok(None) => continue,
+            Err(e) => {
+                tracing::warn!(key = %l.key, error = %e, "unreadable registration ignored");
+                continue;
+            }
         };
         match serde_json::from_slice::<Registration>(&body) {
             Ok(r) if valid_id(&r.id) => out.push(r),

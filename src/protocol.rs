@@ -283,12 +283,9 @@ pub async fn read_latest(
     store: &Store,
     known: Option<&str>,
 ) -> Result<Option<(Latest, Option<String>)>> {
-    match store.fetch(LATEST_KEY, known).await? {
+    match store.fetch_at_most(LATEST_KEY, known, 4096).await? {
         Fetched::NotModified | Fetched::Missing => Ok(None),
         Fetched::Body { bytes, etag } => {
-            if bytes.len() > 4096 {
-                return Err(Error::metadata(LATEST_KEY, "larger than 4 KiB"));
-            }
             let l: Latest = serde_json::from_slice(&bytes)
                 .map_err(|e| Error::metadata(LATEST_KEY, e.to_string()))?;
             Ok(Some((l, etag)))
@@ -298,7 +295,10 @@ pub async fn read_latest(
 
 /// Reads and validates the manifest of `version`; `None` if not committed.
 pub async fn read_manifest(store: &Store, version: u64) -> Result<Option<Manifest>> {
-    let Some(bytes) = store.get(&manifest_key(version)).await? else {
+    let Some(bytes) = store
+        .get_at_most(&manifest_key(version), MAX_MANIFEST_BYTES as u64)
+        .await?
+    else {
         return Ok(None);
     };
     let m = Manifest::parse(&bytes)?;

@@ -11,6 +11,13 @@
 //! | `gs://bucket/prefix` | Google Cloud Storage | `GOOGLE_*` variables (`GOOGLE_SERVICE_ACCOUNT`, `GOOGLE_BASE_URL`, …) |
 //! | `az://container/prefix` | Azure Blob Storage | `AZURE_*` variables |
 //! | `http(s)://host/path` | WebDAV-style HTTP | – |
+//! | `hf://buckets/<namespace>/<bucket>/prefix` | Hugging Face Storage Buckets through their S3 gateway | `HF_S3_ACCESS_KEY_ID` / `HF_S3_SECRET_ACCESS_KEY` (or the `AWS_*` pair); `HF_S3_ENDPOINT` overrides `https://s3.hf.co` |
+//!
+//! The `hf://` preset is an S3 store with the endpoint
+//! `https://s3.hf.co/<namespace>`, path-style addressing and region
+//! `us-east-1`, as the gateway expects; its keys (`HFAK…`) are generated from a
+//! Hugging Face access token (Settings → Access Tokens → Generate S3
+//! credentials). Explicit options (`aws_*` keys) still override it.
 //!
 //! Keys are relative to the URL's path; a [`Store`] never reads or writes
 //! outside it.
@@ -78,11 +85,45 @@ pub struct Listed {
     pub size: u64,
 }
 
+/// The Hugging Face Storage Buckets S3 gateway.
+pub const HF_S3_ENDPOINT: &str = "https://s3.hf.co";
+
+/// Observer of upload progress (the CLI draws progress bars with it).
+pub trait UploadProgress: Send + Sync + std::fmt::Debug {
+    /// An upload of `bytes` bytes to `key` begins.
+    fn started(&self, key: &str, bytes: u64);
+    /// `bytes` more bytes were handed to the store (a part, or a whole small object).
+    fn advanced(&self, bytes: u64);
+}
+
 /// A bucket (and prefix) opened by URL.
 #[derive(Clone, Debug)]
 pub struct Store {
     inner: Arc<dyn ObjectStore>,
     url: String,
+    progress: Option<Arc<dyn UploadProgress>>,
+}
+
+/// Splits `hf://buckets/<namespace>/<bucket>[/prefix]` into its S3 endpoint
+/// path segment (the namespace), bucket and prefix.
+fn parse_hf(parsed: &url::Url, url: &str) -> Result<(String, String, String)> {
+    let bad = || {
+        Error::Config(format!(
+            "store URL `{url}`: expected hf://buckets/<namespace>/<bucket>[/prefix]"
+        ))
+    };
+    if parsed.host_str() != Some("buckets") {
+        return Err(bad());
+    }
+    let mut segs = parsed.path().trim_start_matches('/').splitn(3, '/');
+    let namespace = segs.next().filter(|s| !s.is_empty()).ok_or_else(bad)?;
+    let bucket = segs.next().filter(|s| !s.is_empty()).ok_or_else(bad)?;
+    let prefix = segs.next().unwrap_or("");
+    Ok((
+        namespace.to_string(),
+        bucket.to_string(),
+        prefix.to_string(),
+    ))
 }
 
 fn store_err(op: &str, key: &str, source: object_store::Error) -> Error {
@@ -138,7 +179,8 @@ impl Store {
 
     /// [`Store::open`] with explicit options that override the environment,
     /// named as object_store's configuration keys (`aws_endpoint`,
-    /// `aws_allow_http`, `google_base_url`, `azure_storage_account_name`, …).
+    /// `aws_allow_http`, `google_base_url`, `azure_storage_account_name`, …),
+    /// plus `hf_endpoint` for `hf://` stores (the gateway, without the namespace).
     pub fn open_with(url: &str, options: &[(&str, &str)]) -> Result<Store> {
         let parsed =
             url::Url::parse(url).map_err(|e| Error::Config(format!("store URL `{url}`: {e}")))?;
@@ -164,6 +206,40 @@ impl Store {
                 (
                     Arc::new(b.with_retry(retry_config()).build().map_err(bad)?),
                     parsed.path().to_string(),
+                )
+            }
+            "hf" => {
+                use object_store::aws::{AmazonS3Builder as B, AmazonS3ConfigKey as K};
+                let (namespace, bucket, prefix) = parse_hf(&parsed, url)?;
+                let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+                let endpoint = options
+                    .iter()
+                    .find(|(k, _)| *k == "hf_endpoint")
+                    .map(|(_, v)| v.to_string())
+                    .or_else(|| env("HF_S3_ENDPOINT"))
+                    .unwrap_or_else(|| HF_S3_ENDPOINT.into());
+                let options: Vec<(&str, &str)> = options
+                    .iter()
+                    .copied()
+                    .filter(|(k, _)| *k != "hf_endpoint")
+                    .collect();
+                let mut b = B::from_env()
+                    .with_bucket_name(bucket)
+                    .with_endpoint(format!("{}/{namespace}", endpoint.trim_end_matches('/')))
+                    .with_virtual_hosted_style_request(false)
+                    .with_region("us-east-1");
+                if let (Some(id), Some(secret)) =
+                    (env("HF_S3_ACCESS_KEY_ID"), env("HF_S3_SECRET_ACCESS_KEY"))
+                {
+                    b = b.with_access_key_id(id).with_secret_access_key(secret);
+                }
+                if endpoint.starts_with("http://") {
+                    b = b.with_config(K::Client(object_store::ClientConfigKey::AllowHttp), "true");
+                }
+                let b = configure(b, url, &options, |b, k, v| b.with_config(k, v))?;
+                (
+                    Arc::new(b.with_retry(retry_config()).build().map_err(bad)?),
+                    prefix,
                 )
             }
             "gs" => {
@@ -198,7 +274,7 @@ impl Store {
             }
             other => {
                 return Err(Error::Config(format!(
-                    "store URL `{url}`: unknown scheme `{other}` (expected file, memory, s3, gs, az or http(s))"
+                    "store URL `{url}`: unknown scheme `{other}` (expected file, memory, s3, gs, az, http(s) or hf)"
                 )));
             }
         };
@@ -213,7 +289,14 @@ impl Store {
         Ok(Store {
             inner,
             url: url.to_string(),
+            progress: None,
         })
+    }
+
+    /// This store, reporting its uploads to `progress`.
+    pub fn with_progress(mut self, progress: Arc<dyn UploadProgress>) -> Store {
+        self.progress = Some(progress);
+        self
     }
 
     /// Wraps an existing `object_store` backend (already scoped to its prefix).
@@ -221,6 +304,7 @@ impl Store {
         Store {
             inner,
             url: url.into(),
+            progress: None,
         }
     }
 
@@ -245,11 +329,18 @@ impl Store {
     /// [`PART_CONCURRENCY`] at a time; an incomplete upload is aborted.
     pub async fn put(&self, key: &str, bytes: Bytes) -> Result<()> {
         let path = Self::path(key)?;
+        let len = bytes.len() as u64;
+        if let Some(p) = &self.progress {
+            p.started(key, len);
+        }
         if bytes.len() < MULTIPART_THRESHOLD {
             self.inner
                 .put(&path, PutPayload::from(bytes))
                 .await
                 .map_err(|e| store_err("put", key, e))?;
+            if let Some(p) = &self.progress {
+                p.advanced(len);
+            }
             return Ok(());
         }
         let upload = self
@@ -264,6 +355,9 @@ impl Store {
                 .await
                 .map_err(|e| store_err("upload part", key, e))?;
             writer.put(bytes.slice_ref(chunk));
+            if let Some(p) = &self.progress {
+                p.advanced(chunk.len() as u64);
+            }
         }
         writer
             .finish()
@@ -291,7 +385,14 @@ impl Store {
 
     /// Reads an object; `None` when it does not exist.
     pub async fn get(&self, key: &str) -> Result<Option<Bytes>> {
-        match self.fetch(key, None).await? {
+        self.get_at_most(key, u64::MAX).await
+    }
+
+    /// Reads an object of at most `max` bytes; `None` when it does not exist.
+    /// A larger object is refused from its reported size, before its body is
+    /// read: a bucket object cannot make the reader buffer more than `max`.
+    pub async fn get_at_most(&self, key: &str, max: u64) -> Result<Option<Bytes>> {
+        match self.fetch_at_most(key, None, max).await? {
             Fetched::Body { bytes, .. } => Ok(Some(bytes)),
             Fetched::Missing => Ok(None),
             Fetched::NotModified => unreachable!("no ETag was given"),
@@ -301,6 +402,12 @@ impl Store {
     /// Reads an object unless it still has ETag `known` (a conditional GET: one
     /// small request per poll, and no body when nothing changed).
     pub async fn fetch(&self, key: &str, known: Option<&str>) -> Result<Fetched> {
+        self.fetch_at_most(key, known, u64::MAX).await
+    }
+
+    /// [`Store::fetch`], refusing an object larger than `max` bytes before
+    /// reading its body.
+    pub async fn fetch_at_most(&self, key: &str, known: Option<&str>, max: u64) -> Result<Fetched> {
         let path = Self::path(key)?;
         let opts = GetOptions {
             if_none_match: known.map(str::to_string),
@@ -308,8 +415,22 @@ impl Store {
         };
         match self.inner.get_opts(&path, opts).await {
             Ok(r) => {
+                if r.meta.size > max {
+                    return Err(Error::TooLarge {
+                        key: key.to_string(),
+                        size: r.meta.size,
+                        max,
+                    });
+                }
                 let etag = r.meta.e_tag.clone();
                 let bytes = r.bytes().await.map_err(|e| store_err("read", key, e))?;
+                if bytes.len() as u64 > max {
+                    return Err(Error::TooLarge {
+                        key: key.to_string(),
+                        size: bytes.len() as u64,
+                        max,
+                    });
+                }
                 Ok(Fetched::Body { bytes, etag })
             }
             Err(object_store::Error::NotFound { .. }) => Ok(Fetched::Missing),

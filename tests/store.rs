@@ -66,6 +66,28 @@ async fn conformance(store: &Store, etags: bool) {
         store.fetch("missing", None).await.unwrap(),
         Fetched::Missing
     );
+
+    // Size limits are enforced from the object's size, before its body is read.
+    store
+        .put("sized", Bytes::from(vec![7u8; 100]))
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .get_at_most("sized", 100)
+            .await
+            .unwrap()
+            .map(|b| b.len()),
+        Some(100)
+    );
+    match store.get_at_most("sized", 99).await {
+        Err(weightcast::Error::TooLarge {
+            size: 100, max: 99, ..
+        }) => {}
+        other => panic!("oversized object accepted: {other:?}"),
+    }
+    assert!(store.fetch_at_most("sized", None, 10).await.is_err());
+    assert_eq!(store.get_at_most("missing", 1).await.unwrap(), None);
 }
 
 /// Stores that enforce create-if-absent: one winner among racers.
@@ -106,14 +128,49 @@ async fn one_writer_per_key(store: &Store) {
     );
 }
 
-/// Objects above the multipart threshold round-trip.
+/// Counts what a store reports to its progress observer.
+#[derive(Debug, Default)]
+struct Recorder {
+    started: std::sync::Mutex<Vec<(String, u64)>>,
+    advanced: std::sync::atomic::AtomicU64,
+}
+
+impl weightcast::store::UploadProgress for Recorder {
+    fn started(&self, key: &str, bytes: u64) {
+        self.started.lock().unwrap().push((key.to_string(), bytes));
+    }
+    fn advanced(&self, bytes: u64) {
+        self.advanced
+            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Objects above the multipart threshold round-trip, and their upload is
+/// reported part by part.
 async fn large_object(store: &Store) {
     let n = weightcast::store::MULTIPART_THRESHOLD + weightcast::store::PART_SIZE / 2 + 7;
     let data: Vec<u8> = (0..n).map(|i| (i * 131 % 251) as u8).collect();
-    store
+    let progress = std::sync::Arc::new(Recorder::default());
+    let reporting = store.clone().with_progress(progress.clone());
+    reporting
         .put("big/object", Bytes::from(data.clone()))
         .await
         .unwrap();
+    reporting
+        .put("small", Bytes::from_static(b"tiny"))
+        .await
+        .unwrap();
+    assert_eq!(
+        *progress.started.lock().unwrap(),
+        vec![
+            ("big/object".to_string(), n as u64),
+            ("small".to_string(), 4)
+        ]
+    );
+    assert_eq!(
+        progress.advanced.load(std::sync::atomic::Ordering::Relaxed),
+        n as u64 + 4
+    );
     let back = store
         .get("big/object")
         .await
@@ -154,6 +211,64 @@ async fn s3_store_on_moto() {
     // The prefix is honoured on the server side.
     let root = Store::open_with("s3://weights", &opts(&o)).unwrap();
     assert!(root.get("run-1/a/0").await.unwrap().is_some());
+}
+
+/// The Hugging Face preset: `hf://buckets/<namespace>/<bucket>/prefix` is an
+/// S3 store at `<gateway>/<namespace>` with path-style requests. Pointed at
+/// moto, the namespace is the first path segment moto sees, i.e. its bucket, so
+/// the objects must land at `<namespace>/<bucket>/<prefix>/…` there: that proves
+/// the endpoint, addressing and signing are composed as the gateway expects for
+/// object requests. (Listing and bulk deletes are bucket requests, `GET
+/// <gateway>/<namespace>/<bucket>?list-type=2` and `POST …?delete`, which the
+/// gateway serves and moto, having no namespaces, cannot.)
+#[tokio::test]
+async fn hugging_face_preset_on_moto() {
+    common::moto_bucket("hf-namespace").await;
+    let port = common::moto().port;
+    let gateway = format!("http://127.0.0.1:{port}");
+    let options = [
+        ("hf_endpoint", gateway.as_str()),
+        ("aws_access_key_id", "HFAKtest"),
+        ("aws_secret_access_key", "secret"),
+    ];
+    let store = Store::open_with("hf://buckets/hf-namespace/weights/run-7", &options).unwrap();
+    store.put("a/0", Bytes::from_static(b"zero")).await.unwrap();
+    assert_eq!(
+        store.get("a/0").await.unwrap().as_deref(),
+        Some(&b"zero"[..])
+    );
+    assert_eq!(store.get("a/1").await.unwrap(), None);
+    assert_eq!(
+        store.create("c/x", Bytes::from_static(b"1")).await.unwrap(),
+        Created::Created
+    );
+    assert_eq!(
+        store.create("c/x", Bytes::from_static(b"2")).await.unwrap(),
+        Created::AlreadyExists
+    );
+    let o = common::moto_options();
+    let raw = Store::open_with("s3://hf-namespace", &opts(&o)).unwrap();
+    assert_eq!(
+        raw.get("weights/run-7/a/0").await.unwrap().as_deref(),
+        Some(&b"zero"[..])
+    );
+    assert_eq!(
+        raw.get("weights/run-7/c/x").await.unwrap().as_deref(),
+        Some(&b"1"[..])
+    );
+    for bad in [
+        "hf://buckets/only-namespace",
+        "hf://models/x/y",
+        "hf://buckets//b",
+    ] {
+        match Store::open_with(bad, &options) {
+            Ok(_) => panic!("{bad} accepted"),
+            Err(e) => assert!(
+                e.to_string().contains("hf://buckets/<namespace>"),
+                "{bad}: {e}"
+            ),
+        }
+    }
 }
 
 #[tokio::test]
