@@ -106,6 +106,9 @@ enum Command {
         /// The checkpoint.
         #[arg(long)]
         checkpoint: PathBuf,
+        /// No upload progress bar (it is drawn only when stderr is a terminal).
+        #[arg(long, short)]
+        quiet: bool,
         #[command(flatten)]
         opts: PublishOpts,
     },
@@ -188,8 +191,9 @@ enum Command {
 /// Flags shared by `publish` and `publisher`.
 #[derive(clap::Args)]
 struct PublishOpts {
-    /// Store URL (file://, memory://, s3://, gs://, az://, http(s)://);
-    /// credentials and endpoints from AWS_*, GOOGLE_*, AZURE_* variables.
+    /// Store URL (file://, memory://, s3://, gs://, az://, http(s)://,
+    /// hf://buckets/NAMESPACE/BUCKET); credentials and endpoints from AWS_*,
+    /// GOOGLE_*, AZURE_*, HF_S3_* variables.
     #[arg(long, env = "WEIGHTCAST_STORE")]
     store: String,
     /// Publisher state directory (the snapshot of the last committed version).
@@ -213,13 +217,55 @@ struct PublishOpts {
     notify_key: Option<String>,
 }
 
+/// Upload progress bars on stderr (drawn only when stderr is a terminal): one
+/// for the bytes of the version, whose length grows as objects start.
+#[derive(Debug)]
+struct UploadBars(indicatif::ProgressBar);
+
+impl UploadBars {
+    fn new() -> UploadBars {
+        let bar = indicatif::ProgressBar::with_draw_target(
+            Some(0),
+            indicatif::ProgressDrawTarget::stderr(),
+        );
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{spinner} uploading {msg:30!} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+            )
+            .expect("valid progress template"),
+        );
+        UploadBars(bar)
+    }
+}
+
+impl weightcast::store::UploadProgress for UploadBars {
+    fn started(&self, key: &str, bytes: u64) {
+        self.0.inc_length(bytes);
+        self.0
+            .set_message(key.rsplit('/').next().unwrap_or(key).to_string());
+    }
+    fn advanced(&self, bytes: u64) {
+        self.0.inc(bytes);
+    }
+}
+
+impl Drop for UploadBars {
+    fn drop(&mut self) {
+        self.0.finish_and_clear();
+    }
+}
+
 impl PublishOpts {
-    /// Opens the store and the publisher these flags describe.
-    async fn open(self) -> Result<weightcast::publisher::Publisher> {
+    /// Opens the store and the publisher these flags describe; `progress` draws
+    /// upload progress bars on a terminal.
+    async fn open(self, progress: bool) -> Result<weightcast::publisher::Publisher> {
         if self.anchor_every == 0 {
             bail!("--anchor-every must be at least 1");
         }
-        let store = weightcast::store::Store::open(&self.store)?;
+        let mut store = weightcast::store::Store::open(&self.store)?;
+        if progress {
+            store = store.with_progress(std::sync::Arc::new(UploadBars::new()));
+        }
         let cfg = weightcast::publisher::PublisherConfig {
             state_dir: self.state,
             encoding: self.encoding,
@@ -384,10 +430,14 @@ fn main() -> Result<()> {
             f.flush()?;
             println!("{}", serde_json::to_string(&report)?);
         }
-        Command::Publish { checkpoint, opts } => {
+        Command::Publish {
+            checkpoint,
+            quiet,
+            opts,
+        } => {
             let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             let published = rt.block_on(async {
-                let mut p = opts.open().await?;
+                let mut p = opts.open(!quiet).await?;
                 anyhow::Ok(p.publish(&checkpoint).await?)
             })?;
             println!("{}", serde_json::to_string(&published)?);
@@ -476,7 +526,7 @@ fn main() -> Result<()> {
         } => {
             let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             rt.block_on(async {
-                let publisher = opts.open().await?;
+                let publisher = opts.open(false).await?;
                 let shared =
                     weightcast::server::PublisherShared::new(publisher, &token, &checkpoint_root)?;
                 let listener = tokio::net::TcpListener::bind(listen)
