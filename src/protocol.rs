@@ -118,7 +118,10 @@ pub struct Manifest {
     pub version: u64,
     /// Anchor or delta.
     pub kind: VersionKind,
-    /// For deltas: the version they apply to (always `version - 1`).
+    /// The version its delta objects apply to (always `version - 1`): present
+    /// on every delta, and on an anchor that also carries *bridge* deltas from
+    /// the version before it, so that a subscriber behind the anchor can replay
+    /// across it instead of downloading it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base_version: Option<u64>,
     /// The newest anchor at or before this version.
@@ -150,11 +153,12 @@ impl Manifest {
                 self.format
             ));
         }
+        let follows = |b: u64| Some(b) == self.version.checked_sub(1);
         match (self.kind, self.base_version) {
             (VersionKind::Anchor, None) if self.anchor_version == self.version => {}
-            (VersionKind::Delta, Some(b))
-                if Some(b) == self.version.checked_sub(1) && self.anchor_version < self.version => {
+            (VersionKind::Anchor, Some(b)) if self.anchor_version == self.version && follows(b) => {
             }
+            (VersionKind::Delta, Some(b)) if follows(b) && self.anchor_version < self.version => {}
             _ => {
                 return bad(format!(
                     "inconsistent version {}, kind {:?}, base {:?}, anchor {}",
@@ -163,9 +167,18 @@ impl Manifest {
             }
         }
         let own = objects_prefix(self.version, &self.writer);
+        // A name appears once, except that an anchor with bridges lists a
+        // safetensors file twice: as an anchor object and as a delta object.
         let mut names = std::collections::HashSet::new();
         for o in &self.objects {
-            if !names.insert(o.name.as_str()) {
+            let slot = match o.role {
+                ObjectRole::Delta => 1u8,
+                ObjectRole::Anchor | ObjectRole::File => 0,
+            };
+            if !names.insert((o.name.as_str(), slot)) {
+                return bad(format!("file `{}` listed twice", o.name));
+            }
+            if o.role == ObjectRole::File && names.contains(&(o.name.as_str(), 1)) {
                 return bad(format!("file `{}` listed twice", o.name));
             }
             if !is_safe_file_name(&o.name) {
@@ -184,15 +197,63 @@ impl Manifest {
             if o.blake3.len() != 64 || !o.blake3.bytes().all(|b| b.is_ascii_hexdigit()) {
                 return bad(format!("object `{}`: blake3 is not 64 hex digits", o.key));
             }
-            let allowed = match self.kind {
-                VersionKind::Anchor => o.role != ObjectRole::Delta,
-                VersionKind::Delta => true,
+            let allowed = match (self.kind, o.role) {
+                (VersionKind::Anchor, ObjectRole::Delta) => self.base_version.is_some(),
+                (VersionKind::Delta, ObjectRole::Anchor) => false,
+                _ => true,
             };
             if !allowed {
-                return bad(format!("anchor version lists delta object `{}`", o.key));
+                return bad(format!(
+                    "{:?} version lists {:?} object `{}`",
+                    self.kind, o.role, o.key
+                ));
+            }
+        }
+        if self.kind == VersionKind::Anchor && self.base_version.is_some() {
+            // Bridges must cover every anchor file, or a replay across the
+            // anchor would keep a stale file.
+            for o in self.objects.iter().filter(|o| o.role == ObjectRole::Anchor) {
+                if !names.contains(&(o.name.as_str(), 1)) {
+                    return bad(format!("anchor file `{}` has no bridge delta", o.name));
+                }
+            }
+            if let Some(o) = self
+                .objects
+                .iter()
+                .find(|o| o.role == ObjectRole::Delta && !names.contains(&(o.name.as_str(), 0)))
+            {
+                return bad(format!("bridge delta `{}` has no anchor file", o.name));
             }
         }
         Ok(())
+    }
+
+    /// Whether a reader at `version - 1` can reach this version by applying
+    /// its delta objects (every delta version, and anchors with bridges).
+    pub fn replays_from_previous(&self) -> bool {
+        self.base_version.is_some()
+    }
+
+    /// The objects a reader applies to reach this version from the one before:
+    /// delta objects and non-tensor files.
+    pub fn replay_objects(&self) -> impl Iterator<Item = &ObjectEntry> {
+        self.objects.iter().filter(|o| o.role != ObjectRole::Anchor)
+    }
+
+    /// The objects a reader starting at this anchor downloads: anchor objects
+    /// and non-tensor files.
+    pub fn bootstrap_objects(&self) -> impl Iterator<Item = &ObjectEntry> {
+        self.objects.iter().filter(|o| o.role != ObjectRole::Delta)
+    }
+
+    /// Bytes of [`Manifest::replay_objects`].
+    pub fn replay_bytes(&self) -> u64 {
+        self.replay_objects().map(|o| o.size).sum()
+    }
+
+    /// Bytes of [`Manifest::bootstrap_objects`].
+    pub fn bootstrap_bytes(&self) -> u64 {
+        self.bootstrap_objects().map(|o| o.size).sum()
     }
 }
 
@@ -228,11 +289,46 @@ pub enum Commit {
     VersionTaken,
 }
 
-/// Uploads one object of a version and returns its manifest entry.
+/// Uploads one object of a version, at `objects/<version>-<writer>/<name>`,
+/// and returns its manifest entry.
 pub async fn upload_object(
     store: &Store,
     version: u64,
     writer: &str,
+    name: &str,
+    role: ObjectRole,
+    bytes: Bytes,
+) -> Result<ObjectEntry> {
+    upload_at(store, version, writer, "", name, role, bytes).await
+}
+
+/// Uploads an anchor's bridge delta for file `name`, at
+/// `objects/<version>-<writer>/bridge/<name>` (beside the anchor object of the
+/// same name), and returns its manifest entry.
+pub async fn upload_bridge(
+    store: &Store,
+    version: u64,
+    writer: &str,
+    name: &str,
+    bytes: Bytes,
+) -> Result<ObjectEntry> {
+    upload_at(
+        store,
+        version,
+        writer,
+        "bridge/",
+        name,
+        ObjectRole::Delta,
+        bytes,
+    )
+    .await
+}
+
+async fn upload_at(
+    store: &Store,
+    version: u64,
+    writer: &str,
+    dir: &str,
     name: &str,
     role: ObjectRole,
     bytes: Bytes,
@@ -242,7 +338,7 @@ pub async fn upload_object(
             "file name `{name}` is not a plain relative path"
         )));
     }
-    let key = format!("{}/{name}", objects_prefix(version, writer));
+    let key = format!("{}/{dir}{name}", objects_prefix(version, writer));
     let entry = ObjectEntry {
         name: name.to_string(),
         role,
@@ -341,11 +437,37 @@ pub async fn repair_latest(store: &Store) -> Result<Option<Latest>> {
     Ok(Some(latest))
 }
 
+/// What retention keeps.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Retention {
+    /// The newest this many anchors, and every version after the oldest of them.
+    pub keep_anchors: usize,
+    /// Also keep the versions a registered subscriber behind that range needs
+    /// to replay to the newest version — when replaying is cheaper for it than
+    /// downloading the newest anchor — if its registration was refreshed within
+    /// this many seconds. `None`: registrations are not consulted. A stale
+    /// registration (a subscriber that went away) pins nothing.
+    pub registration_max_age_s: Option<u64>,
+}
+
+impl Default for Retention {
+    fn default() -> Self {
+        Retention {
+            keep_anchors: 2,
+            registration_max_age_s: Some(24 * 3600),
+        }
+    }
+}
+
 /// What a garbage collection removed (or would remove, in a dry run).
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
 pub struct Collected {
     /// The oldest version kept (every version before it is gone).
     pub keep_from: Option<u64>,
+    /// Registered subscribers whose replay kept versions before the anchor
+    /// range (id → the version they hold).
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub kept_for: std::collections::BTreeMap<String, u64>,
     /// Versions whose manifests were removed.
     pub versions: Vec<u64>,
     /// Objects removed (of removed versions, and objects no manifest references).
@@ -355,16 +477,18 @@ pub struct Collected {
 }
 
 /// Retention: keeps the newest `keep_anchors` anchors and every version after
-/// the oldest of them; removes older versions (manifest first, so a version
-/// vanishes at once, then its objects) and objects that no manifest references
-/// (a losing writer's uploads), except those of versions newer than the newest
-/// commit, which a publisher may be uploading right now. Subscribers behind the
-/// kept range re-bootstrap from a kept anchor.
+/// the oldest of them, plus what fresh registered subscribers behind them need
+/// to replay (see [`Retention`]); removes older versions (manifest first, so a
+/// version vanishes at once, then its objects) and objects that no manifest
+/// references (a losing writer's uploads), except those of versions newer than
+/// the newest commit, which a publisher may be uploading right now. Other
+/// subscribers behind the kept range re-bootstrap from a kept anchor.
 pub async fn collect_garbage(
     store: &Store,
-    keep_anchors: usize,
+    retention: &Retention,
     dry_run: bool,
 ) -> Result<Collected> {
+    let keep_anchors = retention.keep_anchors;
     if keep_anchors == 0 {
         return Err(Error::Config("keep at least one anchor".into()));
     }
@@ -383,15 +507,42 @@ pub async fn collect_garbage(
         .filter(|m| m.kind == VersionKind::Anchor)
         .map(|m| m.version)
         .collect();
-    let keep_from = if anchors.len() >= keep_anchors {
+    let mut keep_from = if anchors.len() >= keep_anchors {
         anchors[anchors.len() - keep_anchors]
     } else {
         anchors.first().copied().unwrap_or(0)
     };
-    let mut out = Collected {
-        keep_from: Some(keep_from),
-        ..Collected::default()
-    };
+    let mut out = Collected::default();
+    if let Some(max_age) = retention.registration_max_age_s {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let bootstrap = manifests
+            .get(&manifests[&newest].anchor_version)
+            .map(|a| {
+                a.bootstrap_bytes()
+                    + manifests
+                        .range(a.version + 1..)
+                        .map(|(_, m)| m.replay_bytes())
+                        .sum::<u64>()
+            })
+            .unwrap_or(u64::MAX);
+        for r in crate::notify::registrations(store).await? {
+            let Some(held) = r.version else { continue };
+            if now.saturating_sub(r.updated_at) > max_age || held >= newest || held + 1 >= keep_from
+            {
+                continue;
+            }
+            if let Some(replay) = replay_cost(&manifests, held, newest) {
+                if replay < bootstrap {
+                    keep_from = keep_from.min(held + 1);
+                    out.kept_for.insert(r.id, held);
+                }
+            }
+        }
+    }
+    out.keep_from = Some(keep_from);
     // Objects referenced by the versions we keep.
     let referenced: std::collections::HashSet<&str> = manifests
         .range(keep_from..)
@@ -426,6 +577,24 @@ pub async fn collect_garbage(
         }
     }
     Ok(out)
+}
+
+/// Bytes a reader at `held` downloads to replay to `newest`, if every version
+/// in between is committed and replayable from the one before.
+fn replay_cost(
+    manifests: &std::collections::BTreeMap<u64, Manifest>,
+    held: u64,
+    newest: u64,
+) -> Option<u64> {
+    let mut bytes = 0u64;
+    for v in held + 1..=newest {
+        let m = manifests.get(&v)?;
+        if m.base_version != Some(v - 1) {
+            return None;
+        }
+        bytes += m.replay_bytes();
+    }
+    Some(bytes)
 }
 
 #[cfg(test)]
@@ -492,6 +661,58 @@ mod tests {
         m.objects.push(m.objects[0].clone());
         assert!(m.validate().unwrap_err().to_string().contains("twice"));
         assert!(Manifest::parse(b"{\"format\": 1}").is_err());
+
+        // Anchors with bridges: every anchor file has its delta and vice versa.
+        let mut anchor = manifest(4, "w");
+        anchor.kind = VersionKind::Anchor;
+        anchor.anchor_version = 4;
+        anchor.base_version = None;
+        anchor.objects[0].role = ObjectRole::Anchor;
+        anchor.validate().unwrap();
+        let mut bridged = anchor.clone();
+        bridged.base_version = Some(3);
+        assert!(
+            bridged
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("no bridge")
+        );
+        let mut bridge = anchor.objects[0].clone();
+        bridge.role = ObjectRole::Delta;
+        bridge.key = format!("{}/bridge", objects_prefix(4, "w"));
+        bridged.objects.push(bridge.clone());
+        bridged.validate().unwrap();
+        assert!(bridged.replays_from_previous() && !anchor.replays_from_previous());
+        assert_eq!(bridged.replay_objects().count(), 1);
+        assert_eq!(bridged.bootstrap_objects().count(), 1);
+        let mut m = bridged.clone();
+        m.base_version = Some(2);
+        assert!(m.validate().is_err());
+        let mut m = anchor.clone();
+        m.objects.push(bridge.clone());
+        assert!(
+            m.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("Delta object")
+        );
+        let mut m = bridged.clone();
+        m.objects.retain(|o| o.role == ObjectRole::Delta);
+        assert!(
+            m.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("no anchor file")
+        );
+        let mut m = bridged.clone();
+        m.objects.push(bridge.clone());
+        assert!(m.validate().unwrap_err().to_string().contains("twice"));
+        let mut m = bridged.clone();
+        let mut file = bridge;
+        file.role = ObjectRole::File;
+        m.objects.push(file);
+        assert!(m.validate().unwrap_err().to_string().contains("twice"));
         assert!(Manifest::parse(&vec![b' '; MAX_MANIFEST_BYTES + 1]).is_err());
     }
 

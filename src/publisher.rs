@@ -26,7 +26,7 @@ use crate::error::{Error, Result};
 use crate::format::Encoding;
 use crate::protocol::{
     Commit, Latest, MANIFEST_FORMAT, Manifest, ObjectEntry, ObjectRole, VersionKind, commit,
-    is_safe_file_name, upload_object, versions_after, write_latest, writer_token,
+    is_safe_file_name, upload_bridge, upload_object, versions_after, write_latest, writer_token,
 };
 use crate::store::{ConditionalWrites, Store};
 use crate::tensors::{Digests, TensorSet};
@@ -70,6 +70,9 @@ pub struct PublisherConfig {
     pub notify_urls: Vec<String>,
     /// The notify secret; without it no notification is sent.
     pub notify_key: Option<crate::notify::Key>,
+    /// Automatic retention, run after each anchor commit (`None`: keep
+    /// everything; `weightcast gc` can still collect).
+    pub retention: Option<crate::protocol::Retention>,
 }
 
 /// What one publish did (the CLI prints it as one JSON line).
@@ -88,8 +91,18 @@ pub struct Published {
     /// Why an anchor was written, when it was.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub anchor_reason: Option<String>,
+    /// Bytes of an anchor's bridge deltas (included in `bytes`).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub bridge_bytes: u64,
     /// Subscribers notified successfully.
     pub notified: usize,
+    /// What automatic retention removed after this version, when it ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub collected: Option<crate::protocol::Collected>,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 /// Persisted publisher state (`state.json`).
@@ -271,68 +284,63 @@ impl Publisher {
                 None => 0,
             },
         };
-        let anchor_reason = self.anchor_reason(&cp, next);
-        let writer = writer_token();
-        let mut objects: Vec<ObjectEntry> = Vec::new();
-        let mut bytes = 0u64;
-        let mut changed = 0u64;
+        let mut anchor_reason = self.anchor_reason(&cp, next);
         let total: u64 = cp.tensors.values().map(|t| t.total_elements()).sum();
-        let kind = if anchor_reason.is_some() {
-            VersionKind::Anchor
-        } else {
-            VersionKind::Delta
-        };
-        let mut deltas: Vec<(String, Vec<u8>)> = Vec::new();
 
-        if kind == VersionKind::Delta {
-            // Encode every delta first: if one cannot be expressed (structure
-            // changed), fall back to an anchor before uploading anything.
-            let mut fallback = None;
+        // Deltas against the snapshot whenever the files are the same: they are
+        // this version's delta, or the bridges of an anchor. Every one is
+        // encoded before anything is uploaded, so a tensor whose structure
+        // changed turns the version into an anchor without bridges.
+        let mut deltas: Vec<(String, Vec<u8>)> = Vec::new();
+        let mut changed = 0u64;
+        if self.diffable(&cp) {
+            let mut structure = None;
             for (name, set) in cp.tensors.iter_mut() {
-                let base = &self.snapshot[name];
                 let opts = DeltaOptions {
                     encoding: self.cfg.encoding,
                     model_version: next,
                     base_version: next - 1,
                 };
-                match encode_delta(base, set, &opts) {
+                match encode_delta(&self.snapshot[name], set, &opts) {
                     Ok((d, s)) => {
                         changed += s.changed;
                         deltas.push((name.clone(), d));
                     }
                     Err(Error::StructureChanged(why)) => {
-                        fallback = Some(format!("{name}: {why}"));
+                        structure = Some(format!("{name}: {why}"));
                         break;
                     }
                     Err(e) => return Err(e),
                 }
             }
+            let st = self.state.as_ref().expect("diffable implies a state");
+            let anchor = st.anchor_bytes.max(1) as f64;
             let delta_bytes: u64 = deltas.iter().map(|d| d.1.len() as u64).sum();
-            let st = self.state.as_ref().expect("delta implies a state");
-            let reason = fallback.or_else(|| {
-                let anchor = st.anchor_bytes.max(1) as f64;
-                if delta_bytes as f64 > self.cfg.anchors.max_delta_fraction * anchor {
-                    Some(format!(
-                        "delta would be {:.0}% of an anchor",
-                        100.0 * delta_bytes as f64 / anchor
-                    ))
-                } else if (st.bytes_since_anchor + delta_bytes) as f64
+            if let Some(why) = structure {
+                deltas.clear();
+                anchor_reason = Some(why);
+            } else if delta_bytes as f64 > self.cfg.anchors.max_delta_fraction * anchor {
+                // Nearly the model: not worth keeping even as a bridge.
+                deltas.clear();
+                anchor_reason = Some(format!(
+                    "delta would be {:.0}% of an anchor",
+                    100.0 * delta_bytes as f64 / anchor
+                ));
+            } else if anchor_reason.is_none()
+                && (st.bytes_since_anchor + delta_bytes) as f64
                     > self.cfg.anchors.max_replay_fraction * anchor
-                {
-                    Some("a newcomer's replay since the last anchor would exceed the limit".into())
-                } else {
-                    None
-                }
-            });
-            if let Some(reason) = reason {
-                return self.publish_anchor(cp, next, reason).await;
+            {
+                anchor_reason =
+                    Some("a newcomer's replay since the last anchor would exceed the limit".into());
             }
-        } else {
-            return self
-                .publish_anchor(cp, next, anchor_reason.expect("anchor"))
-                .await;
+        }
+        if let Some(reason) = anchor_reason {
+            return self.publish_anchor(cp, next, reason, deltas).await;
         }
 
+        let writer = writer_token();
+        let mut objects: Vec<ObjectEntry> = Vec::new();
+        let mut bytes = 0u64;
         for (name, d) in deltas {
             bytes += d.len() as u64;
             objects.push(
@@ -354,7 +362,7 @@ impl Publisher {
         let manifest = Manifest {
             format: MANIFEST_FORMAT.into(),
             version: next,
-            kind,
+            kind: VersionKind::Delta,
             base_version: Some(next - 1),
             anchor_version: st.anchor_version,
             writer,
@@ -373,13 +381,24 @@ impl Publisher {
         let notified = self.notify(next, st.anchor_version).await;
         Ok(Published {
             version: next,
-            kind,
+            kind: VersionKind::Delta,
             bytes,
             changed,
             total,
             anchor_reason: None,
+            bridge_bytes: 0,
             notified,
+            collected: None,
         })
+    }
+
+    /// Whether the checkpoint can be diffed against the snapshot: there is a
+    /// trusted one and it has the same safetensors files.
+    fn diffable(&self, cp: &Checkpoint) -> bool {
+        self.state.is_some()
+            && !self.snapshot.is_empty()
+            && cp.tensors.len() == self.snapshot.len()
+            && cp.tensors.keys().all(|k| self.snapshot.contains_key(k))
     }
 
     fn anchor_reason(&self, cp: &Checkpoint, next: u64) -> Option<String> {
@@ -402,11 +421,15 @@ impl Publisher {
         None
     }
 
+    /// Publishes an anchor; `bridges` (deltas from the previous version, one per
+    /// safetensors file, or none) go into the same version so that subscribers
+    /// behind it can replay across it.
     async fn publish_anchor(
         &mut self,
         mut cp: Checkpoint,
         next: u64,
         reason: String,
+        bridges: Vec<(String, Vec<u8>)>,
     ) -> Result<Published> {
         let writer = writer_token();
         let mut objects = Vec::new();
@@ -431,6 +454,13 @@ impl Publisher {
             );
         }
         let anchor_bytes = bytes;
+        let bridged = !bridges.is_empty();
+        let mut bridge_bytes = 0u64;
+        for (name, d) in bridges {
+            bridge_bytes += d.len() as u64;
+            objects.push(upload_bridge(&self.store, next, &writer, &name, Bytes::from(d)).await?);
+        }
+        bytes += bridge_bytes;
         bytes += self
             .upload_changed_files(&cp, next, &writer, &BTreeMap::new(), &mut objects)
             .await?;
@@ -438,7 +468,7 @@ impl Publisher {
             format: MANIFEST_FORMAT.into(),
             version: next,
             kind: VersionKind::Anchor,
-            base_version: None,
+            base_version: bridged.then(|| next - 1),
             anchor_version: next,
             writer,
             objects,
@@ -454,6 +484,7 @@ impl Publisher {
         };
         self.persist(cp.tensors, new_state)?;
         let notified = self.notify(next, next).await;
+        let collected = self.collect().await;
         Ok(Published {
             version: next,
             kind: VersionKind::Anchor,
@@ -461,8 +492,31 @@ impl Publisher {
             changed: total,
             total,
             anchor_reason: Some(reason),
+            bridge_bytes,
             notified,
+            collected,
         })
+    }
+
+    /// Automatic retention after an anchor; never fails the publish.
+    async fn collect(&self) -> Option<crate::protocol::Collected> {
+        let retention = self.cfg.retention.as_ref()?;
+        match crate::protocol::collect_garbage(&self.store, retention, false).await {
+            Ok(c) => {
+                tracing::info!(
+                    keep_from = ?c.keep_from,
+                    versions = c.versions.len(),
+                    objects = c.objects,
+                    bytes = c.bytes,
+                    "retention"
+                );
+                Some(c)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "automatic retention failed; the publish stands");
+                None
+            }
+        }
     }
 
     /// Notifies the static and registered subscribers; never fails the publish.

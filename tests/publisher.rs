@@ -63,7 +63,12 @@ async fn replay(
     for v in m.anchor_version..=version {
         let m = read_manifest(store, v).await.unwrap().unwrap();
         assert_eq!(m.kind == VersionKind::Anchor, v == m.anchor_version);
-        for o in &m.objects {
+        let objects: Vec<_> = if v == m.anchor_version {
+            m.bootstrap_objects().collect()
+        } else {
+            m.replay_objects().collect()
+        };
+        for o in objects {
             let body = store.get(&o.key).await.unwrap().unwrap();
             assert_eq!(blake3::hash(&body).to_hex().as_str(), o.blake3);
             match o.role {

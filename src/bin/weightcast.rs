@@ -162,14 +162,14 @@ enum Command {
         hooks: Vec<weightcast::hooks::Hook>,
     },
     /// Retention: keep the newest K anchors and every version after the oldest
-    /// of them; remove older versions and unreferenced objects. Prints JSON.
+    /// of them, plus the deltas registered lagging subscribers still replay;
+    /// remove older versions and unreferenced objects. Prints JSON.
     Gc {
         /// Store URL (see `publish`).
         #[arg(long, env = "WEIGHTCAST_STORE")]
         store: String,
-        /// Anchors to keep.
-        #[arg(long, default_value_t = 2)]
-        keep_anchors: usize,
+        #[command(flatten)]
+        retention: RetentionOpts,
         /// Report what would be removed without removing it.
         #[arg(long)]
         dry_run: bool,
@@ -186,6 +186,35 @@ enum Command {
         /// The object.
         path: PathBuf,
     },
+}
+
+/// Retention flags (`gc`, and the publishers' automatic retention).
+#[derive(clap::Args)]
+struct RetentionOpts {
+    /// Anchors to keep (with every version after the oldest of them).
+    #[arg(long, default_value_t = 2)]
+    keep_anchors: usize,
+    /// Keep what a registered subscriber behind the kept anchors needs to
+    /// replay, if its registration is at most this many seconds old (0: ignore
+    /// registrations).
+    #[arg(long, default_value_t = 86400)]
+    registration_max_age: u64,
+}
+
+impl RetentionOpts {
+    fn retention(&self) -> Result<weightcast::protocol::Retention> {
+        retention(self.keep_anchors, self.registration_max_age)
+    }
+}
+
+fn retention(keep_anchors: usize, max_age: u64) -> Result<weightcast::protocol::Retention> {
+    if keep_anchors == 0 {
+        bail!("--keep-anchors must be at least 1");
+    }
+    Ok(weightcast::protocol::Retention {
+        keep_anchors,
+        registration_max_age_s: (max_age > 0).then_some(max_age),
+    })
 }
 
 /// Flags shared by `publish` and `publisher`.
@@ -215,6 +244,14 @@ struct PublishOpts {
     /// Shared secret for notifications (16+ characters); without it none are sent.
     #[arg(long, env = "WEIGHTCAST_NOTIFY_KEY", hide_env_values = true)]
     notify_key: Option<String>,
+    /// Automatic retention after each anchor: keep this many anchors, plus what
+    /// registered lagging subscribers still replay (off when absent).
+    #[arg(long)]
+    keep_anchors: Option<usize>,
+    /// With --keep-anchors: registrations older than this many seconds pin
+    /// nothing (0: ignore registrations).
+    #[arg(long, default_value_t = 86400)]
+    registration_max_age: u64,
 }
 
 /// Upload progress bars on stderr (drawn only when stderr is a terminal): one
@@ -279,6 +316,10 @@ impl PublishOpts {
                 .notify_key
                 .as_deref()
                 .map(weightcast::notify::Key::new)
+                .transpose()?,
+            retention: self
+                .keep_anchors
+                .map(|k| retention(k, self.registration_max_age))
                 .transpose()?,
         };
         Ok(weightcast::publisher::Publisher::open(store, cfg).await?)
@@ -550,13 +591,14 @@ fn main() -> Result<()> {
         }
         Command::Gc {
             store,
-            keep_anchors,
+            retention,
             dry_run,
         } => {
+            let retention = retention.retention()?;
             let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             let collected = rt.block_on(async {
                 let store = weightcast::store::Store::open(&store)?;
-                weightcast::protocol::collect_garbage(&store, keep_anchors, dry_run).await
+                weightcast::protocol::collect_garbage(&store, &retention, dry_run).await
             })?;
             println!("{}", serde_json::to_string(&collected)?);
         }

@@ -145,5 +145,6 @@ pub fn publisher_config(
         single_writer: false,
         notify_urls: Vec::new(),
         notify_key,
+        retention: None,
     }
 }
