@@ -30,7 +30,8 @@ pub struct Args {
     /// Optimizer steps between two checkpoints.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
     pub steps_per_checkpoint: u64,
-    /// Model size in elements (default: the demo's model, about 25 million).
+    /// Model size in elements, rounded up to a Llama shape (18 million at
+    /// least; default: the demo's model, about 25 million).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1000..))]
     pub elements: Option<u64>,
     /// Seed of the synthetic model.
