@@ -357,6 +357,21 @@ enum BenchWhat {
     },
 }
 
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM (what compose and Kubernetes send).
+async fn shutdown() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).ok();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        Some(_) = async {
+            match term.as_mut() {
+                Some(t) => t.recv().await,
+                None => std::future::pending().await,
+            }
+        } => {}
+    }
+}
+
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -541,10 +556,7 @@ fn main() -> Result<()> {
                     tracing::info!(%bound, "serving /v1/notify, /v1/status, /healthz, /metrics");
                     let s = shared.clone();
                     tokio::spawn(async move {
-                        let stop = async {
-                            let _ = tokio::signal::ctrl_c().await;
-                        };
-                        if let Err(e) = weightcast::server::run(listener, s, stop).await {
+                        if let Err(e) = weightcast::server::run(listener, s, shutdown()).await {
                             tracing::error!(error = %e, "HTTP server stopped");
                         }
                     });
@@ -556,7 +568,15 @@ fn main() -> Result<()> {
                     notify_url,
                     hooks,
                 };
-                weightcast::subscriber::run_daemon(&store, &cfg, &shared).await
+                // Stopping mid-catch-up is safe: the output switches versions
+                // atomically and a restart continues from the verified state.
+                tokio::select! {
+                    never = weightcast::subscriber::run_daemon(&store, &cfg, &shared) => never,
+                    () = shutdown() => {
+                        tracing::info!("stopping");
+                        anyhow::Ok(())
+                    }
+                }
             })?;
         }
         Command::Publisher {
@@ -574,10 +594,7 @@ fn main() -> Result<()> {
                     .await
                     .with_context(|| format!("binding {listen}"))?;
                 tracing::info!(addr = %listener.local_addr()?, "serving POST /v1/publish");
-                let stop = async {
-                    let _ = tokio::signal::ctrl_c().await;
-                };
-                weightcast::server::run_publisher(listener, shared, stop).await?;
+                weightcast::server::run_publisher(listener, shared, shutdown()).await?;
                 anyhow::Ok(())
             })?;
         }
