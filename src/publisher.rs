@@ -525,8 +525,25 @@ impl Publisher {
             return 0;
         };
         let mut urls = self.cfg.notify_urls.clone();
+        // A registration not refreshed within the retention's horizon (a day by
+        // default) belongs to a subscriber that went away: not worth a POST.
+        let max_age = self
+            .cfg
+            .retention
+            .as_ref()
+            .and_then(|r| r.registration_max_age_s)
+            .unwrap_or(
+                crate::protocol::Retention::default()
+                    .registration_max_age_s
+                    .unwrap_or(u64::MAX),
+            );
+        let now = crate::notify::unix_now();
         match crate::notify::registrations(&self.store).await {
-            Ok(regs) => urls.extend(regs.into_iter().filter_map(|r| r.notify_url)),
+            Ok(regs) => urls.extend(
+                regs.into_iter()
+                    .filter(|r| now.saturating_sub(r.updated_at) <= max_age)
+                    .filter_map(|r| r.notify_url),
+            ),
             Err(e) => tracing::warn!(error = %e, "cannot list subscriber registrations"),
         }
         urls.sort();
