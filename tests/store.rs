@@ -284,3 +284,29 @@ async fn bad_urls_are_refused_with_the_reason() {
         }
     }
 }
+
+/// Garage 2.5, a real S3-compatible store that accepts `If-None-Match: *` and
+/// overwrites anyway: everything else conforms, and the probe catches it.
+#[tokio::test]
+async fn s3_store_on_garage_ignores_conditions_and_is_detected() {
+    let g = common::garage();
+    let o = common::garage_options();
+    let store = Store::open_with(&format!("s3://{}/run-g", g.bucket), &opts(&o)).unwrap();
+    conformance(&store, true).await;
+    large_object(&store).await;
+    assert_eq!(
+        store.probe_conditional_writes().await.unwrap(),
+        ConditionalWrites::Ignored
+    );
+    // What the probe protects against: both creators are told they won, and
+    // the second one's bytes replaced the first's.
+    assert_eq!(
+        store.create("c/x", Bytes::from_static(b"1")).await.unwrap(),
+        Created::Created
+    );
+    assert_eq!(
+        store.create("c/x", Bytes::from_static(b"2")).await.unwrap(),
+        Created::Created
+    );
+    assert_eq!(store.get("c/x").await.unwrap().as_deref(), Some(&b"2"[..]));
+}

