@@ -302,6 +302,35 @@ pub async fn upload_object(
     upload_at(store, version, writer, "", name, role, bytes).await
 }
 
+/// Uploads the file at `path` — `size` bytes with BLAKE3 `blake3`, computed
+/// when it was written — as object `name` of a version, streaming it in parts.
+#[allow(clippy::too_many_arguments)]
+pub async fn upload_file(
+    store: &Store,
+    version: u64,
+    writer: &str,
+    name: &str,
+    role: ObjectRole,
+    path: &std::path::Path,
+    size: u64,
+    blake3: String,
+) -> Result<ObjectEntry> {
+    if !is_safe_file_name(name) {
+        return Err(Error::Config(format!(
+            "file name `{name}` is not a plain relative path"
+        )));
+    }
+    let key = format!("{}/{name}", objects_prefix(version, writer));
+    store.put_file(&key, path).await?;
+    Ok(ObjectEntry {
+        name: name.to_string(),
+        role,
+        key,
+        size,
+        blake3,
+    })
+}
+
 /// Uploads an anchor's bridge delta for file `name`, at
 /// `objects/<version>-<writer>/bridge/<name>` (beside the anchor object of the
 /// same name), and returns its manifest entry.

@@ -21,12 +21,13 @@ use std::path::{Path, PathBuf};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use crate::codec::{DeltaOptions, encode_anchor, encode_delta, read_anchor};
+use crate::codec::{DeltaOptions, encode_delta, read_anchor};
 use crate::error::{Error, Result};
 use crate::format::Encoding;
 use crate::protocol::{
     Commit, Latest, MANIFEST_FORMAT, Manifest, ObjectEntry, ObjectRole, VersionKind, commit,
-    is_safe_file_name, upload_bridge, upload_object, versions_after, write_latest, writer_token,
+    is_safe_file_name, upload_bridge, upload_file, upload_object, versions_after, write_latest,
+    writer_token,
 };
 use crate::store::{ConditionalWrites, Store};
 use crate::tensors::{Digests, TensorSet};
@@ -435,20 +436,26 @@ impl Publisher {
         let mut objects = Vec::new();
         let mut bytes = 0u64;
         let total: u64 = cp.tensors.values().map(|t| t.total_elements()).sum();
-        for (name, set) in cp.tensors.iter_mut() {
+        for set in cp.tensors.values_mut() {
             if !set.has_digests() {
                 set.compute_digests();
             }
-            let (a, _) = encode_anchor(set, next)?;
-            bytes += a.len() as u64;
+        }
+        // The anchor objects are the new snapshot's files: write them once,
+        // into the staging directory, and upload them from there in parts — no
+        // in-memory copy of the model. They become the snapshot after the commit.
+        for (name, staged) in self.stage(&cp.tensors, next)? {
+            bytes += staged.size;
             objects.push(
-                upload_object(
+                upload_file(
                     &self.store,
                     next,
                     &writer,
-                    name,
+                    &name,
                     ObjectRole::Anchor,
-                    Bytes::from(a),
+                    &staged.path,
+                    staged.size,
+                    staged.blake3,
                 )
                 .await?,
             );
@@ -482,7 +489,8 @@ impl Publisher {
             files: file_hashes(&cp),
             tensor_files: tensor_digests(&cp),
         };
-        self.persist(cp.tensors, new_state)?;
+        // The staged files are this version's anchors: they become the snapshot.
+        self.install(cp.tensors, new_state)?;
         let notified = self.notify(next, next).await;
         let collected = self.collect().await;
         Ok(Published {
@@ -621,20 +629,54 @@ impl Publisher {
     /// `state.json` is replaced; a crash in between is caught on reload by the
     /// digest check or the bucket-ahead check.
     fn persist(&mut self, tensors: BTreeMap<String, TensorSet>, state: State) -> Result<()> {
-        let dir = self.snapshot_dir();
-        let tmp = self.cfg.state_dir.join("snapshot.tmp");
+        self.stage(&tensors, state.version)?;
+        self.install(tensors, state)
+    }
+
+    fn staging_dir(&self) -> PathBuf {
+        self.cfg.state_dir.join("snapshot.tmp")
+    }
+
+    /// Writes `tensors` as anchor-format files of `version` into the staging
+    /// directory, hashing them as they are written.
+    fn stage(
+        &self,
+        tensors: &BTreeMap<String, TensorSet>,
+        version: u64,
+    ) -> Result<BTreeMap<String, Staged>> {
+        let tmp = self.staging_dir();
         let io = |what: &str, p: &Path, e| Error::io(format!("{what} {}", p.display()), e);
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).map_err(|e| io("creating", &tmp, e))?;
-        for (name, set) in &tensors {
-            let p = tmp.join(name);
-            let mut f = std::io::BufWriter::new(
-                std::fs::File::create(&p).map_err(|e| io("creating", &p, e))?,
-            );
-            crate::codec::write_anchor(set, state.version, &mut f)?;
+        let mut out = BTreeMap::new();
+        for (name, set) in tensors {
+            let path = tmp.join(name);
+            let file = std::fs::File::create(&path).map_err(|e| io("creating", &path, e))?;
+            let mut w = HashingWriter {
+                inner: std::io::BufWriter::with_capacity(1 << 20, file),
+                hasher: blake3::Hasher::new(),
+                size: 0,
+            };
+            crate::codec::write_anchor(set, version, &mut w)?;
             use std::io::Write;
-            f.flush().map_err(|e| io("writing", &p, e))?;
+            w.inner.flush().map_err(|e| io("writing", &path, e))?;
+            out.insert(
+                name.clone(),
+                Staged {
+                    path,
+                    size: w.size,
+                    blake3: w.hasher.finalize().to_hex().to_string(),
+                },
+            );
         }
+        Ok(out)
+    }
+
+    /// Makes the staged files the snapshot and records `state`.
+    fn install(&mut self, tensors: BTreeMap<String, TensorSet>, state: State) -> Result<()> {
+        let dir = self.snapshot_dir();
+        let tmp = self.staging_dir();
+        let io = |what: &str, p: &Path, e| Error::io(format!("{what} {}", p.display()), e);
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::rename(&tmp, &dir).map_err(|e| io("renaming", &tmp, e))?;
         let sp = self.state_path();
@@ -648,6 +690,32 @@ impl Publisher {
         self.snapshot = tensors;
         self.state = Some(state);
         Ok(())
+    }
+}
+
+/// A snapshot file written to the staging directory.
+struct Staged {
+    path: PathBuf,
+    size: u64,
+    blake3: String,
+}
+
+/// Counts and hashes what passes through to `inner`.
+struct HashingWriter<W> {
+    inner: W,
+    hasher: blake3::Hasher,
+    size: u64,
+}
+
+impl<W: std::io::Write> std::io::Write for HashingWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hasher.update(&buf[..n]);
+        self.size += n as u64;
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
     }
 }
 

@@ -366,6 +366,67 @@ impl Store {
         Ok(())
     }
 
+    /// Uploads the file at `path` as an object, reading it part by part: memory
+    /// stays at about ([`PART_CONCURRENCY`] + 1) × [`PART_SIZE`] whatever the
+    /// file's size (multi-GB anchors). The file must not change meanwhile; the
+    /// caller's manifest entry (size, BLAKE3) is what readers check.
+    pub async fn put_file(&self, key: &str, path: &std::path::Path) -> Result<()> {
+        use tokio::io::AsyncReadExt;
+        let io = |e| Error::io(format!("reading {}", path.display()), e);
+        let mut file = tokio::fs::File::open(path).await.map_err(io)?;
+        let len = file.metadata().await.map_err(io)?.len();
+        if len < MULTIPART_THRESHOLD as u64 {
+            let mut buf = Vec::with_capacity(len as usize);
+            file.read_to_end(&mut buf).await.map_err(io)?;
+            return self.put(key, Bytes::from(buf)).await;
+        }
+        let p = Self::path(key)?;
+        if let Some(pr) = &self.progress {
+            pr.started(key, len);
+        }
+        let upload = self
+            .inner
+            .put_multipart(&p)
+            .await
+            .map_err(|e| store_err("start multipart upload", key, e))?;
+        let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_SIZE);
+        let mut sent = 0u64;
+        loop {
+            let mut part = Vec::with_capacity(PART_SIZE);
+            let n = (&mut file)
+                .take(PART_SIZE as u64)
+                .read_to_end(&mut part)
+                .await
+                .map_err(io)?;
+            if n == 0 {
+                break;
+            }
+            sent += n as u64;
+            if let Err(e) = writer.wait_for_capacity(PART_CONCURRENCY).await {
+                writer.abort().await.ok();
+                return Err(store_err("upload part", key, e));
+            }
+            writer.put(Bytes::from(part));
+            if let Some(pr) = &self.progress {
+                pr.advanced(n as u64);
+            }
+        }
+        if sent != len {
+            writer.abort().await.ok();
+            return Err(Error::io(
+                format!("reading {}", path.display()),
+                std::io::Error::other(format!(
+                    "file changed size during upload ({len} → {sent} bytes)"
+                )),
+            ));
+        }
+        writer
+            .finish()
+            .await
+            .map_err(|e| store_err("complete multipart upload", key, e))?;
+        Ok(())
+    }
+
     /// Creates an object only if the key is free (`If-None-Match: *` or the
     /// store's equivalent). Stores that ignore the condition report `Created`
     /// for both racers: see [`Store::probe_conditional_writes`].

@@ -178,6 +178,26 @@ async fn large_object(store: &Store) {
         .expect("big object exists");
     assert_eq!(back.len(), n);
     assert!(back[..] == data[..], "multipart bytes differ");
+
+    // The same bytes streamed from a file, part by part, and a small file.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("anchor.safetensors");
+    std::fs::write(&path, &data).unwrap();
+    store.put_file("big/from-file", &path).await.unwrap();
+    let back = store.get("big/from-file").await.unwrap().unwrap();
+    assert!(back[..] == data[..], "streamed multipart bytes differ");
+    std::fs::write(&path, b"small").unwrap();
+    store.put_file("small-file", &path).await.unwrap();
+    assert_eq!(
+        store.get("small-file").await.unwrap().as_deref(),
+        Some(&b"small"[..])
+    );
+    assert!(
+        store
+            .put_file("missing", &dir.path().join("nope"))
+            .await
+            .is_err()
+    );
 }
 
 #[tokio::test]

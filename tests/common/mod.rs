@@ -53,7 +53,7 @@ fn spawn(program: &str, args: &[String], what: &str, port: u16) -> Server {
         .unwrap_or_else(|e| {
             panic!(
                 "cannot start {what} (`{program}`): {e}. Run the suite with ./scripts/test.sh, \
-                 which installs it (pip install 'moto[server]')"
+                 which installs it and sets MOTO_SERVER, FAKE_GCS_SERVER and GARAGE"
             )
         });
     wait_for(port, what);
