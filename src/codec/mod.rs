@@ -791,6 +791,28 @@ pub fn write_anchor(
     })
 }
 
+/// The bytes [`write_anchor`] writes before the tensor data (the 8-byte length
+/// and the padded JSON header). The data follows contiguously, tensors in the
+/// order of [`TensorSet::tensors`]: tensor `i` starts at `prefix.len()` plus
+/// the data lengths of the tensors before it.
+pub fn anchor_prefix(set: &TensorSet, model_version: u64) -> Result<Vec<u8>> {
+    if !set.has_digests() {
+        return Err(Error::metadata("anchor", "tensor set has no digests"));
+    }
+    let meta = anchor_header(set, model_version).to_metadata();
+    let views: Vec<(&str, Dtype, &[usize], &[u8])> = set
+        .tensors()
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.name.as_str(), t.dtype, t.shape.as_slice(), set.data(i)))
+        .collect();
+    let head = safetensors_header(&views, &meta)?;
+    let mut out = Vec::with_capacity(8 + head.len());
+    out.extend_from_slice(&(head.len() as u64).to_le_bytes());
+    out.extend_from_slice(&head);
+    Ok(out)
+}
+
 /// [`write_anchor`] into a new vector.
 pub fn encode_anchor(set: &TensorSet, model_version: u64) -> Result<(Vec<u8>, AnchorSummary)> {
     let mut out = Vec::with_capacity(set.total_bytes() as usize + 4096);
