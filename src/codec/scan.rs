@@ -117,11 +117,79 @@ fn changed_u16(pa: &[u8], pb: &[u8], idx: &mut [u16; PIECE + 8]) -> usize {
     len
 }
 
-/// [`changed_u16`] compiled for the wide feature set (see [`super::cpu`]).
+/// [`changed_u16`] for the wide feature set (see [`super::cpu`]), with explicit
+/// AVX2: per 64 words, four 16-lane compares, two saturating packs to bytes, a
+/// lane fix-up and two byte-mask extractions give the 64-bit mask of *equal*
+/// words in ≈20 instructions (the SWAR form takes ≈100). Index extraction is
+/// the same as the portable one's.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,bmi1,bmi2,lzcnt,popcnt")]
 fn changed_u16_avx2(pa: &[u8], pb: &[u8], idx: &mut [u16; PIECE + 8]) -> usize {
-    changed_u16(pa, pb, idx)
+    use std::arch::x86_64::{
+        __m256i, _mm256_cmpeq_epi16, _mm256_loadu_si256, _mm256_movemask_epi8, _mm256_packs_epi16,
+        _mm256_permute4x64_epi64,
+    };
+    const BYTES: usize = 128;
+    assert_eq!(pa.len(), pb.len());
+    let full = pa.len() - pa.len() % BYTES;
+    let mut len = 0usize;
+    for (c, (a, b)) in pa[..full]
+        .chunks_exact(BYTES)
+        .zip(pb[..full].chunks_exact(BYTES))
+        .enumerate()
+    {
+        let a = a.as_ptr() as *const __m256i;
+        let b = b.as_ptr() as *const __m256i;
+        // SAFETY: `a` and `b` point to 128 readable bytes (chunks_exact(128));
+        // the four loads read bytes 0..32, 32..64, 64..96 and 96..128 of each,
+        // and `loadu` has no alignment requirement. The CPU has AVX2: this
+        // function is only called after `cpu::wide()` checked it.
+        let (a0, a1, a2, a3, b0, b1, b2, b3) = unsafe {
+            (
+                _mm256_loadu_si256(a),
+                _mm256_loadu_si256(a.add(1)),
+                _mm256_loadu_si256(a.add(2)),
+                _mm256_loadu_si256(a.add(3)),
+                _mm256_loadu_si256(b),
+                _mm256_loadu_si256(b.add(1)),
+                _mm256_loadu_si256(b.add(2)),
+                _mm256_loadu_si256(b.add(3)),
+            )
+        };
+        // 0xffff per equal word; packs keeps it as 0xff per byte, but
+        // interleaves the 128-bit halves (x.lo, y.lo, x.hi, y.hi), which the
+        // 64-bit-lane permute puts back in order (x.lo, x.hi, y.lo, y.hi).
+        let e01 = _mm256_packs_epi16(_mm256_cmpeq_epi16(a0, b0), _mm256_cmpeq_epi16(a1, b1));
+        let e23 = _mm256_packs_epi16(_mm256_cmpeq_epi16(a2, b2), _mm256_cmpeq_epi16(a3, b3));
+        let e01 = _mm256_permute4x64_epi64::<0b11_01_10_00>(e01);
+        let e23 = _mm256_permute4x64_epi64::<0b11_01_10_00>(e23);
+        let lo = _mm256_movemask_epi8(e01) as u32 as u64;
+        let hi = _mm256_movemask_epi8(e23) as u32 as u64;
+        let mask = !(lo | (hi << 32));
+        let count = mask.count_ones() as usize;
+        let first = (c * 64) as u16;
+        let mut m = mask;
+        for k in 0..4 {
+            idx[len + k] = first.wrapping_add(m.trailing_zeros() as u16);
+            m &= m.wrapping_sub(1);
+        }
+        if count > 4 {
+            let mut k = 4;
+            while m != 0 {
+                idx[len + k] = first + m.trailing_zeros() as u16;
+                m &= m - 1;
+                k += 1;
+            }
+        }
+        len += count;
+    }
+    for i in full / 2..pa.len() / 2 {
+        if read_word(pa, 2, i) != read_word(pb, 2, i) {
+            idx[len] = i as u16;
+            len += 1;
+        }
+    }
+    len
 }
 
 #[inline(always)]
