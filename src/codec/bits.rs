@@ -82,6 +82,84 @@ impl BitWriter {
     }
 }
 
+/// An LSB-first bit writer for the encoder's hot loop: [`FastWriter::put56`]
+/// appends a code of up to 56 bits without a data-dependent branch (it always
+/// stores the whole 64-bit accumulator and advances by the whole bytes it
+/// holds). The caller reserves room with [`FastWriter::reserve`] first; the
+/// stream equals what [`BitWriter`] writes for the same calls.
+#[derive(Default)]
+pub struct FastWriter {
+    /// Bytes `..pos` are final; `pos..pos + 8` may hold scratch.
+    buf: Vec<u8>,
+    pos: usize,
+    /// Pending bits (fewer than 8 between calls).
+    acc: u64,
+    n: u32,
+}
+
+impl FastWriter {
+    /// Makes room for `bytes` more bytes of codes through [`FastWriter::put56`].
+    #[inline]
+    pub fn reserve(&mut self, bytes: usize) {
+        let need = self.pos + bytes + 16;
+        if self.buf.len() < need {
+            self.buf.resize(need.max(self.buf.len() * 2), 0);
+        }
+    }
+
+    /// Appends the low `bits` bits of `value` (`bits <= 56`, higher bits of
+    /// `value` zero). Needs 8 reserved bytes.
+    #[inline(always)]
+    pub fn put56(&mut self, value: u64, bits: u32) {
+        debug_assert!(bits <= 56 && (bits == 56 || value >> bits == 0) && value >> 56 == 0);
+        self.acc |= value << self.n;
+        self.n += bits;
+        self.buf[self.pos..self.pos + 8].copy_from_slice(&self.acc.to_le_bytes());
+        let whole = self.n >> 3;
+        self.pos += whole as usize;
+        // `whole` ≤ 7, so the shift is below 64.
+        self.acc >>= whole * 8;
+        self.n &= 7;
+    }
+
+    /// Appends the low `bits` bits of `value`, any `bits <= 64`, reserving room
+    /// itself (the slow path).
+    #[inline(never)]
+    pub fn put(&mut self, value: u64, bits: u32) {
+        self.reserve(16);
+        if bits > 32 {
+            self.put56(value & 0xffff_ffff, 32);
+            self.put56(value >> 32, bits - 32);
+        } else {
+            self.put56(value, bits);
+        }
+    }
+
+    /// Appends `q` in unary (`q` zero bits, then a one), any `q`.
+    #[inline(never)]
+    pub fn put_unary(&mut self, mut q: u64) {
+        while q >= 48 {
+            self.put(0, 48);
+            q -= 48;
+        }
+        self.put(1u64 << q, q as u32 + 1);
+    }
+
+    /// Number of bits written so far.
+    pub fn bit_len(&self) -> u64 {
+        self.pos as u64 * 8 + self.n as u64
+    }
+
+    /// Pads the last byte with zero bits and returns the bytes.
+    pub fn finish(mut self) -> Vec<u8> {
+        self.reserve(8);
+        let end = self.pos + self.n.div_ceil(8) as usize;
+        self.buf[self.pos..self.pos + 8].copy_from_slice(&self.acc.to_le_bytes());
+        self.buf.truncate(end);
+        self.buf
+    }
+}
+
 /// Reads bits from a byte slice; every read is checked against the end.
 pub struct BitReader<'a> {
     data: &'a [u8],
@@ -253,6 +331,33 @@ mod tests {
                 }
             }
             prop_assert!(r.remaining_bits() < 8);
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn fast_writer_writes_the_same_stream(ops in proptest::collection::vec(op(), 0..200)) {
+            let mut w = BitWriter::default();
+            let mut f = FastWriter::default();
+            for o in &ops {
+                match *o {
+                    Op::Bits(v, b) => {
+                        w.put(v, b);
+                        if b <= 56 {
+                            f.reserve(8);
+                            f.put56(v, b);
+                        } else {
+                            f.put(v, b);
+                        }
+                    }
+                    Op::Unary(q) => {
+                        w.put_unary(q);
+                        f.put_unary(q);
+                    }
+                }
+            }
+            prop_assert_eq!(w.bit_len(), f.bit_len());
+            prop_assert_eq!(w.finish(), f.finish());
         }
     }
 

@@ -12,7 +12,7 @@
 
 use rayon::prelude::*;
 
-use super::bits::{BitReader, BitWriter};
+use super::bits::{BitReader, FastWriter};
 use super::scan::for_each_change_piece;
 use crate::digest::TensorSeed;
 use crate::dtype::{
@@ -151,6 +151,35 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }
 
+/// Words of a block whose changes are staged before the code parameters are
+/// chosen from them; the rest of the block is written straight from the scan.
+const SAMPLE_WORDS: usize = 1 << 18;
+/// Staging also ends after this many changes (dense blocks).
+const SAMPLE_CHANGES: usize = 8192;
+
+/// Where [`encode_block_w`] is in its block.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Staging the first changes (gaps, steps, statistics).
+    Sample,
+    /// Parameters chosen; entries go straight into the bit stream.
+    Direct,
+    /// The sample chose raw values: stage the whole block, choose exactly.
+    StageAll,
+}
+
+/// Encodes one block in one pass over its words.
+///
+/// The changes of the first [`SAMPLE_WORDS`] words are staged with their
+/// statistics, the Rice and Exp-Golomb parameters chosen from them, and from
+/// there on each change is written into the bit stream as the scan finds it:
+/// no per-change arrays and no second pass. The format records the parameters
+/// per block, so any choice decodes; to keep the size near the optimum anyway,
+/// the block is encoded again with parameters chosen from all of its changes
+/// (a second scan) when the whole block's figures show that the sampled choice
+/// costs more than about 1% (gap sum and count are exact at the end; the value
+/// bits are compared with the sample's rate). Blocks no longer than the sample
+/// are chosen exactly, as before.
 #[inline(always)]
 fn encode_block_w<const W: usize>(
     kind: KeyKind,
@@ -161,43 +190,252 @@ fn encode_block_w<const W: usize>(
     gaps: &mut Vec<u64>,
     steps: &mut Vec<u64>,
 ) -> (BlockEntry, Vec<u8>, u64) {
-    let wb = W;
-    let mask = word_mask(W);
-    let sign = 1u64 << (W * 8 - 1);
+    let block_words = (base.len() / W) as u64;
     let mut stats = Stats::default();
     let mut next = 0u64; // first index the next gap counts from
     let mut dig = 0u64;
+    let mut phase = Phase::Sample;
+    let mut w = FastWriter::default();
+    let (mut pos_k, mut val_k) = (0u8, 0u8);
+    // Value bits per change in the sample, and the direct part's count and bits.
+    let mut sample_vbits = 0u64;
+    let (mut direct_n, mut direct_vbits) = (0u64, 0u64);
     for_each_change_piece(W, base, new, |piece_first, changed, pa, pb| {
-        // Per piece: one tight loop over its changes, with the running state in
-        // locals (the closure's captures would go through memory).
-        let (mut nx, mut dg) = (next, dig);
-        let (mut gsum, mut ones, mut twos) = (0u64, 0u64, 0u64);
-        gaps.reserve(changed.len());
-        steps.reserve(changed.len());
-        for &c in changed {
-            let (old, nw) = (load::<W>(pa, c as usize), load::<W>(pb, c as usize));
-            let i = (piece_first + c as usize) as u64;
-            let g = i - nx;
-            nx = i + 1;
-            let s = to_key(kind, W, nw).wrapping_sub(to_key(kind, W, old)) & mask;
-            let m = step_magnitude(W, s);
-            gsum += g;
-            ones += u64::from(m == 1);
-            twos += u64::from(m == 2);
-            if m > 2 {
-                stats.add_rare(m);
-            }
-            dg = dg.wrapping_add(seed.change(first + i, old, nw));
-            gaps.push(g);
-            steps.push(s);
+        if phase == Phase::Direct {
+            let (nx, dg, vb) = write_piece::<W>(
+                kind,
+                seed,
+                first,
+                (pos_k, val_k),
+                &mut w,
+                (next, dig),
+                piece_first,
+                changed,
+                pa,
+                pb,
+            );
+            next = nx;
+            dig = dg;
+            direct_vbits += vb;
+            direct_n += changed.len() as u64;
+            return;
         }
-        stats.n += changed.len() as u64;
-        stats.gap_sum += gsum;
-        stats.ones += ones;
-        stats.twos += twos;
-        next = nx;
-        dig = dg;
+        stage_piece::<W>(
+            kind,
+            seed,
+            first,
+            &mut stats,
+            (&mut next, &mut dig),
+            gaps,
+            steps,
+            piece_first,
+            changed,
+            pa,
+            pb,
+        );
+        let scanned = piece_first + pa.len() / W;
+        if phase == Phase::Sample && (scanned >= SAMPLE_WORDS || gaps.len() >= SAMPLE_CHANGES) {
+            let (pk, pos_bits) = stats.choose_rice_k();
+            let (vk, step_bits) = stats.choose_eg_k();
+            if step_bits >= stats.n * W as u64 * 8 {
+                phase = Phase::StageAll;
+                return;
+            }
+            (pos_k, val_k, sample_vbits) = (pk, vk, step_bits);
+            // Room for the whole block at the sample's rate, plus a margin.
+            let est = (pos_bits + step_bits) / 8 * block_words / scanned as u64;
+            w.reserve((est + est / 8) as usize);
+            for (&g, &st) in gaps.iter().zip(steps.iter()) {
+                emit_step::<W>(&mut w, pos_k as u32, val_k as u32, g, st, 0);
+            }
+            phase = Phase::Direct;
+        }
     });
+    if phase == Phase::Direct {
+        let n = stats.n + direct_n;
+        let gap_sum = next - n;
+        let best = (0..=MAX_POS_K)
+            .map(|k| rice_estimate(n, gap_sum, k))
+            .fold(f64::INFINITY, f64::min);
+        let total = w.bit_len() as f64;
+        let pos_loss = rice_estimate(n, gap_sum, pos_k) - best;
+        // The sample's value bits per change, applied to the direct part.
+        let expect = sample_vbits as f64 * direct_n as f64 / stats.n as f64;
+        let drift = direct_vbits as f64 - expect;
+        let values_off = drift > 0.05 * expect + 64.0 || (val_k > 0 && -drift > 0.05 * expect);
+        if pos_loss <= 0.01 * total + 64.0 && !values_off {
+            let bytes = w.finish();
+            let e = BlockEntry {
+                changes: n,
+                pos_k,
+                values: ValueCoding::Step,
+                val_k,
+                bytes: bytes.len() as u64,
+            };
+            return (e, bytes, dig);
+        }
+        // The block is not uniform enough for the sample: stage all of it.
+        gaps.clear();
+        steps.clear();
+        stats = Stats::default();
+        (next, dig) = (0, 0);
+        for_each_change_piece(W, base, new, |piece_first, changed, pa, pb| {
+            stage_piece::<W>(
+                kind,
+                seed,
+                first,
+                &mut stats,
+                (&mut next, &mut dig),
+                gaps,
+                steps,
+                piece_first,
+                changed,
+                pa,
+                pb,
+            );
+        });
+    }
+    let bytes = write_staged::<W>(&stats, gaps, steps, new);
+    (bytes.0, bytes.1, dig)
+}
+
+/// Stages the changes of one piece: gaps, steps, statistics, digest change.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn stage_piece<const W: usize>(
+    kind: KeyKind,
+    seed: TensorSeed,
+    first: u64,
+    stats: &mut Stats,
+    (next, dig): (&mut u64, &mut u64),
+    gaps: &mut Vec<u64>,
+    steps: &mut Vec<u64>,
+    piece_first: usize,
+    changed: &[u16],
+    pa: &[u8],
+    pb: &[u8],
+) {
+    let mask = word_mask(W);
+    // One tight loop over the piece's changes, with the running state in locals.
+    let (mut nx, mut dg) = (*next, *dig);
+    let (mut gsum, mut ones, mut twos) = (0u64, 0u64, 0u64);
+    gaps.reserve(changed.len());
+    steps.reserve(changed.len());
+    for &c in changed {
+        let (old, nw) = (load::<W>(pa, c as usize), load::<W>(pb, c as usize));
+        let i = (piece_first + c as usize) as u64;
+        let g = i - nx;
+        nx = i + 1;
+        let s = to_key(kind, W, nw).wrapping_sub(to_key(kind, W, old)) & mask;
+        let m = step_magnitude(W, s);
+        gsum += g;
+        ones += u64::from(m == 1);
+        twos += u64::from(m == 2);
+        if m > 2 {
+            stats.add_rare(m);
+        }
+        dg = dg.wrapping_add(seed.change(first + i, old, nw));
+        gaps.push(g);
+        steps.push(s);
+    }
+    stats.n += changed.len() as u64;
+    stats.gap_sum += gsum;
+    stats.ones += ones;
+    stats.twos += twos;
+    *next = nx;
+    *dig = dg;
+}
+
+/// Writes the changes of one piece straight into the stream (parameters
+/// fixed); returns the new `(next, digest)` and the value bits written.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn write_piece<const W: usize>(
+    kind: KeyKind,
+    seed: TensorSeed,
+    first: u64,
+    (pos_k, val_k): (u8, u8),
+    w: &mut FastWriter,
+    (mut nx, mut dg): (u64, u64),
+    piece_first: usize,
+    changed: &[u16],
+    pa: &[u8],
+    pb: &[u8],
+) -> (u64, u64, u64) {
+    let mask = word_mask(W);
+    let room = changed.len() * 8;
+    w.reserve(room);
+    let mut vb = 0u64;
+    for &c in changed {
+        let (old, nw) = (load::<W>(pa, c as usize), load::<W>(pb, c as usize));
+        let i = (piece_first + c as usize) as u64;
+        let g = i - nx;
+        nx = i + 1;
+        let s = to_key(kind, W, nw).wrapping_sub(to_key(kind, W, old)) & mask;
+        dg = dg.wrapping_add(seed.change(first + i, old, nw));
+        vb += emit_step::<W>(w, pos_k as u32, val_k as u32, g, s, room) as u64;
+    }
+    (nx, dg, vb)
+}
+
+/// Writes one step-coded entry (Rice gap, then the signed Exp-Golomb step) and
+/// returns the value's bit count. The usual entry is one [`FastWriter::put56`];
+/// longer ones take the slow path, which then reserves `room` bytes again for
+/// the caller's remaining entries.
+#[inline(always)]
+fn emit_step<const W: usize>(
+    w: &mut FastWriter,
+    k: u32,
+    val_k: u32,
+    g: u64,
+    s: u64,
+    room: usize,
+) -> u32 {
+    let top = W as u32 * 8 - 1;
+    let neg = (s >> top) & 1;
+    let m = step_magnitude(W, s);
+    let q = g >> k;
+    let y = (m - 1) + (1u64 << val_k);
+    let nb = 64 - y.leading_zeros();
+    let z = nb - 1 - val_k;
+    let vlen = z + nb + 1;
+    let rest = y ^ (1u64 << (nb - 1));
+    if q + 1 + k as u64 + vlen as u64 <= 56 {
+        let len = q as u32 + 1 + k;
+        let code = (1u64 << q) | ((g & ((1u64 << k) - 1)) << (q + 1));
+        let vcode = (1u64 << z) | (rest << (z + 1)) | (neg << (z + nb));
+        w.put56(code | (vcode << len), len + vlen);
+    } else {
+        emit_long(w, k, g, (z, rest, nb - 1, neg), room);
+    }
+    vlen
+}
+
+/// The general form of an entry (long gaps or large steps).
+#[cold]
+#[inline(never)]
+fn emit_long(
+    w: &mut FastWriter,
+    k: u32,
+    g: u64,
+    (z, rest, rest_bits, neg): (u32, u64, u32, u64),
+    room: usize,
+) {
+    w.put_unary(g >> k);
+    w.put(g & ((1u64 << k) - 1), k);
+    w.put_unary(z as u64);
+    w.put(rest, rest_bits);
+    w.put(neg, 1);
+    w.reserve(room);
+}
+
+/// Encodes staged changes with parameters chosen from all of them.
+fn write_staged<const W: usize>(
+    stats: &Stats,
+    gaps: &[u64],
+    steps: &[u64],
+    new: &[u8],
+) -> (BlockEntry, Vec<u8>) {
     let n = gaps.len() as u64;
     if n == 0 {
         let e = BlockEntry {
@@ -207,72 +445,35 @@ fn encode_block_w<const W: usize>(
             val_k: 0,
             bytes: 0,
         };
-        return (e, Vec::new(), 0);
+        return (e, Vec::new());
     }
     let (pos_k, pos_bits) = stats.choose_rice_k();
     let (val_k, step_bits) = stats.choose_eg_k();
-    let raw_bits = n * wb as u64 * 8;
+    let raw_bits = n * W as u64 * 8;
     let values = if step_bits < raw_bits {
         ValueCoding::Step
     } else {
         ValueCoding::Raw
     };
-    let val_bits = if values == ValueCoding::Step {
-        step_bits
-    } else {
-        raw_bits
-    };
-    let mut w = BitWriter::with_capacity(((pos_bits + val_bits) / 8 + 16) as usize);
-    let low = (1u64 << pos_k) - 1;
-    let k = pos_k as u32;
-    let mut at = 0u64; // word index of the current change, for raw values
-    for j in 0..gaps.len() {
-        let g = gaps[j];
-        // One change is usually one write: [Rice gap][value], LSB first.
-        let q = g >> pos_k;
-        let (code, len) = if q + 1 + k as u64 <= 64 {
-            let q = q as u32;
-            let head = 1u64 << q;
-            let tail = if k == 0 { 0 } else { (g & low) << (q + 1) };
-            (head | tail, q + 1 + k)
-        } else {
-            w.put_unary(q);
-            w.put(g & low, k);
-            (0, 0)
-        };
-        let (vcode, vlen) = match values {
-            ValueCoding::Raw => {
-                // Raw mode is rare (large jumps); read the new word back.
+    let mut w = FastWriter::default();
+    let (k, vk) = (pos_k as u32, val_k as u32);
+    match values {
+        ValueCoding::Step => {
+            w.reserve(((pos_bits + step_bits) / 8) as usize);
+            for (&g, &st) in gaps.iter().zip(steps) {
+                emit_step::<W>(&mut w, k, vk, g, st, 8);
+            }
+        }
+        ValueCoding::Raw => {
+            // Raw mode is rare (large jumps); read the new words back.
+            let mut at = 0u64;
+            for &g in gaps {
                 at += g;
-                let word = load::<W>(new, at as usize);
+                w.put_unary(g >> k);
+                w.put(g & ((1u64 << k) - 1), k);
+                w.put(load::<W>(new, at as usize), W as u32 * 8);
                 at += 1;
-                (word, wb as u32 * 8)
             }
-            ValueCoding::Step => {
-                let s = steps[j];
-                let m = step_magnitude(wb, s);
-                let y = (m - 1) + (1u64 << val_k);
-                let nb = 64 - y.leading_zeros();
-                let z = nb - 1 - val_k as u32;
-                let rest = y & ((1u64 << (nb - 1)) - 1);
-                let sign = u64::from(s & sign != 0);
-                let vlen = z + nb + 1;
-                if vlen <= 64 {
-                    ((1u64 << z) | (rest << (z + 1)) | (sign << (z + nb)), vlen)
-                } else {
-                    w.put(code, len);
-                    w.put_unary(z as u64);
-                    w.put(rest, nb - 1);
-                    w.put(sign, 1);
-                    continue;
-                }
-            }
-        };
-        if len + vlen <= 64 {
-            w.put(code | (vcode << len), len + vlen);
-        } else {
-            w.put(code, len);
-            w.put(vcode, vlen);
         }
     }
     let bytes = w.finish();
@@ -283,7 +484,13 @@ fn encode_block_w<const W: usize>(
         val_k,
         bytes: bytes.len() as u64,
     };
-    (e, bytes, dig)
+    (e, bytes)
+}
+
+/// The estimate of a Rice code's length that [`Stats::choose_rice_k`] minimizes.
+fn rice_estimate(n: u64, gap_sum: u64, k: u8) -> f64 {
+    let (n, p) = (n as f64, (1u64 << k) as f64);
+    n * (k as f64 + 1.0) + gap_sum as f64 / p - n * (1.0 - 1.0 / p) / 2.0
 }
 
 /// Bits of the order-`k` Exp-Golomb code of `m - 1`, plus the sign bit.
@@ -356,14 +563,13 @@ impl Stats {
     /// sum; the last term is the mean rounding loss of `⌊g/2^k⌋` for spread-out
     /// gaps); the returned bound `n·(k+1) + ⌊S/2^k⌋` is never below the truth.
     fn choose_rice_k(&self) -> (u8, u64) {
-        let n = self.n as f64;
         let k = (0..=MAX_POS_K)
             .min_by(|&a, &b| {
-                let est = |k: u8| {
-                    let p = (1u64 << k) as f64;
-                    n * (k as f64 + 1.0) + self.gap_sum as f64 / p - n * (1.0 - 1.0 / p) / 2.0
-                };
-                est(a).total_cmp(&est(b))
+                rice_estimate(self.n, self.gap_sum, a).total_cmp(&rice_estimate(
+                    self.n,
+                    self.gap_sum,
+                    b,
+                ))
             })
             .expect("non-empty range");
         (k, self.n * (k as u64 + 1) + (self.gap_sum >> k))
@@ -542,9 +748,21 @@ pub fn decode_block(
     Ok(())
 }
 
-/// Applies one block in place: writes every new word, appends each overwritten
-/// old word to `undo`, and returns the digest change. On error, what was written
-/// so far is recorded in `undo` (see [`undo_block`]).
+/// What [`undo_block`] needs to restore a block after [`apply_block`].
+#[derive(Default)]
+pub struct BlockUndo {
+    /// Entries written to the tensor: always a prefix of the block's entries.
+    pub applied: u64,
+    /// Raw-coded blocks only: the overwritten old words, in entry order.
+    /// Step-coded blocks keep none: a step is inverted exactly, the old word
+    /// being `unkey((key(new) − step) mod 2^(8·wb))` (`key` is a bijection), so
+    /// the stream and the tensor are all the undo needs.
+    pub old_words: Vec<u8>,
+}
+
+/// Applies one block in place: writes every new word and returns the digest
+/// change. On error, `undo` describes what was written so far (see
+/// [`undo_block`]).
 #[allow(clippy::too_many_arguments)]
 pub fn apply_block(
     tensor: &str,
@@ -556,7 +774,7 @@ pub fn apply_block(
     seed: TensorSeed,
     first: u64,
     blk: &mut [u8],
-    undo: &mut Vec<u8>,
+    undo: &mut BlockUndo,
 ) -> Result<u64> {
     if super::cpu::wide() {
         // SAFETY: `cpu::wide()` confirmed every feature `apply_block_wide` is
@@ -581,10 +799,14 @@ fn apply_block_wide(
     seed: TensorSeed,
     first: u64,
     blk: &mut [u8],
-    undo: &mut Vec<u8>,
+    undo: &mut BlockUndo,
 ) -> Result<u64> {
     crate::with_word_width!(wb, W => apply_block_w::<W>(tensor, b, e, stream, kind, seed, first, blk, undo))
 }
+
+/// Entries decoded ahead before the tensor is touched: the old words of a
+/// batch are loaded back to back, so their cache misses overlap.
+const BATCH: usize = 32;
 
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
@@ -597,19 +819,18 @@ fn apply_block_w<const W: usize>(
     seed: TensorSeed,
     first: u64,
     blk: &mut [u8],
-    undo: &mut Vec<u8>,
+    undo: &mut BlockUndo,
 ) -> Result<u64> {
+    if e.values == ValueCoding::Step {
+        return apply_steps_w::<W>(tensor, b, e, stream, kind, seed, first, blk, undo);
+    }
     let mut dig = 0u64;
     let len = (blk.len() / W) as u64;
     // Reserve from what the stream can really hold (each entry takes at least
     // pos_k + 2 bits), not from the header's claim.
     let possible = (stream.len() as u64 * 8) / (e.pos_k as u64 + 2);
-    undo.reserve(e.changes.min(len).min(possible) as usize * W);
-    // Decode ahead in batches, then touch the tensor: the old words of a batch
-    // are loaded back to back, so their cache misses overlap instead of each
-    // change waiting for its own (at low density every change is a miss).
-    // Applied entries stay a prefix of the decoded ones, as `undo_block` needs.
-    const BATCH: usize = 32;
+    let BlockUndo { applied, old_words } = undo;
+    old_words.reserve(e.changes.min(len).min(possible) as usize * W);
     let mut pending = [(0u64, Value::Raw(0)); BATCH];
     let mut count = 0usize;
     let mut flush = |batch: &[(u64, Value)]| -> Result<()> {
@@ -622,8 +843,9 @@ fn apply_block_w<const W: usize>(
             if new == old {
                 return Err(unchanged_error(tensor, b, first + i));
             }
-            undo.extend_from_slice(&old.to_le_bytes()[..W]);
+            old_words.extend_from_slice(&old.to_le_bytes()[..W]);
             store::<W>(blk, i as usize, new);
+            *applied += 1;
             dig = dig.wrapping_add(seed.change(first + i, old, new));
         }
         Ok(())
@@ -641,6 +863,150 @@ fn apply_block_w<const W: usize>(
     Ok(dig)
 }
 
+/// One entry of a step-coded block: the gap, the masked step and the bits it
+/// took, decoded from the stream at bit `at`.
+///
+/// The fast path reads the 8 bytes holding bit `at` as one little-endian word
+/// (at least 57 valid bits) and decodes an entry of up to 56 bits from it with
+/// two trailing-zero counts: no refill state, no branch on the data except the
+/// length checks, which a well-formed stream passes. Everything else (a long
+/// gap or step, the last 8 bytes of the stream, any malformed code) goes to
+/// [`step_entry_slow`], which decodes exactly as [`decode_block`] does.
+#[inline(always)]
+fn step_entry<const W: usize>(
+    stream: &[u8],
+    at: u64,
+    (k, vk): (u32, u32),
+    q_limit: u64,
+) -> std::result::Result<(u64, u64, u32), &'static str> {
+    let byte = (at >> 3) as usize;
+    if let Some(chunk) = stream.get(byte..byte + 8) {
+        let word = u64::from_le_bytes(chunk.try_into().expect("8 bytes")) >> (at & 7);
+        let tz = word.trailing_zeros();
+        let glen = tz + 1 + k;
+        if glen <= 54 {
+            let vw = word >> glen;
+            let z = vw.trailing_zeros();
+            let width = z + vk;
+            let used = glen + z + 1 + width + 1;
+            if used <= 56 {
+                let gap = ((tz as u64) << k) | ((word >> (tz + 1)) & ((1u64 << k) - 1));
+                let rest = (vw >> (z + 1)) & ((1u64 << width) - 1);
+                let neg = (vw >> (z + 1 + width)) & 1;
+                let m = ((1u64 << width) | rest) - (1u64 << vk) + 1;
+                if m <= 1u64 << (W * 8 - 1) {
+                    let s = ((m ^ neg.wrapping_neg()).wrapping_add(neg)) & word_mask(W);
+                    return Ok((gap, s, used));
+                }
+                return Err("step larger than the word");
+            }
+        }
+    }
+    step_entry_slow::<W>(stream, at, (k, vk), q_limit)
+}
+
+#[cold]
+#[inline(never)]
+fn step_entry_slow<const W: usize>(
+    stream: &[u8],
+    at: u64,
+    (k, vk): (u32, u32),
+    q_limit: u64,
+) -> std::result::Result<(u64, u64, u32), &'static str> {
+    // The same reads and messages as `decode_block`.
+    let mut r = BitReader::new(stream.get((at >> 3) as usize..).unwrap_or(&[]));
+    let start = r.remaining_bits();
+    r.get((at & 7) as u32)
+        .ok_or("truncated or invalid position")?;
+    let q = r.unary(q_limit).ok_or("truncated or invalid position")?;
+    let gap = (q << k) | r.get(k).ok_or("truncated position")?;
+    let z = r.unary(64).ok_or("truncated or invalid step")?;
+    let width = z + vk as u64;
+    if width > 63 {
+        return Err("step too large");
+    }
+    let rest = r.get(width as u32).ok_or("truncated step")?;
+    let neg = r.get(1).ok_or("truncated sign")?;
+    let m = ((1u64 << width) | rest) - (1u64 << vk) + 1;
+    if m > 1u64 << (W * 8 - 1) {
+        return Err("step larger than the word");
+    }
+    let s = ((m ^ neg.wrapping_neg()).wrapping_add(neg)) & word_mask(W);
+    let used = start - r.remaining_bits() - (at & 7);
+    Ok((gap, s, used as u32))
+}
+
+/// [`apply_block_w`] for step-coded blocks: decodes a batch of entries, then
+/// writes them. Steps never leave a word unchanged (1 ≤ |s| ≤ 2^(8·wb−1), and
+/// keys are a bijection), so no entry needs that check, and nothing is logged:
+/// [`undo_block`] inverts the steps.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn apply_steps_w<const W: usize>(
+    tensor: &str,
+    b: usize,
+    e: &BlockEntry,
+    stream: &[u8],
+    kind: KeyKind,
+    seed: TensorSeed,
+    first: u64,
+    blk: &mut [u8],
+    undo: &mut BlockUndo,
+) -> Result<u64> {
+    let bad = |what: &str| Error::tensor(tensor, format!("block {b}: {what}"));
+    let len = (blk.len() / W) as u64;
+    if e.pos_k > MAX_POS_K || e.val_k > MAX_VAL_K {
+        return Err(bad("coding parameter out of range"));
+    }
+    if e.changes > len {
+        return Err(bad("more changes than words"));
+    }
+    let min_bits = e.changes.saturating_mul(e.pos_k as u64 + 2);
+    if min_bits > stream.len() as u64 * 8 {
+        return Err(bad("stream too short for the claimed number of changes"));
+    }
+    let params = (e.pos_k as u32, e.val_k as u32);
+    let q_limit = len >> e.pos_k;
+    let mask = word_mask(W);
+    let mut dig = 0u64;
+    let mut at = 0u64; // bit position in the stream
+    let mut next = 0u64;
+    let mut left = e.changes;
+    let (mut idx, mut steps) = ([0u64; BATCH], [0u64; BATCH]);
+    while left > 0 {
+        let n = left.min(BATCH as u64) as usize;
+        for j in 0..n {
+            let (gap, s, used) = step_entry::<W>(stream, at, params, q_limit).map_err(bad)?;
+            at += used as u64;
+            let i = next + gap;
+            if i >= len {
+                return Err(bad("position beyond the block"));
+            }
+            next = i + 1;
+            idx[j] = i;
+            steps[j] = s;
+        }
+        let mut olds = [0u64; BATCH];
+        for (o, &i) in olds.iter_mut().zip(&idx[..n]) {
+            *o = load::<W>(blk, i as usize);
+        }
+        for ((&old, &i), &s) in olds.iter().zip(&idx[..n]).zip(&steps[..n]) {
+            let new = from_key(kind, W, to_key(kind, W, old).wrapping_add(s) & mask);
+            store::<W>(blk, i as usize, new);
+            dig = dig.wrapping_add(seed.change(first + i, old, new));
+        }
+        undo.applied += n as u64;
+        left -= n as u64;
+    }
+    // Fewer than 8 bits may remain, all zero padding.
+    let total = stream.len() as u64 * 8;
+    let clean = total - at < 8 && (at == total || stream[stream.len() - 1] >> (at & 7) == 0);
+    if !clean {
+        return Err(bad("trailing bytes after the last change"));
+    }
+    Ok(dig)
+}
+
 #[cold]
 #[inline(never)]
 fn unchanged_error(tensor: &str, b: usize, at: u64) -> Error {
@@ -650,23 +1016,32 @@ fn unchanged_error(tensor: &str, b: usize, at: u64) -> Error {
     )
 }
 
-/// Restores the old words [`apply_block`] recorded in `undo` (positions are
-/// decoded again; they do not depend on the base).
+/// Restores the words [`apply_block`] overwrote, as recorded in `undo`
+/// (positions and steps are decoded again; they do not depend on the base).
+#[allow(clippy::too_many_arguments)]
 pub fn undo_block(
     tensor: &str,
     b: usize,
     e: &BlockEntry,
     stream: &[u8],
+    kind: KeyKind,
     wb: usize,
     blk: &mut [u8],
-    undo: &[u8],
+    undo: &BlockUndo,
 ) {
-    let n = (undo.len() / wb) as u64;
     let len = (blk.len() / wb) as u64;
+    let mask = word_mask(wb);
     let mut j = 0usize;
     // These entries decoded successfully once, so decoding them again cannot fail.
-    let _ = decode_block(tensor, b, e, stream, wb, len, Some(n), |i, _| {
-        write_word(blk, wb, i as usize, read_word(undo, wb, j));
+    let _ = decode_block(tensor, b, e, stream, wb, len, Some(undo.applied), |i, v| {
+        let old = match v {
+            Value::Raw(_) => read_word(&undo.old_words, wb, j),
+            Value::Step(s) => {
+                let cur = read_word(blk, wb, i as usize);
+                from_key(kind, wb, to_key(kind, wb, cur).wrapping_sub(s) & mask)
+            }
+        };
+        write_word(blk, wb, i as usize, old);
         j += 1;
         Ok(())
     });
@@ -693,6 +1068,125 @@ mod tests {
             z.add(0, 1);
         }
         assert_eq!(z.choose_rice_k(), (0, 4));
+    }
+
+    /// A BF16 block of `words` words and a copy with changes at the positions
+    /// `pick` selects (±1..±3 ulp, some large jumps).
+    fn bf16_pair(words: usize, pick: impl Fn(usize) -> bool) -> (Vec<u8>, Vec<u8>) {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let base: Vec<u8> = (0..words)
+            .flat_map(|_| ((rnd() as u16 & 0x7fff) | 0x3c00).to_le_bytes())
+            .collect();
+        let mut new = base.clone();
+        for i in (0..words).filter(|&i| pick(i)) {
+            let r = rnd();
+            let old = u16::from_le_bytes([base[2 * i], base[2 * i + 1]]);
+            let step = if r % 97 == 0 { 300 } else { 1 + (r >> 8) % 3 } as u16;
+            let w = if r & 1 == 0 {
+                old.wrapping_add(step)
+            } else {
+                old.wrapping_sub(step)
+            };
+            new[2 * i..2 * i + 2].copy_from_slice(&w.to_le_bytes());
+        }
+        (base, new)
+    }
+
+    /// Encodes one block, applies it to a copy of the base, checks the result
+    /// and the digest change, then undoes it and checks the base is back.
+    fn round_trip_block(base: &[u8], new: &[u8]) -> BlockEntry {
+        let seed = TensorSeed(12345);
+        let kind = KeyKind::SignMagnitude;
+        let enc = encode_tensor(kind, 2, seed, base, new);
+        assert_eq!(enc.blocks.len(), 1);
+        let e = enc.blocks[0].clone();
+        let mut blk = base.to_vec();
+        let mut undo = BlockUndo::default();
+        let dig = apply_block(
+            "t",
+            0,
+            &e,
+            &enc.payload,
+            kind,
+            2,
+            seed,
+            0,
+            &mut blk,
+            &mut undo,
+        )
+        .expect("apply");
+        assert!(blk == new, "applied block differs");
+        assert_eq!(dig, enc.digest_change);
+        assert_eq!(undo.applied, e.changes);
+        undo_block("t", 0, &e, &enc.payload, kind, 2, &mut blk, &undo);
+        assert!(blk == base, "undo did not restore the block");
+        e
+    }
+
+    #[test]
+    fn direct_writing_matches_the_exact_choice_on_uniform_blocks() {
+        // Four times the sample: most of the block is written straight from the scan.
+        let words = 4 * SAMPLE_WORDS;
+        let (base, new) = bf16_pair(words, |i| (i.wrapping_mul(2_654_435_761) >> 7) % 57 == 0);
+        let e = round_trip_block(&base, &new);
+        // The exact choice over the whole block, for comparison.
+        let (mut gaps, mut steps, mut stats) = (Vec::new(), Vec::new(), Stats::default());
+        let (mut next, mut dig) = (0, 0);
+        for_each_change_piece(2, &base, &new, |pf, ch, pa, pb| {
+            stage_piece::<2>(
+                KeyKind::SignMagnitude,
+                TensorSeed(12345),
+                0,
+                &mut stats,
+                (&mut next, &mut dig),
+                &mut gaps,
+                &mut steps,
+                pf,
+                ch,
+                pa,
+                pb,
+            )
+        });
+        let (exact, _) = write_staged::<2>(&stats, &gaps, &steps, &new);
+        assert_eq!(e.changes, exact.changes);
+        assert!(
+            e.bytes as f64 <= exact.bytes as f64 * 1.01,
+            "{} vs exact {}",
+            e.bytes,
+            exact.bytes
+        );
+    }
+
+    #[test]
+    fn non_uniform_blocks_fall_back_to_the_exact_choice() {
+        let words = 4 * SAMPLE_WORDS;
+        // Sparse in the sample, dense afterwards: the sampled Rice parameter
+        // would waste bits, so the block is re-encoded exactly.
+        let (base, new) = bf16_pair(words, |i| {
+            let h = (i.wrapping_mul(2_654_435_761) >> 7) % 1000;
+            if i < SAMPLE_WORDS { h == 0 } else { h < 100 }
+        });
+        round_trip_block(&base, &new);
+        // Value sizes change after the sample: large steps only later.
+        let (b2, mut n2) = bf16_pair(words, |i| i % 61 == 0);
+        for i in (2 * SAMPLE_WORDS..words).step_by(61) {
+            let w = u16::from_le_bytes([b2[2 * i], b2[2 * i + 1]]) ^ 0x0040;
+            n2[2 * i..2 * i + 2].copy_from_slice(&w.to_le_bytes());
+        }
+        round_trip_block(&b2, &n2);
+        // Raw values chosen from the sample.
+        let (b3, mut n3) = bf16_pair(words, |_| false);
+        for i in (0..words).step_by(13) {
+            n3[2 * i + 1] ^= 0x80;
+        }
+        let e = round_trip_block(&b3, &n3);
+        assert_eq!(e.values, ValueCoding::Raw);
     }
 
     #[test]

@@ -601,8 +601,10 @@ fn foreign_trl_jobs<'a>(
 struct Outcome {
     changed: u64,
     dig: u64,
-    /// Overwritten old words, per block (one entry for TRL).
-    undo: Vec<Vec<u8>>,
+    /// TRL: the overwritten old words.
+    undo: Vec<u8>,
+    /// Compact: what each block wrote.
+    block_undo: Vec<compact::BlockUndo>,
     err: Option<Error>,
 }
 
@@ -615,13 +617,15 @@ fn apply_job(j: &Job<'_>, dtype: Dtype, seed: TensorSeed, data: &mut [u8]) -> Ou
                 Ok((changed, dig)) => Outcome {
                     changed,
                     dig,
-                    undo: vec![undo],
+                    undo,
+                    block_undo: Vec::new(),
                     err: None,
                 },
                 Err(e) => Outcome {
                     changed: 0,
                     dig: 0,
-                    undo: vec![undo],
+                    undo,
+                    block_undo: Vec::new(),
                     err: Some(e),
                 },
             }
@@ -636,18 +640,19 @@ fn apply_job(j: &Job<'_>, dtype: Dtype, seed: TensorSeed, data: &mut [u8]) -> Ou
                     changed: 0,
                     dig: 0,
                     undo: Vec::new(),
+                    block_undo: Vec::new(),
                     err: None,
                 };
             }
             let kind = key_kind(dtype);
             let words = (data.len() / wb) as u64;
             let chunk_words = (*block_words).min(words);
-            let per_block: Vec<(Result<u64>, Vec<u8>)> = data
+            let per_block: Vec<(Result<u64>, compact::BlockUndo)> = data
                 .par_chunks_mut(chunk_words as usize * wb)
                 .zip(blocks.par_iter().zip(streams.par_iter()))
                 .enumerate()
                 .map(|(b, (blk, (e, s)))| {
-                    let mut undo = Vec::new();
+                    let mut undo = compact::BlockUndo::default();
                     let first = b as u64 * chunk_words;
                     let r = compact::apply_block(
                         &j.name, b, e, s, kind, wb, seed, first, blk, &mut undo,
@@ -658,7 +663,8 @@ fn apply_job(j: &Job<'_>, dtype: Dtype, seed: TensorSeed, data: &mut [u8]) -> Ou
             let mut out = Outcome {
                 changed: 0,
                 dig: 0,
-                undo: Vec::with_capacity(per_block.len()),
+                undo: Vec::new(),
+                block_undo: Vec::with_capacity(per_block.len()),
                 err: None,
             };
             for ((r, undo), e) in per_block.into_iter().zip(blocks) {
@@ -673,7 +679,7 @@ fn apply_job(j: &Job<'_>, dtype: Dtype, seed: TensorSeed, data: &mut [u8]) -> Ou
                         }
                     }
                 }
-                out.undo.push(undo);
+                out.block_undo.push(undo);
             }
             out
         }
@@ -684,9 +690,7 @@ fn undo_job(j: &Job<'_>, dtype: Dtype, data: &mut [u8], o: &Outcome) {
     let wb = word_bytes(dtype);
     match &j.payload {
         Payload::Trl { indices, .. } => {
-            if let Some(u) = o.undo.first() {
-                trl::undo(*indices, wb, data, u);
-            }
+            trl::undo(*indices, wb, data, &o.undo);
         }
         Payload::Compact {
             block_words,
@@ -696,14 +700,15 @@ fn undo_job(j: &Job<'_>, dtype: Dtype, data: &mut [u8], o: &Outcome) {
             if data.is_empty() {
                 return;
             }
+            let kind = key_kind(dtype);
             let words = (data.len() / wb) as u64;
             let chunk_words = (*block_words).min(words);
             data.par_chunks_mut(chunk_words as usize * wb)
                 .zip(blocks.par_iter().zip(streams.par_iter()))
-                .zip(o.undo.par_iter())
+                .zip(o.block_undo.par_iter())
                 .enumerate()
                 .for_each(|(b, ((blk, (e, s)), u))| {
-                    compact::undo_block(&j.name, b, e, s, wb, blk, u)
+                    compact::undo_block(&j.name, b, e, s, kind, wb, blk, u)
                 });
         }
     }

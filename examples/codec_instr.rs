@@ -1,0 +1,72 @@
+//! Instruction-count harness for the compact codec: one encode and one apply
+//! of a generator step, all on the calling thread so that callgrind can count
+//! each phase by itself.
+//!
+//! ```sh
+//! cargo build --release --example codec_instr
+//! valgrind --tool=callgrind --collect-atstart=no --toggle-collect='codec_instr::encode_phase' \
+//!     target/release/examples/codec_instr 20000000 1.5e-6
+//! ```
+//!
+//! (`apply_phase` and `compare_phase` likewise.) Divide the reported
+//! instruction count by the printed number of changed elements.
+
+use weightcast::bench::plain_compare;
+use weightcast::codec::{DeltaOptions, apply_delta, encode_delta};
+use weightcast::format::Encoding;
+use weightcast::generator::{Generator, GeneratorConfig};
+use weightcast::tensors::TensorSet;
+
+#[inline(never)]
+fn compare_phase(a: &TensorSet, b: &TensorSet) -> u64 {
+    plain_compare(a, b)
+}
+
+#[inline(never)]
+fn encode_phase(a: &TensorSet, b: &mut TensorSet) -> Vec<u8> {
+    let opts = DeltaOptions {
+        encoding: Encoding::Compact,
+        model_version: 2,
+        base_version: 1,
+    };
+    encode_delta(a, b, &opts).expect("encode").0
+}
+
+#[inline(never)]
+fn apply_phase(a: &mut TensorSet, delta: &[u8]) {
+    apply_delta(a, delta).expect("apply");
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let elements: u64 = args
+        .next()
+        .map_or(20_000_000, |s| s.parse().expect("elements"));
+    let lr: f32 = args.next().map_or(1.5e-6, |s| s.parse().expect("lr"));
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .use_current_thread()
+        .build_global()
+        .expect("pool");
+    let mut cfg = GeneratorConfig::with_elements(7, elements);
+    cfg.lr = lr;
+    let mut g = Generator::new(cfg);
+    g.step();
+    let base = g.snapshot();
+    g.step();
+    let mut new = g.snapshot_without_digests();
+    let changed = compare_phase(&base, &new);
+    let delta = encode_phase(&base, &mut new);
+    let mut replica = base.clone();
+    apply_phase(&mut replica, &delta);
+    for i in 0..new.len() {
+        assert!(replica.data(i) == new.data(i), "replica differs");
+    }
+    println!(
+        "elements {} changed {changed} density {:.4}% delta {} bytes ({:.4} B/changed)",
+        g.config().elements(),
+        changed as f64 * 100.0 / g.config().elements() as f64,
+        delta.len(),
+        delta.len() as f64 / changed as f64
+    );
+}
