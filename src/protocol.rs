@@ -438,9 +438,11 @@ pub async fn read_manifest(store: &Store, version: u64) -> Result<Option<Manifes
 
 /// Committed versions newer than `after` (all when `None`), ascending.
 pub async fn versions_after(store: &Store, after: Option<u64>) -> Result<Vec<u64>> {
-    let mut v: Vec<u64> = store
-        .list(VERSIONS_PREFIX)
-        .await?
+    let listed = match after {
+        Some(a) => store.list_after(VERSIONS_PREFIX, &manifest_key(a)).await?,
+        None => store.list(VERSIONS_PREFIX).await?,
+    };
+    let mut v: Vec<u64> = listed
         .iter()
         .filter_map(|l| version_of_manifest_key(&l.key))
         .filter(|&v| after.is_none_or(|a| v > a))

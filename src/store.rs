@@ -521,6 +521,26 @@ impl Store {
         Ok(out)
     }
 
+    /// Lists the objects under `prefix` whose keys sort after `after` (S3's
+    /// `start-after`: one request however long the history before it), sorted.
+    pub async fn list_after(&self, prefix: &str, after: &str) -> Result<Vec<Listed>> {
+        let p = Self::path(prefix)?;
+        let offset = Self::path(after)?;
+        let mut out: Vec<Listed> = self
+            .inner
+            .list_with_offset(Some(&p), &offset)
+            .map_ok(|m| Listed {
+                key: m.location.to_string(),
+                size: m.size,
+            })
+            .try_collect()
+            .await
+            .map_err(|e| store_err("list", prefix, e))?;
+        out.retain(|l| l.key.as_str() > after);
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(out)
+    }
+
     /// Deletes an object (missing objects are not an error).
     pub async fn delete(&self, key: &str) -> Result<()> {
         let path = Self::path(key)?;

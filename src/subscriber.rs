@@ -161,6 +161,30 @@ struct Replica {
 /// Catches `out` up to the newest committed version of `store`. Returns `None`
 /// when the bucket has no version yet.
 pub async fn catch_up(store: &Store, out: &Path) -> Result<Option<CaughtUp>> {
+    // The cheap poll: nothing after the recorded version (one listing that
+    // starts after it), and that version still committed (one small read).
+    // The materialized files are re-verified only when there is something to
+    // apply to them, so an idle poll costs two requests, not a pass over the
+    // model.
+    let recorded = read_state(out).filter(|_| out.join("current").exists());
+    if let Some(state) = &recorded {
+        if versions_after(store, Some(state.version)).await?.is_empty()
+            && read_manifest(store, state.version).await?.is_some()
+        {
+            return Ok(Some(CaughtUp {
+                version: state.version,
+                previous: Some(state.version),
+                downloaded: 0,
+                deltas_applied: 0,
+                from_anchor: false,
+                repairs: 0,
+                changed_tensors: Vec::new(),
+                written_bytes: 0,
+                reused_bytes: 0,
+                copied_bytes: 0,
+            }));
+        }
+    }
     let Some(&newest) = versions_after(store, None).await?.last() else {
         return Ok(None);
     };
@@ -189,11 +213,11 @@ pub async fn catch_up(store: &Store, out: &Path) -> Result<Option<CaughtUp>> {
     let previous = local.as_ref().map(|(s, _)| s.version);
     let prev_state = local.as_ref().map(|(s, _)| s.clone());
 
-    // Replay from the local state when it is recent and the deltas are cheaper
-    // than the anchor.
+    // Replay from the local state when the deltas are cheaper than the anchor
+    // (across anchors too, through their bridge deltas).
     let mut result: Option<(Replica, u64)> = None;
     if let Some((state, replica)) = local {
-        if state.version >= target.anchor_version && state.version < newest {
+        if state.version < newest && replay_is_cheaper(store, state.version, &target).await {
             match replay_from(store, replica, newest).await {
                 Ok((r, bytes, applied)) => {
                     downloaded += bytes;
@@ -236,8 +260,10 @@ pub async fn catch_up(store: &Store, out: &Path) -> Result<Option<CaughtUp>> {
 
 /// Downloads an object and checks it against its manifest entry.
 async fn fetch(store: &Store, o: &ObjectEntry) -> Result<Vec<u8>> {
+    // The manifest's size bounds the read: an object that grew is refused from
+    // its reported size, before its body is buffered.
     let body = store
-        .get(&o.key)
+        .get_at_most(&o.key, o.size)
         .await?
         .ok_or_else(|| Error::metadata("manifest", format!("object `{}` is missing", o.key)))?;
     if body.len() as u64 != o.size || blake3::hash(&body).to_hex().as_str() != o.blake3 {
@@ -251,9 +277,14 @@ async fn fetch(store: &Store, o: &ObjectEntry) -> Result<Vec<u8>> {
 }
 
 /// Applies one manifest's objects to `r`.
-async fn apply_manifest(store: &Store, r: &mut Replica, m: &Manifest) -> Result<u64> {
+async fn apply_manifest<'a>(
+    store: &Store,
+    r: &mut Replica,
+    m: &'a Manifest,
+    objects: impl Iterator<Item = &'a ObjectEntry>,
+) -> Result<u64> {
     let mut bytes = 0;
-    for o in &m.objects {
+    for o in objects {
         let body = fetch(store, o).await?;
         bytes += body.len() as u64;
         match o.role {
@@ -296,6 +327,36 @@ async fn apply_manifest(store: &Store, r: &mut Replica, m: &Manifest) -> Result<
     Ok(bytes)
 }
 
+/// Longest replay considered before jumping to the anchor regardless.
+const MAX_REPLAY_VERSIONS: u64 = 1000;
+
+/// Whether a replica at `held` reaches `target` more cheaply by replaying
+/// every version after it than by starting from `target`'s anchor. Reads the
+/// manifests in between (small objects); any doubt means no.
+async fn replay_is_cheaper(store: &Store, held: u64, target: &Manifest) -> bool {
+    if held >= target.anchor_version {
+        // Only deltas lie between; the publisher bounds them below an anchor.
+        return true;
+    }
+    if target.version - held > MAX_REPLAY_VERSIONS {
+        return false;
+    }
+    let (mut replay, mut bootstrap) = (0u64, 0u64);
+    for v in held + 1..=target.version {
+        let m = match read_manifest(store, v).await {
+            Ok(Some(m)) if m.replays_from_previous() => m,
+            _ => return false,
+        };
+        replay += m.replay_bytes();
+        if v == target.anchor_version {
+            bootstrap += m.bootstrap_bytes();
+        } else if v > target.anchor_version {
+            bootstrap += m.replay_bytes();
+        }
+    }
+    replay < bootstrap
+}
+
 /// Starts from anchor `anchor` and replays up to `to`.
 async fn bootstrap(store: &Store, anchor: u64, to: u64) -> Result<(Replica, u64, u64)> {
     let m = read_manifest(store, anchor).await?.ok_or_else(|| {
@@ -307,7 +368,7 @@ async fn bootstrap(store: &Store, anchor: u64, to: u64) -> Result<(Replica, u64,
         files: BTreeMap::new(),
         changed: Default::default(),
     };
-    let mut bytes = apply_manifest(store, &mut r, &m).await?;
+    let mut bytes = apply_manifest(store, &mut r, &m, m.bootstrap_objects()).await?;
     let (r, more, applied) = replay_from(store, r, to).await?;
     bytes += more;
     Ok((r, bytes, applied))
@@ -327,7 +388,21 @@ async fn replay_from(store: &Store, mut r: Replica, to: u64) -> Result<(Replica,
                 format!("version {v} is not a delta on {}", r.version),
             ));
         }
-        bytes += apply_manifest(store, &mut r, &m).await?;
+        // Every safetensors file moves to the new version, or the replica
+        // would keep a stale one.
+        let deltas: std::collections::BTreeSet<&str> = m
+            .objects
+            .iter()
+            .filter(|o| o.role == ObjectRole::Delta)
+            .map(|o| o.name.as_str())
+            .collect();
+        if let Some(stale) = r.tensors.keys().find(|n| !deltas.contains(n.as_str())) {
+            return Err(Error::metadata(
+                "manifest",
+                format!("version {v} has no delta for `{stale}`"),
+            ));
+        }
+        bytes += apply_manifest(store, &mut r, &m, m.replay_objects()).await?;
         applied += 1;
     }
     Ok((r, bytes, applied))
@@ -360,9 +435,13 @@ fn is_version_dir_name(name: &str) -> bool {
 /// when the state has them), other files against their BLAKE3 in the state.
 /// The returned state describes the files exactly as they are on disk, which is
 /// what [`materialize`] reuses them by.
+/// The recorded state, unverified (`None` if absent or unreadable).
+fn read_state(out: &Path) -> Option<LocalState> {
+    serde_json::from_slice(&std::fs::read(state_path(out)).ok()?).ok()
+}
+
 fn load_local(out: &Path) -> Option<(LocalState, Replica)> {
-    let mut state: LocalState =
-        serde_json::from_slice(&std::fs::read(state_path(out)).ok()?).ok()?;
+    let mut state = read_state(out)?;
     let dir_name = state
         .dir
         .clone()
@@ -704,10 +783,19 @@ pub struct DaemonConfig {
     pub hooks: Vec<crate::hooks::Hook>,
 }
 
+/// How often a subscriber that stays at one version rewrites its registration
+/// (a new version rewrites it at once). Well inside the publishers' default
+/// registration horizon of a day.
+pub const REGISTRATION_REFRESH: std::time::Duration = std::time::Duration::from_secs(600);
+
 /// Catches up forever: after each attempt, waits for a notification or the
 /// poll interval, whichever comes first (bursts of notifications coalesce).
-/// Updates the shared status and, with an id, the bucket registration.
+/// Updates the shared status and, with an id, the bucket registration (on each
+/// new version, and every [`REGISTRATION_REFRESH`]).
+
 pub async fn run_daemon(store: &Store, cfg: &DaemonConfig, shared: &crate::server::Shared) -> ! {
+    // (version, when) of the last registration written.
+    let mut registered: Option<(u64, std::time::Instant)> = None;
     loop {
         let started = std::time::Instant::now();
         match catch_up(store, &cfg.out).await {
@@ -745,15 +833,18 @@ pub async fn run_daemon(store: &Store, cfg: &DaemonConfig, shared: &crate::serve
                         s.hook_failures += report.failed as u64;
                     }
                 }
-                if let Some(id) = &cfg.id {
+                let due = registered
+                    .is_none_or(|(v, at)| v != c.version || at.elapsed() >= REGISTRATION_REFRESH);
+                if let (Some(id), true) = (&cfg.id, due) {
                     let reg = crate::notify::Registration {
                         id: id.clone(),
                         notify_url: cfg.notify_url.clone(),
                         version: Some(c.version),
                         updated_at: crate::notify::unix_now(),
                     };
-                    if let Err(e) = crate::notify::register(store, &reg).await {
-                        tracing::warn!(error = %e, "registration failed");
+                    match crate::notify::register(store, &reg).await {
+                        Ok(()) => registered = Some((c.version, std::time::Instant::now())),
+                        Err(e) => tracing::warn!(error = %e, "registration failed"),
                     }
                 }
             }

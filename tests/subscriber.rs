@@ -179,3 +179,42 @@ async fn subscribers_on_s3_moto() {
     let store = common::moto_store("subscriber", "run").await;
     suite(store).await;
 }
+
+/// An idle poll does not re-read the model: damage to the materialized files
+/// goes unnoticed until there is a version to apply, which then re-verifies
+/// them, finds the damage and repairs from the anchor. A bucket whose recorded
+/// version vanished (reset, collected) is not trusted either.
+#[tokio::test]
+async fn idle_polls_are_cheap_and_damage_is_caught_at_the_next_version() {
+    let (store, _dir) = common::local_store();
+    let work = tempfile::tempdir().unwrap();
+    let mut t = Trainer::new(&store, work.path(), 100).await;
+    let out = work.path().join("sub");
+    t.step().await;
+    t.step().await;
+    let c = catch_up(&store, &out).await.unwrap().unwrap();
+    assert_eq!(c.version, 1);
+
+    // Damage the materialized model (a new file, so hard links elsewhere stay intact).
+    let model = out.join("current/model.safetensors");
+    let mut bytes = std::fs::read(&model).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x01;
+    std::fs::remove_file(&model).unwrap();
+    std::fs::write(&model, &bytes).unwrap();
+
+    // Idle: nothing to apply, nothing read, nothing repaired.
+    let c = catch_up(&store, &out).await.unwrap().unwrap();
+    assert_eq!((c.version, c.downloaded, c.repairs), (1, 0, 0));
+
+    // The next version re-verifies the local files before using them as a base.
+    let ckpt = t.step().await;
+    let c = catch_up(&store, &out).await.unwrap().unwrap();
+    assert_eq!((c.version, c.from_anchor), (2, true), "{c:?}");
+    assert_matches(&out, &ckpt);
+
+    // The recorded version's manifest vanishing forces a full check.
+    std::fs::remove_file(_dir.path().join(weightcast::protocol::manifest_key(2))).unwrap();
+    let c = catch_up(&store, &out).await.unwrap().unwrap();
+    assert_eq!(c.version, 1, "{c:?}");
+}
