@@ -36,6 +36,10 @@ pub struct Status {
     pub versions_applied: u64,
     /// Bytes downloaded since start.
     pub bytes_downloaded: u64,
+    /// Bytes written into new version directories since start.
+    pub bytes_written: u64,
+    /// Bytes of new versions taken from the previous one (links, clones) since start.
+    pub bytes_reused: u64,
     /// Re-bootstraps after a failed replay.
     pub repairs: u64,
     /// Catch-ups that failed.
@@ -176,6 +180,18 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
         "counter",
         "Bytes downloaded from the store.",
         s.bytes_downloaded as f64,
+    );
+    metric(
+        "weightcast_output_written_bytes_total",
+        "counter",
+        "Bytes written into new version directories.",
+        s.bytes_written as f64,
+    );
+    metric(
+        "weightcast_output_reused_bytes_total",
+        "counter",
+        "Bytes of new versions hard-linked or cloned from the previous one.",
+        s.bytes_reused as f64,
     );
     metric(
         "weightcast_repairs_total",

@@ -807,6 +807,8 @@ pub async fn run_daemon(store: &Store, cfg: &DaemonConfig, shared: &crate::serve
                     s.lag = s.newest.map(|n| n.saturating_sub(c.version));
                     s.last_error = None;
                     s.bytes_downloaded += c.downloaded;
+                    s.bytes_written += c.written_bytes;
+                    s.bytes_reused += c.reused_bytes;
                     s.repairs += c.repairs;
                     if changed {
                         s.versions_applied += c.deltas_applied.max(1);
