@@ -170,6 +170,23 @@ where
     Ok(builder)
 }
 
+/// Collects a listing, sorted by key.
+async fn collect_listing(
+    stream: futures::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>>,
+    prefix: &str,
+) -> Result<Vec<Listed>> {
+    let mut out: Vec<Listed> = stream
+        .map_ok(|m| Listed {
+            key: m.location.to_string(),
+            size: m.size,
+        })
+        .try_collect()
+        .await
+        .map_err(|e| store_err("list", prefix, e))?;
+    out.sort_by(|a, b| a.key.cmp(&b.key));
+    Ok(out)
+}
+
 impl Store {
     /// Opens a store by URL, taking credentials and endpoints from the
     /// conventional environment variables (see the module documentation).
@@ -507,18 +524,7 @@ impl Store {
         } else {
             Some(Self::path(prefix)?)
         };
-        let mut out: Vec<Listed> = self
-            .inner
-            .list(p.as_ref())
-            .map_ok(|m| Listed {
-                key: m.location.to_string(),
-                size: m.size,
-            })
-            .try_collect()
-            .await
-            .map_err(|e| store_err("list", prefix, e))?;
-        out.sort_by(|a, b| a.key.cmp(&b.key));
-        Ok(out)
+        collect_listing(self.inner.list(p.as_ref()), prefix).await
     }
 
     /// Lists the objects under `prefix` whose keys sort after `after` (S3's
@@ -526,18 +532,9 @@ impl Store {
     pub async fn list_after(&self, prefix: &str, after: &str) -> Result<Vec<Listed>> {
         let p = Self::path(prefix)?;
         let offset = Self::path(after)?;
-        let mut out: Vec<Listed> = self
-            .inner
-            .list_with_offset(Some(&p), &offset)
-            .map_ok(|m| Listed {
-                key: m.location.to_string(),
-                size: m.size,
-            })
-            .try_collect()
-            .await
-            .map_err(|e| store_err("list", prefix, e))?;
+        let mut out =
+            collect_listing(self.inner.list_with_offset(Some(&p), &offset), prefix).await?;
         out.retain(|l| l.key.as_str() > after);
-        out.sort_by(|a, b| a.key.cmp(&b.key));
         Ok(out)
     }
 

@@ -66,6 +66,24 @@ pub struct CaughtUp {
     pub copied_bytes: u64,
 }
 
+impl CaughtUp {
+    /// Nothing new: the output stays at `version`.
+    fn unchanged(version: u64) -> CaughtUp {
+        CaughtUp {
+            version,
+            previous: Some(version),
+            downloaded: 0,
+            deltas_applied: 0,
+            from_anchor: false,
+            repairs: 0,
+            changed_tensors: Vec::new(),
+            written_bytes: 0,
+            reused_bytes: 0,
+            copied_bytes: 0,
+        }
+    }
+}
+
 /// `DIR/.state.json`: the materialized version, where it is, and the digests
 /// its files are checked and reused by. Fields after `digests` are absent in
 /// states written by older releases (then nothing is reused the first time).
@@ -171,18 +189,7 @@ pub async fn catch_up(store: &Store, out: &Path) -> Result<Option<CaughtUp>> {
         if versions_after(store, Some(state.version)).await?.is_empty()
             && read_manifest(store, state.version).await?.is_some()
         {
-            return Ok(Some(CaughtUp {
-                version: state.version,
-                previous: Some(state.version),
-                downloaded: 0,
-                deltas_applied: 0,
-                from_anchor: false,
-                repairs: 0,
-                changed_tensors: Vec::new(),
-                written_bytes: 0,
-                reused_bytes: 0,
-                copied_bytes: 0,
-            }));
+            return Ok(Some(CaughtUp::unchanged(state.version)));
         }
     }
     let Some(&newest) = versions_after(store, None).await?.last() else {
@@ -191,18 +198,7 @@ pub async fn catch_up(store: &Store, out: &Path) -> Result<Option<CaughtUp>> {
     let local = load_local(out);
     if let Some((state, _)) = &local {
         if state.version == newest {
-            return Ok(Some(CaughtUp {
-                version: newest,
-                previous: Some(newest),
-                downloaded: 0,
-                deltas_applied: 0,
-                from_anchor: false,
-                repairs: 0,
-                changed_tensors: Vec::new(),
-                written_bytes: 0,
-                reused_bytes: 0,
-                copied_bytes: 0,
-            }));
+            return Ok(Some(CaughtUp::unchanged(newest)));
         }
     }
     let target = read_manifest(store, newest)
