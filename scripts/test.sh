@@ -45,6 +45,9 @@ step "unit, integration and doc tests"
 cargo test --all-targets
 cargo test --doc
 
+step "container tests (MinIO through testcontainers; skipped, visibly, without a Docker daemon)"
+cargo test --test minio_container -- --nocapture 2>&1 | grep -E 'SKIPPED|test result|running|minio' || true
+
 step "demo (the README's first command)"
 cargo run --release --quiet -- demo --steps 6 --anchor-every 4
 
