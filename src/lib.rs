@@ -19,20 +19,25 @@
 //!   and written to safetensors.
 //! - [`format`]: the object header — metadata keys, their types, validation.
 //! - [`codec`]: diff, encode, decode, apply (`compact` and `trl`), anchors.
-//! - [`store`]: the bucket — any object store opened by URL, with conditional
-//!   creates, conditional reads and a probe for stores that ignore conditions.
+//! - [`store`]: the bucket — any object store opened by URL (`hf://` included),
+//!   with multipart and streamed uploads, size-bounded and conditional reads,
+//!   conditional creates and a probe for stores that ignore conditions.
 //! - [`protocol`]: the bucket layout and the commit protocol — objects first,
-//!   then a manifest created only if absent, then the `latest.json` hint.
+//!   then a manifest created only if absent, then the `latest.json` hint;
+//!   bridged anchors; retention that honours registered lagging subscribers.
 //! - [`publisher`]: checkpoints (single file or Hugging Face shards) to
 //!   committed anchors and deltas, with a persisted, verified snapshot.
-//! - [`subscriber`]: catch up from the bucket (newest anchor or local state
-//!   plus deltas), verify, and switch an output directory atomically.
+//! - [`subscriber`]: catch up from the bucket (the cheaper of replaying from
+//!   local state and starting from the newest anchor), verify, and materialize
+//!   each version in its own directory — unchanged files linked, changed shards
+//!   patched — behind an atomically switched `current` symlink.
 //! - [`notify`]: authenticated notifications (BLAKE3-keyed MAC) and subscriber
 //!   registrations in the bucket.
 //! - [`hooks`]: engine hand-off after each version (SGLang, vLLM, webhook,
 //!   command), with the engine pause measured.
 //! - [`server`]: the subscriber's HTTP endpoint (`/v1/notify`, `/v1/status`,
-//!   `/healthz`, `/metrics`), `run(listener, state, shutdown)`.
+//!   `/healthz`, `/metrics`) and the publisher daemon's (`POST /v1/publish`),
+//!   each `run(listener, state, shutdown)` so tests bind port 0.
 //! - [`generator`]: a synthetic RL-step generator with realistic statistics, for
 //!   tests, benchmarks and the demo.
 //! - [`bench`]: the codec benchmark behind `weightcast bench codec`.
