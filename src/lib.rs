@@ -17,7 +17,7 @@
 //!   proportional to the changed elements, not to the model.
 //! - [`tensors`]: [`tensors::TensorSet`], named tensors in one buffer, read from
 //!   and written to safetensors.
-//! - [`format`]: the object header — metadata keys, their types, validation.
+//! - [`format`](mod@format): the object header — metadata keys, their types, validation.
 //! - [`codec`]: diff, encode, decode, apply (`compact` and `trl`), anchors.
 //! - [`store`]: the bucket — any object store opened by URL (`hf://` included),
 //!   with multipart and streamed uploads, size-bounded and conditional reads,
@@ -40,7 +40,7 @@
 //!   each `run(listener, state, shutdown)` so tests bind port 0.
 //! - [`generator`]: a synthetic RL-step generator with realistic statistics, for
 //!   tests, benchmarks and the demo.
-//! - [`bench`]: the codec benchmark behind `weightcast bench codec`.
+//! - [`bench`](mod@bench): the codec benchmark behind `weightcast bench codec`.
 //! - [`demo`]: the end-to-end demo behind `weightcast demo`.
 //!
 //! The binary (`src/bin/weightcast.rs`) is a thin command-line layer over these.
