@@ -19,10 +19,42 @@ pub struct Server {
 impl Drop for Server {
     fn drop(&mut self) {
         if let Ok(mut c) = self.child.lock() {
-            let _ = c.kill();
+            // Closing the watchdog's stdin stops the server (see `start`).
+            drop(c.stdin.take());
             let _ = c.wait();
         }
     }
+}
+
+/// Whether `program` names an executable (a path, or a name on PATH).
+fn exists(program: &str) -> bool {
+    let runnable = |p: &std::path::Path| p.is_file();
+    if program.contains('/') {
+        return runnable(std::path::Path::new(program));
+    }
+    std::env::var_os("PATH")
+        .map(|paths| std::env::split_paths(&paths).any(|d| runnable(&d.join(program))))
+        .unwrap_or(false)
+}
+
+/// Starts `program args` under a small shell watchdog that holds a pipe from
+/// this test process on its stdin and kills the server when the pipe closes —
+/// when the test binary exits, however it exits. (Servers live in statics,
+/// which are never dropped, so without this they would outlive the tests.)
+fn start(program: &str, args: &[String], what: &str, hint: &str) -> Child {
+    if !exists(program) {
+        panic!("cannot start {what}: `{program}` not found. {hint}");
+    }
+    Command::new("sh")
+        .arg("-c")
+        .arg("\"$0\" \"$@\" </dev/null & pid=$!; read _; kill $pid 2>/dev/null; wait $pid")
+        .arg(program)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {what} (`{program}`): {e}"))
 }
 
 fn free_port() -> u16 {
@@ -44,18 +76,13 @@ fn wait_for(port: u16, what: &str) {
 }
 
 fn spawn(program: &str, args: &[String], what: &str, port: u16) -> Server {
-    let child = Command::new(program)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap_or_else(|e| {
-            panic!(
-                "cannot start {what} (`{program}`): {e}. Run the suite with ./scripts/test.sh, \
-                 which installs it and sets MOTO_SERVER, FAKE_GCS_SERVER and GARAGE"
-            )
-        });
+    let child = start(
+        program,
+        args,
+        what,
+        "Run the suite with ./scripts/test.sh, which installs it and sets MOTO_SERVER, \
+         FAKE_GCS_SERVER and GARAGE",
+    );
     wait_for(port, what);
     Server {
         port,
@@ -218,20 +245,17 @@ pub fn garage() -> &'static Garage {
             ),
         )
         .expect("writing garage.toml");
-        let child = Command::new(&program)
-            .arg("-c")
-            .arg(&config)
-            .arg("server")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "cannot start Garage (`{program}`): {e}. Run the suite with ./scripts/test.sh, \
-                     which builds it (cargo install garage --version 2.5.0), or set GARAGE"
-                )
-            });
+        let child = start(
+            &program,
+            &[
+                "-c".to_string(),
+                config.display().to_string(),
+                "server".to_string(),
+            ],
+            "Garage",
+            "Run the suite with ./scripts/test.sh, which builds it (cargo install garage \
+             --version 2.5.0), or set GARAGE",
+        );
         let server = Server {
             port: s3,
             child: Mutex::new(child),
