@@ -549,8 +549,12 @@ pub async fn collect_garbage(
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
+        // The newest manifest may have vanished since the listing (a
+        // concurrent GC): then the anchor's cost is unknown and whatever a
+        // registered subscriber replays is kept (the conservative choice).
         let bootstrap = manifests
-            .get(&manifests[&newest].anchor_version)
+            .get(&newest)
+            .and_then(|m| manifests.get(&m.anchor_version))
             .map(|a| {
                 a.bootstrap_bytes()
                     + manifests
