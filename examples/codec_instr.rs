@@ -62,6 +62,34 @@ fn main() {
     for i in 0..new.len() {
         assert!(replica.data(i) == new.data(i), "replica differs");
     }
+    // Optional third argument: time each phase that many times (one thread)
+    // and print the medians, for profiling under `perf record`.
+    let reps: usize = args.next().map_or(0, |s| s.parse().expect("reps"));
+    if reps > 0 {
+        let median = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let (mut tc, mut te, mut ta) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..reps {
+            let t = std::time::Instant::now();
+            std::hint::black_box(compare_phase(&base, &new));
+            tc.push(t.elapsed().as_secs_f64());
+            let t = std::time::Instant::now();
+            std::hint::black_box(encode_phase(&base, &mut new));
+            te.push(t.elapsed().as_secs_f64());
+            let mut replica = base.clone();
+            let t = std::time::Instant::now();
+            apply_phase(&mut replica, &delta);
+            ta.push(t.elapsed().as_secs_f64());
+        }
+        // Ratios per repetition (the compare ran just before), then medians:
+        // robust against the machine's slow drifts.
+        let er = median(tc.iter().zip(&te).map(|(c, e)| c / e).collect());
+        let ar = median(tc.iter().zip(&ta).map(|(c, a)| c / a).collect());
+        let (c, e, a) = (median(tc), median(te), median(ta));
+        println!("compare {c:.4}s  encode {e:.4}s ({er:.2}x)  apply {a:.4}s ({ar:.2}x)");
+    }
     println!(
         "elements {} changed {changed} density {:.4}% delta {} bytes ({:.4} B/changed)",
         g.config().elements(),

@@ -806,7 +806,7 @@ fn apply_block_wide(
 
 /// Entries decoded ahead before the tensor is touched: the old words of a
 /// batch are loaded back to back, so their cache misses overlap.
-const BATCH: usize = 32;
+const BATCH: usize = 16;
 
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
@@ -972,9 +972,25 @@ fn apply_steps_w<const W: usize>(
     let mut at = 0u64; // bit position in the stream
     let mut next = 0u64;
     let mut left = e.changes;
-    let (mut idx, mut steps) = ([0u64; BATCH], [0u64; BATCH]);
+    // Software pipeline: while a batch is decoded, the cache lines of its
+    // positions are prefetched; the batch is written after the next one has
+    // been decoded, by when those lines have arrived. (Decoding is serial
+    // compute and the positions are scattered, so without this the loads of
+    // old words stall on memory with nothing else in flight.)
+    let (mut idx, mut steps) = ([[0u64; BATCH]; 2], [[0u64; BATCH]; 2]);
+    let mut pending = 0usize; // entries of batch `cur ^ 1` still to write
+    let mut cur = 0usize;
+    let mut write = |blk: &mut [u8], idx: &[u64], steps: &[u64]| {
+        for (&i, &s) in idx.iter().zip(steps) {
+            let old = load::<W>(blk, i as usize);
+            let new = from_key(kind, W, to_key(kind, W, old).wrapping_add(s) & mask);
+            store::<W>(blk, i as usize, new);
+            dig = dig.wrapping_add(seed.change(first + i, old, new));
+        }
+    };
     while left > 0 {
         let n = left.min(BATCH as u64) as usize;
+        let (bi, bs) = (&mut idx[cur], &mut steps[cur]);
         for j in 0..n {
             let (gap, s, used) = step_entry::<W>(stream, at, params, q_limit).map_err(bad)?;
             at += used as u64;
@@ -983,21 +999,20 @@ fn apply_steps_w<const W: usize>(
                 return Err(bad("position beyond the block"));
             }
             next = i + 1;
-            idx[j] = i;
-            steps[j] = s;
+            super::cpu::prefetch(blk, i as usize * W);
+            bi[j] = i;
+            bs[j] = s;
         }
-        let mut olds = [0u64; BATCH];
-        for (o, &i) in olds.iter_mut().zip(&idx[..n]) {
-            *o = load::<W>(blk, i as usize);
-        }
-        for ((&old, &i), &s) in olds.iter().zip(&idx[..n]).zip(&steps[..n]) {
-            let new = from_key(kind, W, to_key(kind, W, old).wrapping_add(s) & mask);
-            store::<W>(blk, i as usize, new);
-            dig = dig.wrapping_add(seed.change(first + i, old, new));
-        }
-        undo.applied += n as u64;
+        let prev = cur ^ 1;
+        write(blk, &idx[prev][..pending], &steps[prev][..pending]);
+        undo.applied += pending as u64;
+        pending = n;
+        cur = prev;
         left -= n as u64;
     }
+    let prev = cur ^ 1;
+    write(blk, &idx[prev][..pending], &steps[prev][..pending]);
+    undo.applied += pending as u64;
     // Fewer than 8 bits may remain, all zero padding.
     let total = stream.len() as u64 * 8;
     let clean = total - at < 8 && (at == total || stream[stream.len() - 1] >> (at & 7) == 0);
@@ -1187,6 +1202,58 @@ mod tests {
         }
         let e = round_trip_block(&b3, &n3);
         assert_eq!(e.values, ValueCoding::Raw);
+    }
+
+    #[test]
+    fn a_failure_deep_in_a_block_is_undone_exactly() {
+        // Hundreds of entries, so the failure comes several pipelined batches
+        // in: written batches, the decoded-but-unwritten one and the failing
+        // one must together undo to exactly the base.
+        let (base, new) = bf16_pair(40_000, |i| i % 37 == 5);
+        let (seed, kind) = (TensorSeed(7), KeyKind::SignMagnitude);
+        let enc = encode_tensor(kind, 2, seed, &base, &new);
+        let e = enc.blocks[0].clone();
+        assert!(e.changes > 20 * BATCH as u64);
+        let mut failures = 0;
+        for cut in [1usize, 2, 3, 5, 9, 40] {
+            // Lose the stream's tail: decoding fails near the end.
+            let stream = &enc.payload[..enc.payload.len() - cut];
+            let e = BlockEntry {
+                bytes: stream.len() as u64,
+                ..e.clone()
+            };
+            let mut blk = base.clone();
+            let mut undo = BlockUndo::default();
+            let r = apply_block("t", 0, &e, stream, kind, 2, seed, 0, &mut blk, &mut undo);
+            assert!(r.is_err(), "a truncated stream must not apply (cut {cut})");
+            assert!(undo.applied > 2 * BATCH as u64 && undo.applied < e.changes);
+            undo_block("t", 0, &e, stream, kind, 2, &mut blk, &undo);
+            assert!(blk == base, "undo after a failure at cut {cut}");
+            failures += 1;
+        }
+        // A claimed count one too high fails only after every real entry.
+        let e2 = BlockEntry {
+            changes: e.changes + 1,
+            ..e.clone()
+        };
+        let mut blk = base.clone();
+        let mut undo = BlockUndo::default();
+        let r = apply_block(
+            "t",
+            0,
+            &e2,
+            &enc.payload,
+            kind,
+            2,
+            seed,
+            0,
+            &mut blk,
+            &mut undo,
+        );
+        assert!(r.is_err());
+        undo_block("t", 0, &e2, &enc.payload, kind, 2, &mut blk, &undo);
+        assert!(blk == base);
+        assert_eq!(failures, 6);
     }
 
     #[test]
