@@ -9,7 +9,19 @@
 //! ```
 //!
 //! (`apply_phase` and `compare_phase` likewise.) Divide the reported
-//! instruction count by the printed number of changed elements.
+//! instruction count by the printed number of changed elements. Valgrind
+//! hides AVX-512, so this counts the AVX2/portable paths.
+//!
+//! With a third argument it times instead (one thread, medians of that many
+//! repetitions, each ratio taken against a compare run just before it): the
+//! in-cache cost per change of the compare, the scan and the encoder on a
+//! 256 KiB slice, the scan alone against the compare, and encode and apply
+//! against the compare:
+//!
+//! ```sh
+//! target/release/examples/codec_instr 100000000 1.5e-6 15
+//! WEIGHTCAST_PHASE=encode perf record -e cpu-clock target/release/examples/codec_instr 100000000 1.5e-6 60
+//! ```
 
 use weightcast::bench::plain_compare;
 use weightcast::codec::{DeltaOptions, apply_delta, encode_delta};
@@ -70,7 +82,88 @@ fn main() {
             v.sort_by(f64::total_cmp);
             v[v.len() / 2]
         };
+        let scan_only = |a: &TensorSet, b: &TensorSet| -> u64 {
+            let mut n = 0u64;
+            for i in 0..a.len() {
+                weightcast::codec::scan::for_each_change_piece(
+                    2,
+                    a.data(i),
+                    b.data(i),
+                    |_, c, _, _| n += c.len() as u64,
+                );
+            }
+            n
+        };
+        {
+            // In-cache costs: the same work on a 256 KiB slice, repeated.
+            use weightcast::codec::compact::encode_tensor;
+            use weightcast::digest::TensorSeed;
+            use weightcast::dtype::KeyKind;
+            // The slice whose density is nearest the model's 1%.
+            let (a, b) = (0..base.len())
+                .filter(|&i| base.data(i).len() >= 1 << 18)
+                .map(|i| (&base.data(i)[..1 << 18], &new.data(i)[..1 << 18]))
+                .min_by_key(|(a, b)| {
+                    weightcast::codec::scan::count_changed_plain(2, a, b).abs_diff(1340)
+                })
+                .unwrap();
+            let n = weightcast::codec::scan::count_changed_plain(2, a, b);
+            let r = 2000;
+            let t = std::time::Instant::now();
+            for _ in 0..r {
+                std::hint::black_box(weightcast::codec::scan::count_changed_plain(2, a, b));
+            }
+            let tc = t.elapsed().as_secs_f64() / r as f64;
+            let t = std::time::Instant::now();
+            for _ in 0..r {
+                let mut m = 0u64;
+                weightcast::codec::scan::for_each_change_piece(2, a, b, |_, c, _, _| {
+                    m += c.len() as u64
+                });
+                std::hint::black_box(m);
+            }
+            let ts = t.elapsed().as_secs_f64() / r as f64;
+            let t = std::time::Instant::now();
+            for _ in 0..r {
+                std::hint::black_box(encode_tensor(
+                    KeyKind::SignMagnitude,
+                    2,
+                    TensorSeed(1),
+                    a,
+                    b,
+                ));
+            }
+            let te = t.elapsed().as_secs_f64() / r as f64;
+            println!(
+                "in cache, {n} changes in 128 Ki words: compare {:.2} ns/change, scan {:.2}, encode {:.2}",
+                tc * 1e9 / n as f64,
+                ts * 1e9 / n as f64,
+                te * 1e9 / n as f64
+            );
+        }
+        let mut ts = Vec::new();
+        for _ in 0..reps {
+            let t = std::time::Instant::now();
+            std::hint::black_box(compare_phase(&base, &new));
+            let c = t.elapsed().as_secs_f64();
+            let t = std::time::Instant::now();
+            std::hint::black_box(scan_only(&base, &new));
+            ts.push(c / t.elapsed().as_secs_f64());
+        }
+        println!("scan alone: {:.2}x of the compare", median(ts));
         let (mut tc, mut te, mut ta) = (Vec::new(), Vec::new(), Vec::new());
+        // WEIGHTCAST_PHASE=encode (or apply) runs only that phase, for perf.
+        let only = std::env::var("WEIGHTCAST_PHASE").unwrap_or_default();
+        if !only.is_empty() {
+            for _ in 0..reps {
+                match only.as_str() {
+                    "encode" => drop(std::hint::black_box(encode_phase(&base, &mut new))),
+                    "apply" => apply_phase(&mut base.clone(), &delta),
+                    _ => drop(std::hint::black_box(compare_phase(&base, &new))),
+                }
+            }
+            return;
+        }
         for _ in 0..reps {
             let t = std::time::Instant::now();
             std::hint::black_box(compare_phase(&base, &new));

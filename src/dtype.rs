@@ -30,12 +30,12 @@ pub enum KeyKind {
 /// whose elements are packed across bytes, diff byte by byte.
 pub fn word_bytes(dtype: Dtype) -> usize {
     let bits = dtype.bitsize();
-    if bits % 8 == 0 { bits / 8 } else { 1 }
+    if bits.is_multiple_of(8) { bits / 8 } else { 1 }
 }
 
 /// Whether a dtype is packed below one byte per element.
 pub fn is_packed(dtype: Dtype) -> bool {
-    dtype.bitsize() % 8 != 0
+    !dtype.bitsize().is_multiple_of(8)
 }
 
 /// The key mapping used for `dtype`.

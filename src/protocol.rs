@@ -569,11 +569,11 @@ pub async fn collect_garbage(
             {
                 continue;
             }
-            if let Some(replay) = replay_cost(&manifests, held, newest) {
-                if replay < bootstrap {
-                    keep_from = keep_from.min(held + 1);
-                    out.kept_for.insert(r.id, held);
-                }
+            if let Some(replay) = replay_cost(&manifests, held, newest)
+                && replay < bootstrap
+            {
+                keep_from = keep_from.min(held + 1);
+                out.kept_for.insert(r.id, held);
             }
         }
     }

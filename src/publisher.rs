@@ -143,10 +143,10 @@ fn read_checkpoint(path: &Path) -> Result<Checkpoint> {
             let ft = e
                 .file_type()
                 .map_err(|err| Error::io(format!("reading {}", e.path().display()), err))?;
-            if ft.is_file() {
-                if let Some(name) = e.file_name().to_str() {
-                    v.push((name.to_string(), e.path()));
-                }
+            if ft.is_file()
+                && let Some(name) = e.file_name().to_str()
+            {
+                v.push((name.to_string(), e.path()));
             }
         }
         v

@@ -185,21 +185,20 @@ pub async fn catch_up(store: &Store, out: &Path) -> Result<Option<CaughtUp>> {
     // apply to them, so an idle poll costs two requests, not a pass over the
     // model.
     let recorded = read_state(out).filter(|_| out.join("current").exists());
-    if let Some(state) = &recorded {
-        if versions_after(store, Some(state.version)).await?.is_empty()
-            && read_manifest(store, state.version).await?.is_some()
-        {
-            return Ok(Some(CaughtUp::unchanged(state.version)));
-        }
+    if let Some(state) = &recorded
+        && versions_after(store, Some(state.version)).await?.is_empty()
+        && read_manifest(store, state.version).await?.is_some()
+    {
+        return Ok(Some(CaughtUp::unchanged(state.version)));
     }
     let Some(&newest) = versions_after(store, None).await?.last() else {
         return Ok(None);
     };
     let local = load_local(out);
-    if let Some((state, _)) = &local {
-        if state.version == newest {
-            return Ok(Some(CaughtUp::unchanged(newest)));
-        }
+    if let Some((state, _)) = &local
+        && state.version == newest
+    {
+        return Ok(Some(CaughtUp::unchanged(newest)));
     }
     let target = read_manifest(store, newest)
         .await?
@@ -212,17 +211,18 @@ pub async fn catch_up(store: &Store, out: &Path) -> Result<Option<CaughtUp>> {
     // Replay from the local state when the deltas are cheaper than the anchor
     // (across anchors too, through their bridge deltas).
     let mut result: Option<(Replica, u64)> = None;
-    if let Some((state, replica)) = local {
-        if state.version < newest && replay_is_cheaper(store, state.version, &target).await {
-            match replay_from(store, replica, newest).await {
-                Ok((r, bytes, applied)) => {
-                    downloaded += bytes;
-                    result = Some((r, applied));
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "replay from the local state failed; repairing from the anchor");
-                    repairs += 1;
-                }
+    if let Some((state, replica)) = local
+        && state.version < newest
+        && replay_is_cheaper(store, state.version, &target).await
+    {
+        match replay_from(store, replica, newest).await {
+            Ok((r, bytes, applied)) => {
+                downloaded += bytes;
+                result = Some((r, applied));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "replay from the local state failed; repairing from the anchor");
+                repairs += 1;
             }
         }
     }
@@ -473,11 +473,11 @@ fn load_local(out: &Path) -> Option<(LocalState, Replica)> {
             r.tensors.insert(name, set);
         } else {
             let hash = blake3::hash(&bytes).to_hex().to_string();
-            if let Some(known) = &state.files {
-                if known.get(&name) != Some(&hash) {
-                    tracing::warn!(file = %name, "materialized file does not verify; re-bootstrapping");
-                    return None;
-                }
+            if let Some(known) = &state.files
+                && known.get(&name) != Some(&hash)
+            {
+                tracing::warn!(file = %name, "materialized file does not verify; re-bootstrapping");
+                return None;
             }
             files.insert(name.clone(), hash);
             r.files.insert(name, bytes);

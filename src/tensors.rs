@@ -426,7 +426,7 @@ pub fn safetensors_header(
         offset += data.len();
     }
     let mut header = serde_json::to_vec(&map).expect("json");
-    while header.len() % 8 != 0 {
+    while !header.len().is_multiple_of(8) {
         header.push(b' ');
     }
     Ok(header)

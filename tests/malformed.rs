@@ -333,7 +333,7 @@ fn with_entries(bytes: &[u8], f: impl FnOnce(&mut Value)) -> Vec<u8> {
 /// A safetensors file from a raw JSON header and data section.
 fn raw_file(header: &str, data: &[u8]) -> Vec<u8> {
     let mut h = header.as_bytes().to_vec();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut out = (h.len() as u64).to_le_bytes().to_vec();
@@ -1128,7 +1128,7 @@ fn every_payload_bit_flip_is_rejected() {
                 // Without rehash.
                 let mut f = d.clone();
                 f[byte] ^= 1 << bit;
-                if (byte - start) % 7 == 0 {
+                if (byte - start).is_multiple_of(7) {
                     let err = apply_err(s1, &f, &["integrity check failed for payload"]);
                     assert!(matches!(err, Error::Integrity { .. }));
                 }

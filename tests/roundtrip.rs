@@ -857,11 +857,11 @@ fn foreign_trl(base: &[Owned], new: &[Owned], f: Foreign) -> (Vec<u8>, u64) {
         if idx.is_empty() {
             continue;
         }
-        if f.noop_index {
-            if let Some(extra) = (0..b.3.len() / wb).find(|i| !idx.contains(i)) {
-                idx.push(extra);
-                idx.sort();
-            }
+        if f.noop_index
+            && let Some(extra) = (0..b.3.len() / wb).find(|i| !idx.contains(i))
+        {
+            idx.push(extra);
+            idx.sort();
         }
         count += idx.len() as u64;
         let mut ib = Vec::new();

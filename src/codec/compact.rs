@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 use super::bits::{BitReader, FastWriter};
 use super::scan::for_each_change_piece;
-use crate::digest::TensorSeed;
+use crate::digest::{ChangeBatch, LANES, TensorSeed};
 use crate::dtype::{
     KeyKind, from_key, load, read_word, step_magnitude, store, to_key, word_mask, write_word,
 };
@@ -199,11 +199,12 @@ fn encode_block_w<const W: usize>(
     let (mut pos_k, mut val_k) = (0u8, 0u8);
     // Value bits per change in the sample, and the direct part's count and bits.
     let mut sample_vbits = 0u64;
+    let vector = W == 2 && super::vector::available();
     let (mut direct_n, mut direct_vbits) = (0u64, 0u64);
     for_each_change_piece(W, base, new, |piece_first, changed, pa, pb| {
         if phase == Phase::Direct {
             let (nx, dg, vb) = write_piece::<W>(
-                kind,
+                (kind, vector),
                 seed,
                 first,
                 (pos_k, val_k),
@@ -321,22 +322,26 @@ fn stage_piece<const W: usize>(
     let (mut gsum, mut ones, mut twos) = (0u64, 0u64, 0u64);
     gaps.reserve(changed.len());
     steps.reserve(changed.len());
-    for &c in changed {
-        let (old, nw) = (load::<W>(pa, c as usize), load::<W>(pb, c as usize));
-        let i = (piece_first + c as usize) as u64;
-        let g = i - nx;
-        nx = i + 1;
-        let s = to_key(kind, W, nw).wrapping_sub(to_key(kind, W, old)) & mask;
-        let m = step_magnitude(W, s);
-        gsum += g;
-        ones += u64::from(m == 1);
-        twos += u64::from(m == 2);
-        if m > 2 {
-            stats.add_rare(m);
+    for chunk in changed.chunks(LANES) {
+        let mut batch = ChangeBatch::default();
+        for (j, &c) in chunk.iter().enumerate() {
+            let (old, nw) = (load::<W>(pa, c as usize), load::<W>(pb, c as usize));
+            let i = (piece_first + c as usize) as u64;
+            let g = i - nx;
+            nx = i + 1;
+            let s = to_key(kind, W, nw).wrapping_sub(to_key(kind, W, old)) & mask;
+            let m = step_magnitude(W, s);
+            gsum += g;
+            ones += u64::from(m == 1);
+            twos += u64::from(m == 2);
+            if m > 2 {
+                stats.add_rare(m);
+            }
+            (batch.index[j], batch.old[j], batch.new[j]) = (first + i, old, nw);
+            gaps.push(g);
+            steps.push(s);
         }
-        dg = dg.wrapping_add(seed.change(first + i, old, nw));
-        gaps.push(g);
-        steps.push(s);
+        dg = dg.wrapping_add(seed.change_sum(&batch));
     }
     stats.n += changed.len() as u64;
     stats.gap_sum += gsum;
@@ -351,7 +356,7 @@ fn stage_piece<const W: usize>(
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn write_piece<const W: usize>(
-    kind: KeyKind,
+    (kind, vector): (KeyKind, bool),
     seed: TensorSeed,
     first: u64,
     (pos_k, val_k): (u8, u8),
@@ -366,14 +371,48 @@ fn write_piece<const W: usize>(
     let room = changed.len() * 8;
     w.reserve(room);
     let mut vb = 0u64;
-    for &c in changed {
-        let (old, nw) = (load::<W>(pa, c as usize), load::<W>(pb, c as usize));
-        let i = (piece_first + c as usize) as u64;
-        let g = i - nx;
-        nx = i + 1;
-        let s = to_key(kind, W, nw).wrapping_sub(to_key(kind, W, old)) & mask;
-        dg = dg.wrapping_add(seed.change(first + i, old, nw));
-        vb += emit_step::<W>(w, pos_k as u32, val_k as u32, g, s, room) as u64;
+    let mut at = 0;
+    while at < changed.len() {
+        #[cfg(target_arch = "x86_64")]
+        if vector && W == 2 {
+            // SAFETY: callers pass `vector` only where `vector::available()`
+            // confirmed the kernel's features;
+            // 8 bytes per change are reserved above (and again by any long
+            // entry). Equal output to the loop below is tested by
+            // `vector_and_scalar_encoders_agree`.
+            let run = unsafe {
+                super::vector::write_steps_w2(
+                    kind == KeyKind::SignMagnitude,
+                    seed.0,
+                    (pos_k as u32, val_k as u32),
+                    w,
+                    nx,
+                    first,
+                    piece_first as u64,
+                    &changed[at..],
+                    pa,
+                    pb,
+                )
+            };
+            at += run.done;
+            nx = run.next;
+            dg = dg.wrapping_add(run.digest);
+            vb += run.value_bits;
+        }
+        // What the kernel left (or everything, without it), a batch at a time.
+        let chunk = &changed[at..changed.len().min(at + LANES)];
+        let mut batch = ChangeBatch::default();
+        for (j, &c) in chunk.iter().enumerate() {
+            let (old, nw) = (load::<W>(pa, c as usize), load::<W>(pb, c as usize));
+            let i = (piece_first + c as usize) as u64;
+            let g = i - nx;
+            nx = i + 1;
+            let s = to_key(kind, W, nw).wrapping_sub(to_key(kind, W, old)) & mask;
+            (batch.index[j], batch.old[j], batch.new[j]) = (first + i, old, nw);
+            vb += emit_step::<W>(w, pos_k as u32, val_k as u32, g, s, room) as u64;
+        }
+        dg = dg.wrapping_add(seed.change_sum(&batch));
+        at += chunk.len();
     }
     (nx, dg, vb)
 }
@@ -806,7 +845,7 @@ fn apply_block_wide(
 
 /// Entries decoded ahead before the tensor is touched: the old words of a
 /// batch are loaded back to back, so their cache misses overlap.
-const BATCH: usize = 16;
+const BATCH: usize = LANES;
 
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
@@ -981,12 +1020,14 @@ fn apply_steps_w<const W: usize>(
     let mut pending = 0usize; // entries of batch `cur ^ 1` still to write
     let mut cur = 0usize;
     let mut write = |blk: &mut [u8], idx: &[u64], steps: &[u64]| {
-        for (&i, &s) in idx.iter().zip(steps) {
+        let mut batch = ChangeBatch::default();
+        for (j, (&i, &s)) in idx.iter().zip(steps).enumerate() {
             let old = load::<W>(blk, i as usize);
             let new = from_key(kind, W, to_key(kind, W, old).wrapping_add(s) & mask);
             store::<W>(blk, i as usize, new);
-            dig = dig.wrapping_add(seed.change(first + i, old, new));
+            (batch.index[j], batch.old[j], batch.new[j]) = (first + i, old, new);
         }
+        dig = dig.wrapping_add(seed.change_sum(&batch));
     };
     while left > 0 {
         let n = left.min(BATCH as u64) as usize;
@@ -1254,6 +1295,99 @@ mod tests {
         undo_block("t", 0, &e2, &enc.payload, kind, 2, &mut blk, &undo);
         assert!(blk == base);
         assert_eq!(failures, 6);
+    }
+
+    /// Every kind of entry the kernel meets or must leave alone: unit and
+    /// larger steps, sign crossings, long gaps (entries over 56 bits), dense
+    /// runs, changes at the piece's very end.
+    #[test]
+    fn vector_and_scalar_encoders_agree() {
+        use crate::codec::scan::PIECE;
+        let words = PIECE / 2;
+        let mut cases: Vec<(Vec<u8>, Vec<u8>)> = vec![
+            bf16_pair(words, |i| i % 67 == 3),
+            bf16_pair(words, |i| (i.wrapping_mul(2_654_435_761) >> 9) % 41 == 0),
+            bf16_pair(words, |i| i % 3 != 0),
+            bf16_pair(words, |i| i % 1500 == 7 || i >= words - 9),
+            bf16_pair(words, |i| i == words - 1 || i < 5),
+        ];
+        // Around zero: steps cross the sign (key order), and huge steps.
+        let base: Vec<u8> = (0..words)
+            .flat_map(|i| ((i % 4) as u16 | if i % 8 < 4 { 0 } else { 0x8000 }).to_le_bytes())
+            .collect();
+        let mut new = base.clone();
+        for i in (0..words).step_by(5) {
+            let w = u16::from_le_bytes([base[2 * i], base[2 * i + 1]]);
+            let v = match i % 4 {
+                0 => w ^ 0x8000,
+                1 => w.wrapping_add(0x4000),
+                2 => !w,
+                _ => w ^ 0x8003,
+            };
+            let v = if v == w { v ^ 1 } else { v };
+            new[2 * i..2 * i + 2].copy_from_slice(&v.to_le_bytes());
+        }
+        cases.push((base, new));
+        let seed = TensorSeed(99);
+        let mut kernel_took = 0;
+        for (base, new) in &cases {
+            let changed: Vec<u16> = (0..words)
+                .filter(|&i| base[2 * i..2 * i + 2] != new[2 * i..2 * i + 2])
+                .map(|i| i as u16)
+                .collect();
+            for kind in [KeyKind::SignMagnitude, KeyKind::Identity] {
+                for params in [(0u8, 0u8), (2, 0), (6, 0), (6, 3), (13, 1), (40, 0)] {
+                    for piece_first in [0usize, 3 * words] {
+                        let run = |vector: bool| {
+                            let mut w = FastWriter::default();
+                            let r = write_piece::<2>(
+                                (kind, vector),
+                                seed,
+                                1 << 30,
+                                params,
+                                &mut w,
+                                (piece_first as u64, 5),
+                                piece_first,
+                                &changed,
+                                base,
+                                new,
+                            );
+                            (r, w.finish())
+                        };
+                        let (scalar, vector) = (run(false), run(super::super::vector::available()));
+                        assert!(scalar == vector, "{kind:?} {params:?} {piece_first}");
+                    }
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
+            if super::super::vector::available() && changed.len() >= 8 {
+                let mut w = FastWriter::default();
+                w.reserve(changed.len() * 8);
+                // SAFETY: the features were checked; 8 bytes per change reserved.
+                let r = unsafe {
+                    super::super::vector::write_steps_w2(
+                        true,
+                        99,
+                        (6, 0),
+                        &mut w,
+                        0,
+                        0,
+                        0,
+                        &changed,
+                        base,
+                        new,
+                    )
+                };
+                kernel_took += r.done;
+            }
+        }
+        if super::super::vector::available() {
+            assert!(kernel_took > 500, "the kernel took {kernel_took} changes");
+        }
+        eprintln!(
+            "vector kernel available: {}",
+            super::super::vector::available()
+        );
     }
 
     #[test]

@@ -11,6 +11,7 @@ pub mod compact;
 pub mod cpu;
 pub mod scan;
 pub mod trl;
+pub mod vector;
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -395,16 +396,15 @@ pub fn apply_delta(state: &mut TensorSet, bytes: &[u8]) -> Result<ApplyReport> {
                 }
             }
         }
-        if failure.is_none() {
-            if let Some(h) = &header {
-                if file_after != h.digest {
-                    failure = Some(Error::Integrity {
-                        scope: "file".into(),
-                        expected: h.digest.to_string(),
-                        actual: file_after.to_string(),
-                    });
-                }
-            }
+        if failure.is_none()
+            && let Some(h) = &header
+            && file_after != h.digest
+        {
+            failure = Some(Error::Integrity {
+                scope: "file".into(),
+                expected: h.digest.to_string(),
+                actual: file_after.to_string(),
+            });
         }
         if let Some(e) = failure {
             work.par_iter_mut()
