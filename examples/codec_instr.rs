@@ -180,8 +180,15 @@ fn main() {
         // robust against the machine's slow drifts.
         let er = median(tc.iter().zip(&te).map(|(c, e)| c / e).collect());
         let ar = median(tc.iter().zip(&ta).map(|(c, a)| c / a).collect());
+        let min = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
+        let (cm, em, am) = (min(&tc), min(&te), min(&ta));
         let (c, e, a) = (median(tc), median(te), median(ta));
-        println!("compare {c:.4}s  encode {e:.4}s ({er:.2}x)  apply {a:.4}s ({ar:.2}x)");
+        println!(
+            "compare {c:.4}s  encode {e:.4}s ({er:.2}x)  apply {a:.4}s ({ar:.2}x)  \
+             fastest runs: encode {:.2}x, apply {:.2}x",
+            cm / em,
+            cm / am
+        );
     }
     println!(
         "elements {} changed {changed} density {:.4}% delta {} bytes ({:.4} B/changed)",

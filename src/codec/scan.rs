@@ -3,8 +3,13 @@
 
 use crate::dtype::{read_word, word_mask};
 
-/// Bytes per piece: the unit the scan hands to its caller (L1-sized).
-pub const PIECE: usize = 16 * 1024;
+/// Bytes per piece: the unit the scan hands to its caller. Small, so that the
+/// caller's per-change work on one piece overlaps the memory traffic of the
+/// next (the hardware prefetchers keep streaming through a short pause, not a
+/// long one); not smaller, because each piece has a fixed cost. Measured with
+/// `examples/codec_instr.rs` at 1% density: 512 B 0.50x the compare, 1 KiB
+/// 0.59x, 2–4 KiB 0.70x, 16 KiB 0.57x, 64 KiB 0.61x (one thread).
+pub const PIECE: usize = 4 * 1024;
 
 #[inline(always)]
 fn lane(s: &[u8], j: usize) -> u64 {
