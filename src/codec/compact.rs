@@ -847,6 +847,9 @@ fn apply_block_wide(
 /// batch are loaded back to back, so their cache misses overlap.
 const BATCH: usize = LANES;
 
+/// Entries between decoding (and prefetching) one and writing it.
+const RING: usize = 32;
+
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn apply_block_w<const W: usize>(
@@ -1010,50 +1013,62 @@ fn apply_steps_w<const W: usize>(
     let mut dig = 0u64;
     let mut at = 0u64; // bit position in the stream
     let mut next = 0u64;
-    let mut left = e.changes;
-    // Software pipeline: while a batch is decoded, the cache lines of its
-    // positions are prefetched; the batch is written after the next one has
-    // been decoded, by when those lines have arrived. (Decoding is serial
-    // compute and the positions are scattered, so without this the loads of
-    // old words stall on memory with nothing else in flight.)
-    let (mut idx, mut steps) = ([[0u64; BATCH]; 2], [[0u64; BATCH]; 2]);
-    let mut pending = 0usize; // entries of batch `cur ^ 1` still to write
-    let mut cur = 0usize;
-    let mut write = |blk: &mut [u8], idx: &[u64], steps: &[u64]| {
-        let mut batch = ChangeBatch::default();
-        for (j, (&i, &s)) in idx.iter().zip(steps).enumerate() {
-            let old = load::<W>(blk, i as usize);
-            let new = from_key(kind, W, to_key(kind, W, old).wrapping_add(s) & mask);
-            store::<W>(blk, i as usize, new);
-            (batch.index[j], batch.old[j], batch.new[j]) = (first + i, old, new);
+    // Software pipeline: each entry's cache line is prefetched as soon as it
+    // is decoded, and the entry is written RING entries later, by when the
+    // line has arrived; one entry in, one out per step, so the memory system
+    // always has misses in flight while the (serial) decoding goes on.
+    let (mut ring_i, mut ring_s) = ([0u64; RING], [0u64; RING]);
+    let mut batch = ChangeBatch::default();
+    let mut batched = 0usize;
+    let mut written = 0u64;
+    let mut write = |blk: &mut [u8], i: u64, s: u64| {
+        let old = load::<W>(blk, i as usize);
+        let new = from_key(kind, W, to_key(kind, W, old).wrapping_add(s) & mask);
+        store::<W>(blk, i as usize, new);
+        (batch.index[batched], batch.old[batched], batch.new[batched]) = (first + i, old, new);
+        batched += 1;
+        if batched == LANES {
+            dig = dig.wrapping_add(seed.change_sum(&batch));
+            batched = 0;
         }
-        dig = dig.wrapping_add(seed.change_sum(&batch));
     };
-    while left > 0 {
-        let n = left.min(BATCH as u64) as usize;
-        let (bi, bs) = (&mut idx[cur], &mut steps[cur]);
-        for j in 0..n {
-            let (gap, s, used) = step_entry::<W>(stream, at, params, q_limit).map_err(bad)?;
-            at += used as u64;
-            let i = next + gap;
-            if i >= len {
-                return Err(bad("position beyond the block"));
+    let mut result = Ok(());
+    for n in 0..e.changes {
+        let (gap, s, used) = match step_entry::<W>(stream, at, params, q_limit) {
+            Ok(x) => x,
+            Err(what) => {
+                result = Err(bad(what));
+                break;
             }
-            next = i + 1;
-            super::cpu::prefetch(blk, i as usize * W);
-            bi[j] = i;
-            bs[j] = s;
+        };
+        at += used as u64;
+        let i = next + gap;
+        if i >= len {
+            result = Err(bad("position beyond the block"));
+            break;
         }
-        let prev = cur ^ 1;
-        write(blk, &idx[prev][..pending], &steps[prev][..pending]);
-        undo.applied += pending as u64;
-        pending = n;
-        cur = prev;
-        left -= n as u64;
+        next = i + 1;
+        super::cpu::prefetch(blk, i as usize * W);
+        let slot = n as usize % RING;
+        if n >= RING as u64 {
+            write(blk, ring_i[slot], ring_s[slot]);
+            written += 1;
+        }
+        (ring_i[slot], ring_s[slot]) = (i, s);
     }
-    let prev = cur ^ 1;
-    write(blk, &idx[prev][..pending], &steps[prev][..pending]);
-    undo.applied += pending as u64;
+    undo.applied = written;
+    result?;
+    // Drain the ring in entry order.
+    for n in written..e.changes {
+        let slot = n as usize % RING;
+        write(blk, ring_i[slot], ring_s[slot]);
+    }
+    undo.applied = e.changes;
+    // Unused lanes of the last batch hold earlier entries: clear them.
+    for j in batched..LANES {
+        (batch.index[j], batch.old[j], batch.new[j]) = (0, 0, 0);
+    }
+    dig = dig.wrapping_add(seed.change_sum(&batch));
     // Fewer than 8 bits may remain, all zero padding.
     let total = stream.len() as u64 * 8;
     let clean = total - at < 8 && (at == total || stream[stream.len() - 1] >> (at & 7) == 0);
