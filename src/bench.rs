@@ -88,6 +88,12 @@ pub struct BenchRow {
     pub encode_vs_compare: f64,
     /// compare_s / apply_s.
     pub apply_vs_compare: f64,
+    /// The per-repetition ratios the two medians above come from (each
+    /// against the compare timed just before), in run order: their spread
+    /// shows how noisy the machine was.
+    pub encode_ratios: Vec<f64>,
+    /// Per-repetition compare / apply ratios.
+    pub apply_ratios: Vec<f64>,
     /// Bytes allocated at peak during encode, beyond what existed before it.
     pub encode_extra_peak: u64,
     /// Bytes allocated at peak during apply, beyond what existed before it.
@@ -257,18 +263,28 @@ pub fn run(
                 compare_s,
                 encode_s,
                 apply_s,
-                encode_vs_compare: median(acc.encode_ratio),
-                apply_vs_compare: median(acc.apply_ratio),
+                encode_vs_compare: median(acc.encode_ratio.clone()),
+                apply_vs_compare: median(acc.apply_ratio.clone()),
+                encode_ratios: acc.encode_ratio,
+                apply_ratios: acc.apply_ratio,
                 encode_extra_peak,
                 apply_extra_peak,
             };
+            let range = |v: &[f64]| {
+                let (lo, hi) = v
+                    .iter()
+                    .fold((f64::INFINITY, 0f64), |(l, h), &x| (l.min(x), h.max(x)));
+                format!("{lo:.2}–{hi:.2}")
+            };
             progress(&format!(
-                "step {step} {encoding:>7}: density {:.3}%  {:.3} B/changed  {:.0}x smaller  encode {:.2}x compare  apply {:.2}x compare  (compare {:.3}s, encode {:.3}s, apply {:.3}s)  extra peak encode {} MB, apply {} MB",
+                "step {step} {encoding:>7}: density {:.3}%  {:.3} B/changed  {:.0}x smaller  encode {:.2}x compare ({})  apply {:.2}x compare ({})  (compare {:.3}s, encode {:.3}s, apply {:.3}s)  extra peak encode {} MB, apply {} MB",
                 row.density * 100.0,
                 row.bytes_per_changed,
                 row.reduction,
                 row.encode_vs_compare,
+                range(&row.encode_ratios),
                 row.apply_vs_compare,
+                range(&row.apply_ratios),
                 compare_s,
                 encode_s,
                 apply_s,
