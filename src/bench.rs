@@ -178,9 +178,10 @@ pub fn run(
         let stats = change_stats(&base, &new);
         report.stats.push(stats.clone());
         let reps = cfg.reps.max(1);
-        // Interleave: every repetition times the compare and then each encoding,
-        // so slow drifts of the machine hit all of them alike; ratios are taken
-        // per repetition and their median reported.
+        // Interleave: every encode and every apply is timed between two
+        // compares, and its ratio taken against their mean, so slow drifts of
+        // the machine hit both sides alike; the median of the per-repetition
+        // ratios is reported.
         struct Acc {
             encode: Vec<f64>,
             apply: Vec<f64>,
@@ -205,8 +206,9 @@ pub fn run(
             .collect();
         let mut compare_times = Vec::new();
         for _ in 0..reps {
-            let (changed_plain, compare_s, _) = measured(probe, || plain_compare(&base, &new));
-            compare_times.push(compare_s);
+            let (changed_plain, mut compare_before, _) =
+                measured(probe, || plain_compare(&base, &new));
+            compare_times.push(compare_before);
             for (acc, &encoding) in accs.iter_mut().zip(&cfg.encodings) {
                 let opts = DeltaOptions {
                     encoding,
@@ -227,6 +229,7 @@ pub fn run(
                 }
                 acc.encode_peak = acc.encode_peak.max(peak);
                 let mut replica = base.clone();
+                let (_, compare_mid, _) = measured(probe, || plain_compare(&base, &new));
                 let (applied, apply_s, peak) =
                     measured(probe, || apply_delta(&mut replica, &delta));
                 applied?;
@@ -239,11 +242,18 @@ pub fn run(
                         ));
                     }
                 }
+                let (_, compare_after, _) = measured(probe, || plain_compare(&base, &new));
+                compare_times.extend([compare_mid, compare_after]);
                 acc.encode.push(encode_s);
                 acc.apply.push(apply_s);
-                acc.encode_ratio.push(compare_s / encode_s);
-                acc.apply_ratio.push(compare_s / apply_s);
+                // Each operation against the mean of the compares just before
+                // and just after it: drifts of the machine's speed cancel.
+                acc.encode_ratio
+                    .push((compare_before + compare_mid) / 2.0 / encode_s);
+                acc.apply_ratio
+                    .push((compare_mid + compare_after) / 2.0 / apply_s);
                 acc.summary = Some(summary);
+                compare_before = compare_after;
             }
         }
         let compare_s = median(compare_times);

@@ -13,8 +13,11 @@
 //!
 //! where `fmix64` is MurmurHash3's 64-bit finalizer, `i` the word index and `w`
 //! the word's little-endian bits zero-extended to 64 bits. `V` depends on the
-//! word alone, so for words of up to two bytes it is a 64 K-entry table built at
-//! compile time; `A` is an odd (hence invertible) pseudo-random multiplier per
+//! word alone, so full passes over words of up to two bytes read it from a
+//! 64 K-entry table built at compile time; per-change updates compute it (two
+//! multiplies, eight lanes at a time with AVX-512), because the table's
+//! scattered lookups miss cache while the codec streams the model through it.
+//! `A` is an odd (hence invertible) pseudo-random multiplier per
 //! position, so a change of word `i` from `a` to `b` moves the digest by
 //! `(V(b) − V(a)) · A(i)`, which is never zero: one position hash and one
 //! multiply per changed word. The seed binds the

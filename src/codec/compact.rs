@@ -316,20 +316,14 @@ fn stage_piece<const W: usize>(
     pa: &[u8],
     pb: &[u8],
 ) {
-    let mask = word_mask(W);
     // One tight loop over the piece's changes, with the running state in locals.
     let (mut nx, mut dg) = (*next, *dig);
     let (mut gsum, mut ones, mut twos) = (0u64, 0u64, 0u64);
     gaps.reserve(changed.len());
     steps.reserve(changed.len());
     for chunk in changed.chunks(LANES) {
-        let mut batch = ChangeBatch::default();
-        for (j, &c) in chunk.iter().enumerate() {
-            let (old, nw) = (load::<W>(pa, c as usize), load::<W>(pb, c as usize));
-            let i = (piece_first + c as usize) as u64;
-            let g = i - nx;
-            nx = i + 1;
-            let s = to_key(kind, W, nw).wrapping_sub(to_key(kind, W, old)) & mask;
+        let walk = (kind, seed, first, piece_first);
+        let d = walk_changes::<W>(walk, &mut nx, chunk, pa, pb, |g, s| {
             let m = step_magnitude(W, s);
             gsum += g;
             ones += u64::from(m == 1);
@@ -337,11 +331,10 @@ fn stage_piece<const W: usize>(
             if m > 2 {
                 stats.add_rare(m);
             }
-            (batch.index[j], batch.old[j], batch.new[j]) = (first + i, old, nw);
             gaps.push(g);
             steps.push(s);
-        }
-        dg = dg.wrapping_add(seed.change_sum(&batch));
+        });
+        dg = dg.wrapping_add(d);
     }
     stats.n += changed.len() as u64;
     stats.gap_sum += gsum;
@@ -349,6 +342,35 @@ fn stage_piece<const W: usize>(
     stats.twos += twos;
     *next = nx;
     *dig = dg;
+}
+
+/// Walks up to [`LANES`] changes of a piece (`chunk`: indices into it,
+/// ascending), calling `f(gap, step)` for each: the gap counted from `*next`
+/// (which moves past the change) and the masked step of the ordered key.
+/// Returns the chunk's digest change. `walk` is the tensor's key kind and seed,
+/// the block's first word in the tensor and the piece's first word in the block.
+#[inline(always)]
+fn walk_changes<const W: usize>(
+    (kind, seed, first, piece_first): (KeyKind, TensorSeed, u64, usize),
+    next: &mut u64,
+    chunk: &[u16],
+    pa: &[u8],
+    pb: &[u8],
+    mut f: impl FnMut(u64, u64),
+) -> u64 {
+    let mask = word_mask(W);
+    let mut batch = ChangeBatch::default();
+    for (j, &c) in chunk.iter().enumerate() {
+        let (old, nw) = (load::<W>(pa, c as usize), load::<W>(pb, c as usize));
+        let i = (piece_first + c as usize) as u64;
+        f(
+            i - *next,
+            to_key(kind, W, nw).wrapping_sub(to_key(kind, W, old)) & mask,
+        );
+        *next = i + 1;
+        (batch.index[j], batch.old[j], batch.new[j]) = (first + i, old, nw);
+    }
+    seed.change_sum(&batch)
 }
 
 /// Writes the changes of one piece straight into the stream (parameters
@@ -367,7 +389,6 @@ fn write_piece<const W: usize>(
     pa: &[u8],
     pb: &[u8],
 ) -> (u64, u64, u64) {
-    let mask = word_mask(W);
     let room = changed.len() * 8;
     w.reserve(room);
     let mut vb = 0u64;
@@ -401,17 +422,11 @@ fn write_piece<const W: usize>(
         }
         // What the kernel left (or everything, without it), a batch at a time.
         let chunk = &changed[at..changed.len().min(at + LANES)];
-        let mut batch = ChangeBatch::default();
-        for (j, &c) in chunk.iter().enumerate() {
-            let (old, nw) = (load::<W>(pa, c as usize), load::<W>(pb, c as usize));
-            let i = (piece_first + c as usize) as u64;
-            let g = i - nx;
-            nx = i + 1;
-            let s = to_key(kind, W, nw).wrapping_sub(to_key(kind, W, old)) & mask;
-            (batch.index[j], batch.old[j], batch.new[j]) = (first + i, old, nw);
+        let walk = (kind, seed, first, piece_first);
+        let d = walk_changes::<W>(walk, &mut nx, chunk, pa, pb, |g, s| {
             vb += emit_step::<W>(w, pos_k as u32, val_k as u32, g, s, room) as u64;
-        }
-        dg = dg.wrapping_add(seed.change_sum(&batch));
+        });
+        dg = dg.wrapping_add(d);
         at += chunk.len();
     }
     (nx, dg, vb)
@@ -1270,46 +1285,37 @@ mod tests {
         let enc = encode_tensor(kind, 2, seed, &base, &new);
         let e = enc.blocks[0].clone();
         assert!(e.changes > 20 * BATCH as u64);
-        let mut failures = 0;
+        // Applies `e` (with `stream`) to a copy of the base; it must fail, and
+        // undoing what it wrote must give the base back exactly.
+        let fails_cleanly = |e: &BlockEntry, stream: &[u8]| {
+            let mut blk = base.clone();
+            let mut undo = BlockUndo::default();
+            let r = apply_block("t", 0, e, stream, kind, 2, seed, 0, &mut blk, &mut undo);
+            assert!(r.is_err(), "a damaged block must not apply");
+            undo_block("t", 0, e, stream, kind, 2, &mut blk, &undo);
+            assert!(blk == base, "undo after a failure");
+            undo.applied
+        };
         for cut in [1usize, 2, 3, 5, 9, 40] {
             // Lose the stream's tail: decoding fails near the end.
             let stream = &enc.payload[..enc.payload.len() - cut];
-            let e = BlockEntry {
+            let short = BlockEntry {
                 bytes: stream.len() as u64,
                 ..e.clone()
             };
-            let mut blk = base.clone();
-            let mut undo = BlockUndo::default();
-            let r = apply_block("t", 0, &e, stream, kind, 2, seed, 0, &mut blk, &mut undo);
-            assert!(r.is_err(), "a truncated stream must not apply (cut {cut})");
-            assert!(undo.applied > 2 * BATCH as u64 && undo.applied < e.changes);
-            undo_block("t", 0, &e, stream, kind, 2, &mut blk, &undo);
-            assert!(blk == base, "undo after a failure at cut {cut}");
-            failures += 1;
+            let applied = fails_cleanly(&short, stream);
+            assert!(
+                applied > 2 * BATCH as u64 && applied < e.changes,
+                "cut {cut}"
+            );
         }
-        // A claimed count one too high fails only after every real entry.
-        let e2 = BlockEntry {
+        // A claimed count one too high fails only after every real entry was
+        // decoded: all but the ring's worth written.
+        let more = BlockEntry {
             changes: e.changes + 1,
             ..e.clone()
         };
-        let mut blk = base.clone();
-        let mut undo = BlockUndo::default();
-        let r = apply_block(
-            "t",
-            0,
-            &e2,
-            &enc.payload,
-            kind,
-            2,
-            seed,
-            0,
-            &mut blk,
-            &mut undo,
-        );
-        assert!(r.is_err());
-        undo_block("t", 0, &e2, &enc.payload, kind, 2, &mut blk, &undo);
-        assert!(blk == base);
-        assert_eq!(failures, 6);
+        assert_eq!(fails_cleanly(&more, &enc.payload), e.changes - RING as u64);
     }
 
     /// Every kind of entry the kernel meets or must leave alone: unit and
