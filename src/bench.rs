@@ -89,8 +89,8 @@ pub struct BenchRow {
     /// compare_s / apply_s.
     pub apply_vs_compare: f64,
     /// The per-repetition ratios the two medians above come from (each
-    /// against the compare timed just before), in run order: their spread
-    /// shows how noisy the machine was.
+    /// against the mean of the compares timed just before and just after the
+    /// operation), in run order: their spread shows how noisy the machine was.
     pub encode_ratios: Vec<f64>,
     /// Per-repetition compare / apply ratios.
     pub apply_ratios: Vec<f64>,

@@ -401,10 +401,9 @@ fn write_piece<const W: usize>(
         #[cfg(target_arch = "x86_64")]
         if vector && W == 2 {
             // SAFETY: callers pass `vector` only where `vector::available()`
-            // confirmed the kernel's features;
-            // 8 bytes per change are reserved above (and again by any long
-            // entry). Equal output to the loop below is tested by
-            // `vector_and_scalar_encoders_agree`.
+            // confirmed the kernel's features; 8 bytes per change are reserved
+            // above (and again after any long entry). Equal output to the loop
+            // below is tested by `vector_and_scalar_encoders_agree`.
             let run = unsafe {
                 super::vector::write_steps_w2(
                     kind == KeyKind::SignMagnitude,

@@ -8,6 +8,10 @@
 //! those features. The benchmark's baseline compare gets the same treatment, so
 //! ratios stay apples to apples.
 //!
+//! AVX-512 paths are detected where they are used: `digest::wide512` (the
+//! digest sums) and `codec::vector::available` (the encoder kernel, which adds
+//! AVX-512 CD to it).
+//!
 //! Calling a `#[target_feature]` function is `unsafe` only because executing
 //! instructions the CPU lacks is undefined behaviour; every call site checks
 //! [`wide`] first, which is the whole proof obligation.
