@@ -357,19 +357,21 @@ enum BenchWhat {
     },
 }
 
-/// Resolves on SIGINT (Ctrl-C) or SIGTERM (what compose and Kubernetes send).
-async fn shutdown() {
+/// Installs the SIGINT (Ctrl-C) and SIGTERM (what compose and Kubernetes
+/// send) handlers now, and returns a future that resolves on either. Installing
+/// them before the daemon binds its port matters: a signal that arrives between
+/// the bind and the future's first poll would otherwise take the default
+/// action and kill the process uncleanly.
+fn shutdown() -> Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).ok();
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        Some(_) = async {
-            match term.as_mut() {
-                Some(t) => t.recv().await,
-                None => std::future::pending().await,
-            }
-        } => {}
-    }
+    let mut term = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    })
 }
 
 fn main() -> Result<()> {
@@ -547,7 +549,9 @@ fn main() -> Result<()> {
                 }
                 let shared = weightcast::server::Shared::new(store.url(), key);
                 let mut notify_url = advertise;
+                let stop = shutdown()?;
                 if let Some(addr) = listen {
+                    let stop_server = shutdown()?;
                     let listener = tokio::net::TcpListener::bind(addr)
                         .await
                         .with_context(|| format!("binding {addr}"))?;
@@ -556,7 +560,7 @@ fn main() -> Result<()> {
                     tracing::info!(%bound, "serving /v1/notify, /v1/status, /healthz, /metrics");
                     let s = shared.clone();
                     tokio::spawn(async move {
-                        if let Err(e) = weightcast::server::run(listener, s, shutdown()).await {
+                        if let Err(e) = weightcast::server::run(listener, s, stop_server).await {
                             tracing::error!(error = %e, "HTTP server stopped");
                         }
                     });
@@ -572,7 +576,7 @@ fn main() -> Result<()> {
                 // atomically and a restart continues from the verified state.
                 tokio::select! {
                     never = weightcast::subscriber::run_daemon(&store, &cfg, &shared) => never,
-                    () = shutdown() => {
+                    () = stop => {
                         tracing::info!("stopping");
                         anyhow::Ok(())
                     }
@@ -590,11 +594,12 @@ fn main() -> Result<()> {
                 let publisher = opts.open(false).await?;
                 let shared =
                     weightcast::server::PublisherShared::new(publisher, &token, &checkpoint_root)?;
+                let stop = shutdown()?;
                 let listener = tokio::net::TcpListener::bind(listen)
                     .await
                     .with_context(|| format!("binding {listen}"))?;
                 tracing::info!(addr = %listener.local_addr()?, "serving POST /v1/publish");
-                weightcast::server::run_publisher(listener, shared, shutdown()).await?;
+                weightcast::server::run_publisher(listener, shared, stop).await?;
                 anyhow::Ok(())
             })?;
         }
