@@ -94,6 +94,18 @@ fn main() {
             }
             n
         };
+        // WEIGHTCAST_PHASE=encode (or apply) runs only that phase, for perf.
+        let only = std::env::var("WEIGHTCAST_PHASE").unwrap_or_default();
+        if !only.is_empty() {
+            for _ in 0..reps {
+                match only.as_str() {
+                    "encode" => drop(std::hint::black_box(encode_phase(&base, &mut new))),
+                    "apply" => apply_phase(&mut base.clone(), &delta),
+                    _ => drop(std::hint::black_box(compare_phase(&base, &new))),
+                }
+            }
+            return;
+        }
         {
             // In-cache costs: the same work on a 256 KiB slice, repeated.
             use weightcast::codec::compact::encode_tensor;
@@ -152,18 +164,6 @@ fn main() {
         }
         println!("scan alone: {:.2}x of the compare", median(ts));
         let (mut tc, mut te, mut ta) = (Vec::new(), Vec::new(), Vec::new());
-        // WEIGHTCAST_PHASE=encode (or apply) runs only that phase, for perf.
-        let only = std::env::var("WEIGHTCAST_PHASE").unwrap_or_default();
-        if !only.is_empty() {
-            for _ in 0..reps {
-                match only.as_str() {
-                    "encode" => drop(std::hint::black_box(encode_phase(&base, &mut new))),
-                    "apply" => apply_phase(&mut base.clone(), &delta),
-                    _ => drop(std::hint::black_box(compare_phase(&base, &new))),
-                }
-            }
-            return;
-        }
         for _ in 0..reps {
             let t = std::time::Instant::now();
             std::hint::black_box(compare_phase(&base, &new));

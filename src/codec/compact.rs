@@ -13,7 +13,7 @@
 use rayon::prelude::*;
 
 use super::bits::{BitReader, FastWriter};
-use super::scan::for_each_change_piece;
+use super::scan::{PIECE, for_each_change_piece};
 use crate::digest::{ChangeBatch, LANES, TensorSeed};
 use crate::dtype::{
     KeyKind, from_key, load, read_word, step_magnitude, store, to_key, word_mask, write_word,
@@ -112,13 +112,15 @@ fn encode_block(
         let Scratch { gaps, steps } = &mut *scratch;
         gaps.clear();
         steps.clear();
+        let scratch = (gaps, steps);
+        let vector = wb == 2 && super::vector::available();
         if super::cpu::wide() {
             // SAFETY: `cpu::wide()` confirmed every feature `encode_block_wide`
             // is compiled with; the function is otherwise safe code.
             #[cfg(target_arch = "x86_64")]
-            return unsafe { encode_block_wide(kind, wb, seed, first, base, new, gaps, steps) };
+            return unsafe { encode_block_wide(kind, wb, seed, first, base, new, scratch, vector) };
         }
-        crate::with_word_width!(wb, W => encode_block_w::<W>(kind, seed, first, base, new, gaps, steps))
+        crate::with_word_width!(wb, W => encode_block_w::<W>(kind, seed, first, base, new, scratch, vector))
     })
 }
 
@@ -133,10 +135,10 @@ fn encode_block_wide(
     first: u64,
     base: &[u8],
     new: &[u8],
-    gaps: &mut Vec<u64>,
-    steps: &mut Vec<u64>,
+    scratch: (&mut Vec<u64>, &mut Vec<u64>),
+    vector: bool,
 ) -> (BlockEntry, Vec<u8>, u64) {
-    crate::with_word_width!(wb, W => encode_block_w::<W>(kind, seed, first, base, new, gaps, steps))
+    crate::with_word_width!(wb, W => encode_block_w::<W>(kind, seed, first, base, new, scratch, vector))
 }
 
 /// Per-thread gap and step arrays, reused across blocks so encoding does not pay
@@ -191,8 +193,8 @@ fn encode_block_w<const W: usize>(
     first: u64,
     base: &[u8],
     new: &[u8],
-    gaps: &mut Vec<u64>,
-    steps: &mut Vec<u64>,
+    (gaps, steps): (&mut Vec<u64>, &mut Vec<u64>),
+    vector: bool,
 ) -> (BlockEntry, Vec<u8>, u64) {
     let block_words = (base.len() / W) as u64;
     let mut stats = Stats::default();
@@ -203,59 +205,86 @@ fn encode_block_w<const W: usize>(
     let (mut pos_k, mut val_k) = (0u8, 0u8);
     // Value bits per change in the sample, and the direct part's count and bits.
     let mut sample_vbits = 0u64;
-    let vector = W == 2 && super::vector::available();
     let (mut direct_n, mut direct_vbits) = (0u64, 0u64);
-    for_each_change_piece(W, base, new, |piece_first, changed, pa, pb| {
-        if phase == Phase::Direct {
-            let (nx, dg, vb) = write_piece::<W>(
-                (kind, vector),
-                seed,
-                first,
-                (pos_k, val_k),
-                &mut w,
-                (next, dig),
-                piece_first,
-                changed,
-                pa,
-                pb,
-            );
-            next = nx;
-            dig = dg;
-            direct_vbits += vb;
-            direct_n += changed.len() as u64;
-            return;
+    // The sample, a piece at a time, until it holds enough.
+    let mut off = 0usize; // bytes scanned
+    while phase == Phase::Sample && off < base.len() {
+        let end = (off + PIECE).min(base.len());
+        let piece_first = off / W;
+        for_each_change_piece(W, &base[off..end], &new[off..end], |_, changed, pa, pb| {
+            let state = (&mut next, &mut dig);
+            let at = (piece_first, changed, pa, pb);
+            stage_piece::<W>(kind, seed, first, &mut stats, state, gaps, steps, at);
+        });
+        off = end;
+        let scanned = off / W;
+        if gaps.is_empty() || (scanned < SAMPLE_WORDS && gaps.len() < SAMPLE_CHANGES) {
+            continue;
         }
-        stage_piece::<W>(
-            kind,
-            seed,
-            first,
-            &mut stats,
-            (&mut next, &mut dig),
-            gaps,
-            steps,
-            piece_first,
-            changed,
-            pa,
-            pb,
-        );
-        let scanned = piece_first + pa.len() / W;
-        if phase == Phase::Sample && (scanned >= SAMPLE_WORDS || gaps.len() >= SAMPLE_CHANGES) {
-            let (pk, pos_bits) = stats.choose_rice_k();
-            let (vk, step_bits) = stats.choose_eg_k();
-            if step_bits >= stats.n * W as u64 * 8 {
-                phase = Phase::StageAll;
-                return;
-            }
-            (pos_k, val_k, sample_vbits) = (pk, vk, step_bits);
-            // Room for the whole block at the sample's rate, plus a margin.
-            let est = (pos_bits + step_bits) / 8 * block_words / scanned as u64;
-            w.reserve((est + est / 8) as usize);
-            for (&g, &st) in gaps.iter().zip(steps.iter()) {
-                emit_step::<W>(&mut w, pos_k as u32, val_k as u32, g, st, 0);
-            }
-            phase = Phase::Direct;
+        let (pk, pos_bits) = stats.choose_rice_k();
+        let (vk, step_bits) = stats.choose_eg_k();
+        if step_bits >= stats.n * W as u64 * 8 {
+            phase = Phase::StageAll;
+            break;
         }
-    });
+        (pos_k, val_k, sample_vbits) = (pk, vk, step_bits);
+        // Room for the whole block at the sample's rate, plus a margin.
+        let est = (pos_bits + step_bits) / 8 * block_words / scanned as u64;
+        w.reserve((est + est / 8) as usize);
+        for (&g, &st) in gaps.iter().zip(steps.iter()) {
+            emit_step::<W>(&mut w, pos_k as u32, val_k as u32, g, st, 0);
+        }
+        phase = Phase::Direct;
+    }
+    let (rest_a, rest_b, rest_first) = (&base[off..], &new[off..], off / W);
+    match phase {
+        Phase::Direct if vector => {
+            #[cfg(target_arch = "x86_64")]
+            {
+                let mut slow = |w: &mut FastWriter, g: u64, s: u64| {
+                    emit_step::<W>(w, pos_k as u32, val_k as u32, g, s, 0);
+                };
+                // SAFETY: `vector` is true only where `vector::available()`
+                // confirmed the CPU's features (see `encode_block`). Equal
+                // output to the scalar arm is tested by
+                // `vector_and_scalar_encoders_agree`.
+                let r = unsafe {
+                    super::vector::encode_direct_w2(
+                        kind == KeyKind::SignMagnitude,
+                        seed.0,
+                        (pos_k as u32, val_k as u32),
+                        &mut w,
+                        next,
+                        first,
+                        rest_first as u64,
+                        rest_a,
+                        rest_b,
+                        &mut slow,
+                    )
+                };
+                (direct_n, next, direct_vbits) = (r.changes, r.next, r.value_bits);
+                dig = dig.wrapping_add(r.digest);
+            }
+        }
+        Phase::Direct => {
+            for_each_change_piece(W, rest_a, rest_b, |piece_first, changed, pa, pb| {
+                let at = (rest_first + piece_first, changed, pa, pb);
+                let (nx, dg, vb) =
+                    write_piece::<W>(kind, seed, first, (pos_k, val_k), &mut w, (next, dig), at);
+                (next, dig) = (nx, dg);
+                direct_vbits += vb;
+                direct_n += changed.len() as u64;
+            });
+        }
+        Phase::StageAll => {
+            for_each_change_piece(W, rest_a, rest_b, |piece_first, changed, pa, pb| {
+                let state = (&mut next, &mut dig);
+                let at = (rest_first + piece_first, changed, pa, pb);
+                stage_piece::<W>(kind, seed, first, &mut stats, state, gaps, steps, at);
+            });
+        }
+        Phase::Sample => {}
+    }
     if phase == Phase::Direct {
         let n = stats.n + direct_n;
         let gap_sum = next - n;
@@ -285,19 +314,9 @@ fn encode_block_w<const W: usize>(
         stats = Stats::default();
         (next, dig) = (0, 0);
         for_each_change_piece(W, base, new, |piece_first, changed, pa, pb| {
-            stage_piece::<W>(
-                kind,
-                seed,
-                first,
-                &mut stats,
-                (&mut next, &mut dig),
-                gaps,
-                steps,
-                piece_first,
-                changed,
-                pa,
-                pb,
-            );
+            let state = (&mut next, &mut dig);
+            let at = (piece_first, changed, pa, pb);
+            stage_piece::<W>(kind, seed, first, &mut stats, state, gaps, steps, at);
         });
     }
     let bytes = write_staged::<W>(&stats, gaps, steps, new);
@@ -315,10 +334,7 @@ fn stage_piece<const W: usize>(
     (next, dig): (&mut u64, &mut u64),
     gaps: &mut Vec<u64>,
     steps: &mut Vec<u64>,
-    piece_first: usize,
-    changed: &[u16],
-    pa: &[u8],
-    pb: &[u8],
+    (piece_first, changed, pa, pb): (usize, &[u16], &[u8], &[u8]),
 ) {
     // One tight loop over the piece's changes, with the running state in locals.
     let (mut nx, mut dg) = (*next, *dig);
@@ -378,59 +394,27 @@ fn walk_changes<const W: usize>(
 }
 
 /// Writes the changes of one piece straight into the stream (parameters
-/// fixed); returns the new `(next, digest)` and the value bits written.
-#[allow(clippy::too_many_arguments)]
+/// fixed); returns the new `(next, digest)` and the value bits written. `at`
+/// is the piece's first word in the block, its changes and its words.
 #[inline(always)]
 fn write_piece<const W: usize>(
-    (kind, vector): (KeyKind, bool),
+    kind: KeyKind,
     seed: TensorSeed,
     first: u64,
     (pos_k, val_k): (u8, u8),
     w: &mut FastWriter,
     (mut nx, mut dg): (u64, u64),
-    piece_first: usize,
-    changed: &[u16],
-    pa: &[u8],
-    pb: &[u8],
+    (piece_first, changed, pa, pb): (usize, &[u16], &[u8], &[u8]),
 ) -> (u64, u64, u64) {
     let room = changed.len() * 8;
     w.reserve(room);
     let mut vb = 0u64;
-    let mut at = 0;
-    while at < changed.len() {
-        #[cfg(target_arch = "x86_64")]
-        if vector && W == 2 {
-            // SAFETY: callers pass `vector` only where `vector::available()`
-            // confirmed the kernel's features; 8 bytes per change are reserved
-            // above (and again after any long entry). Equal output to the loop
-            // below is tested by `vector_and_scalar_encoders_agree`.
-            let run = unsafe {
-                super::vector::write_steps_w2(
-                    kind == KeyKind::SignMagnitude,
-                    seed.0,
-                    (pos_k as u32, val_k as u32),
-                    w,
-                    nx,
-                    first,
-                    piece_first as u64,
-                    &changed[at..],
-                    pa,
-                    pb,
-                )
-            };
-            at += run.done;
-            nx = run.next;
-            dg = dg.wrapping_add(run.digest);
-            vb += run.value_bits;
-        }
-        // What the kernel left (or everything, without it), a batch at a time.
-        let chunk = &changed[at..changed.len().min(at + LANES)];
+    for chunk in changed.chunks(LANES) {
         let walk = (kind, seed, first, piece_first);
         let d = walk_changes::<W>(walk, &mut nx, chunk, pa, pb, |g, s| {
             vb += emit_step::<W>(w, pos_k as u32, val_k as u32, g, s, room) as u64;
         });
         dg = dg.wrapping_add(d);
-        at += chunk.len();
     }
     (nx, dg, vb)
 }
@@ -1236,10 +1220,7 @@ mod tests {
                 (&mut next, &mut dig),
                 &mut gaps,
                 &mut steps,
-                pf,
-                ch,
-                pa,
-                pb,
+                (pf, ch, pa, pb),
             )
         });
         let (exact, _) = write_staged::<2>(&stats, &gaps, &steps, &new);
@@ -1321,19 +1302,47 @@ mod tests {
         assert_eq!(fails_cleanly(&more, &enc.payload), e.changes - RING as u64);
     }
 
-    /// Every kind of entry the kernel meets or must leave alone: unit and
-    /// larger steps, sign crossings, long gaps (entries over 56 bits), dense
-    /// runs, changes at the piece's very end.
+    /// The direct part of a block through the scalar path: `(changes, next,
+    /// digest, value bits)` and the bytes.
+    fn direct_scalar(
+        kind: KeyKind,
+        params: (u8, u8),
+        (next, first, start): (u64, u64, usize),
+        base: &[u8],
+        new: &[u8],
+    ) -> ((u64, u64, u64, u64), Vec<u8>) {
+        let mut w = FastWriter::default();
+        let (mut nx, mut dg, mut vb, mut n) = (next, 0u64, 0u64, 0u64);
+        for_each_change_piece(2, base, new, |pf, changed, pa, pb| {
+            let at = (start + pf, changed, pa, pb);
+            let r = write_piece::<2>(kind, TensorSeed(99), first, params, &mut w, (nx, dg), at);
+            (nx, dg) = (r.0, r.1);
+            vb += r.2;
+            n += changed.len() as u64;
+        });
+        ((n, nx, dg, vb), w.finish())
+    }
+
+    /// Every kind of entry the AVX-512 encoder meets or must leave to the
+    /// scalar code: unit and larger steps, sign crossings, long gaps (entries
+    /// over 56 bits), dense runs, sparse stretches whose changes are carried
+    /// across regions, changes at the very end, partial last groups, both key
+    /// kinds, and block offsets.
     #[test]
     fn vector_and_scalar_encoders_agree() {
-        use crate::codec::scan::PIECE;
-        let words = PIECE / 2;
+        let words = 3 * 2048 + 37; // several regions and a ragged tail
         let mut cases: Vec<(Vec<u8>, Vec<u8>)> = vec![
             bf16_pair(words, |i| i % 67 == 3),
             bf16_pair(words, |i| (i.wrapping_mul(2_654_435_761) >> 9) % 41 == 0),
             bf16_pair(words, |i| i % 3 != 0),
             bf16_pair(words, |i| i % 1500 == 7 || i >= words - 9),
             bf16_pair(words, |i| i == words - 1 || i < 5),
+            bf16_pair(words, |i| i % 2048 == 2047 || i == 2048),
+            bf16_pair(words, |_| true),
+            bf16_pair(words, |_| false),
+            // Exactly 8, then 9, changes in the scan's 32-word chunks.
+            bf16_pair(words, |i| i % 32 < 8),
+            bf16_pair(words, |i| i % 32 < 9),
         ];
         // Around zero: steps cross the sign (key order), and huge steps.
         let base: Vec<u8> = (0..words)
@@ -1352,66 +1361,80 @@ mod tests {
             new[2 * i..2 * i + 2].copy_from_slice(&v.to_le_bytes());
         }
         cases.push((base, new));
-        let seed = TensorSeed(99);
-        let mut kernel_took = 0;
-        for (base, new) in &cases {
-            let changed: Vec<u16> = (0..words)
-                .filter(|&i| base[2 * i..2 * i + 2] != new[2 * i..2 * i + 2])
-                .map(|i| i as u16)
-                .collect();
-            for kind in [KeyKind::SignMagnitude, KeyKind::Identity] {
-                for params in [(0u8, 0u8), (2, 0), (6, 0), (6, 3), (13, 1), (40, 0)] {
-                    for piece_first in [0usize, 3 * words] {
-                        let run = |vector: bool| {
-                            let mut w = FastWriter::default();
-                            let r = write_piece::<2>(
-                                (kind, vector),
-                                seed,
-                                1 << 30,
-                                params,
-                                &mut w,
-                                (piece_first as u64, 5),
-                                piece_first,
-                                &changed,
-                                base,
-                                new,
-                            );
-                            (r, w.finish())
-                        };
-                        let (scalar, vector) = (run(false), run(super::super::vector::available()));
-                        assert!(scalar == vector, "{kind:?} {params:?} {piece_first}");
+        let vector = super::super::vector::available();
+        eprintln!("AVX-512 encoder available: {vector}");
+        for (c, (base, new)) in cases.iter().enumerate() {
+            // Shorter cuts too: a last region of under 32 words, a single word.
+            for len in [words, 2048 + 5, 1] {
+                let (base, new) = (&base[..2 * len], &new[..2 * len]);
+                for kind in [KeyKind::SignMagnitude, KeyKind::Identity] {
+                    for params in [(0u8, 0u8), (2, 0), (6, 0), (6, 3), (13, 1), (40, 0)] {
+                        for at in [(0u64, 0u64, 0usize), (1000, 1 << 30, 3_000_000)] {
+                            let scalar = direct_scalar(kind, params, at, base, new);
+                            #[cfg(target_arch = "x86_64")]
+                            if vector {
+                                let mut w = FastWriter::default();
+                                let (k, vk) = (params.0 as u32, params.1 as u32);
+                                let mut slow = |w: &mut FastWriter, g: u64, s: u64| {
+                                    emit_step::<2>(w, k, vk, g, s, 0);
+                                };
+                                // SAFETY: the CPU's features were checked above.
+                                let r = unsafe {
+                                    super::super::vector::encode_direct_w2(
+                                        kind == KeyKind::SignMagnitude,
+                                        99,
+                                        (k, vk),
+                                        &mut w,
+                                        at.0,
+                                        at.1,
+                                        at.2 as u64,
+                                        base,
+                                        new,
+                                        &mut slow,
+                                    )
+                                };
+                                let got = ((r.changes, r.next, r.digest, r.value_bits), w.finish());
+                                assert!(
+                                    scalar == got,
+                                    "case {c} len {len} {kind:?} {params:?} {at:?}"
+                                );
+                            }
+                        }
                     }
                 }
             }
-            #[cfg(target_arch = "x86_64")]
-            if super::super::vector::available() && changed.len() >= 8 {
-                let mut w = FastWriter::default();
-                w.reserve(changed.len() * 8);
-                // SAFETY: the features were checked; 8 bytes per change reserved.
-                let r = unsafe {
-                    super::super::vector::write_steps_w2(
-                        true,
-                        99,
-                        (6, 0),
-                        &mut w,
-                        0,
-                        0,
-                        0,
-                        &changed,
-                        base,
-                        new,
-                    )
-                };
-                kernel_took += r.done;
-            }
         }
-        if super::super::vector::available() {
-            assert!(kernel_took > 500, "the kernel took {kernel_took} changes");
+    }
+
+    /// Whole blocks, sample and direct part, encode to the same bytes with
+    /// and without the AVX-512 encoder.
+    #[test]
+    fn vector_and_scalar_blocks_agree() {
+        let words = SAMPLE_WORDS + 3 * 2048 + 11;
+        let (base, new) = bf16_pair(words, |i| (i.wrapping_mul(2_654_435_761) >> 7) % 61 == 0);
+        let vector = super::super::vector::available();
+        let run = |vector: bool| {
+            let (mut gaps, mut steps) = (Vec::new(), Vec::new());
+            let scratch = (&mut gaps, &mut steps);
+            encode_block_w::<2>(
+                KeyKind::SignMagnitude,
+                TensorSeed(5),
+                7,
+                &base,
+                &new,
+                scratch,
+                vector,
+            )
+        };
+        let scalar = run(false);
+        assert!(matches!(scalar.0.values, ValueCoding::Step));
+        assert!(scalar.0.changes > 1000);
+        if vector {
+            let v = run(true);
+            assert_eq!(scalar.0, v.0);
+            assert!(scalar.1 == v.1 && scalar.2 == v.2);
         }
-        eprintln!(
-            "vector kernel available: {}",
-            super::super::vector::available()
-        );
+        eprintln!("AVX-512 encoder available: {vector}");
     }
 
     #[test]

@@ -1,35 +1,48 @@
-//! AVX-512 kernel for the compact encoder's hottest loop: step-coded entries
-//! of 2-byte words (BF16, F16), eight changes per vector.
+//! AVX-512 encoder for the hottest case: the direct part of a compact block of
+//! 2-byte words (BF16, F16), scan and entries fused.
 //!
-//! For each group of eight changed words the kernel computes, lane by lane,
-//! exactly what the scalar `emit_step` computes for one (gap, step, Rice code,
-//! Exp-Golomb code, digest change); only the appending of the eight finished
-//! codes to the bit stream stays serial. A group in which any entry would not
-//! take the scalar fast path (an entry longer than 56 bits) is left to the
-//! scalar code, so both paths write the same bits; `compact`'s tests compare
-//! them on every kind of block.
+//! The scan compares 32 words per vector and *compresses* the changed lanes
+//! (AVX-512 VBMI2) into three contiguous arrays: block index, old word, new
+//! word. The entry kernel then reads eight changes per vector with plain loads
+//! (no gathers) and computes, lane by lane, exactly what the scalar
+//! `compact::emit_step` computes for one change (gap, step, Rice code,
+//! Exp-Golomb code, digest change). Changes left over at the end of a region
+//! (fewer than eight) are carried into the next one, so every group but the
+//! block's last is full. Eight finished entries are merged in the vector into
+//! two codes of at most 56 bits where they fit (four, or eight, where they do
+//! not), which shortens the serial chain of appends to the bit stream. An
+//! entry longer than 56 bits is written by the caller's scalar code, so both
+//! paths write the same bits; `compact`'s tests compare them on every kind of
+//! block.
 //!
 //! Used only when [`available`] says the CPU has the instructions.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::{
-    __m512i, _mm_cvtsi64_si128, _mm_loadu_si128, _mm512_add_epi64, _mm512_alignr_epi64,
-    _mm512_and_si512, _mm512_cmpgt_epu64_mask, _mm512_cvtepu16_epi64, _mm512_i64gather_epi64,
-    _mm512_lzcnt_epi64, _mm512_or_si512, _mm512_reduce_add_epi64, _mm512_set1_epi64,
-    _mm512_setzero_si512, _mm512_slli_epi64, _mm512_sllv_epi64, _mm512_srl_epi64,
+    __m512i, _mm_loadu_si128, _mm_storeu_si128, _mm256_add_epi32, _mm256_cvtepu16_epi32,
+    _mm256_loadu_si256, _mm256_storeu_si256, _mm512_add_epi32, _mm512_add_epi64,
+    _mm512_alignr_epi64, _mm512_and_si512, _mm512_castsi512_si128, _mm512_castsi512_si256,
+    _mm512_cmpgt_epu64_mask, _mm512_cmpneq_epi16_mask, _mm512_cvtepu16_epi32,
+    _mm512_cvtepu16_epi64, _mm512_cvtepu32_epi64, _mm512_extracti64x4_epi64, _mm512_loadu_si512,
+    _mm512_lzcnt_epi64, _mm512_maskz_compress_epi16, _mm512_maskz_loadu_epi16,
+    _mm512_maskz_mov_epi64, _mm512_or_si512, _mm512_reduce_add_epi64, _mm512_set1_epi32,
+    _mm512_set1_epi64, _mm512_setzero_si512, _mm512_sllv_epi64, _mm512_srl_epi64,
     _mm512_srli_epi64, _mm512_storeu_si512, _mm512_sub_epi64, _mm512_xor_si512,
 };
 
 use super::bits::FastWriter;
 
-/// Whether the CPU runs the kernel (AVX-512 F, DQ for the 64-bit multiply of
-/// the digest, CD for the leading-zero count; cached by the standard library's
-/// detection macro).
+/// Whether the CPU runs the kernel: AVX-512 F, BW (16-bit compares and masked
+/// loads), DQ (the digest's 64-bit multiply), CD (leading-zero counts) and
+/// VBMI2 (16-bit compress); cached by the standard library's detection macro.
 #[inline]
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        crate::digest::wide512() && std::arch::is_x86_feature_detected!("avx512cd")
+        crate::digest::wide512()
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512cd")
+            && std::arch::is_x86_feature_detected!("avx512vbmi2")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -37,92 +50,305 @@ pub fn available() -> bool {
     }
 }
 
-/// What [`write_steps_w2`] did.
-pub struct Run {
-    /// Changes consumed from the front of `changed` (a multiple of 8).
-    pub done: usize,
-    /// The index the next gap counts from.
+/// What [`encode_direct_w2`] did.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Direct {
+    /// Changes encoded.
+    pub changes: u64,
+    /// The index the next gap counts from (one past the last change).
     pub next: u64,
-    /// Wrapping sum of the consumed changes' digest changes.
+    /// Wrapping sum of the changes' digest changes.
     pub digest: u64,
     /// Value bits written.
     pub value_bits: u64,
 }
 
-/// Encodes groups of eight changes of a piece of 2-byte words as step-coded
-/// entries, from the front of `changed` (indices into the piece, ascending),
-/// and stops before the first group it cannot take (fewer than eight left, an
-/// entry of more than 56 bits, or a word too near the piece's end for an
-/// 8-byte gather). `next` is the index the first gap counts from, `block_first`
-/// the block's first word in the tensor (for the digest) and `piece_first`
-/// the piece's first word in the block. `sign_magnitude` selects the float key
-/// (see `dtype::to_key`); otherwise the key is the word itself. The writer must
-/// have 8 bytes reserved per change.
+/// Words scanned per round: the scan fills the arrays from one region, then
+/// the kernel drains them. Small, so the entries' work overlaps the memory
+/// traffic of the next region (the size of `scan::PIECE`, for the same reason).
+const REGION: usize = 2048;
+
+/// The changes of one region plus the carried ones, with slack for full-vector
+/// stores past the end.
+struct Records {
+    index: [u32; REGION + 8 + 32],
+    old: [u16; REGION + 8 + 32],
+    new: [u16; REGION + 8 + 32],
+}
+
+/// Encodes every change of `base` → `new` (2-byte words) as step-coded entries
+/// with Rice parameter `k` and Exp-Golomb order `vk`, appending to `w`.
+///
+/// `next` is the block index the first gap counts from, `block_first` the
+/// block's first word in the tensor (for the digest) and `start` the block
+/// index of `base`'s first word. `sign_magnitude` selects the float key (see
+/// `dtype::to_key`); otherwise the key is the word itself. `slow(w, gap, step)`
+/// writes an entry longer than 56 bits (the scalar encoder's general path).
 ///
 /// # Safety
 /// The CPU must have the features [`available`] checks.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512dq,avx512cd")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512cd,avx512vbmi2,popcnt")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn write_steps_w2(
+pub unsafe fn encode_direct_w2(
     sign_magnitude: bool,
     seed: u64,
     (k, vk): (u32, u32),
     w: &mut FastWriter,
     next: u64,
     block_first: u64,
-    piece_first: u64,
-    changed: &[u16],
-    pa: &[u8],
-    pb: &[u8],
-) -> Run {
-    let set1 = |x: u64| _mm512_set1_epi64(x as i64);
-    let (ones, w16, top) = (set1(1), set1(0xffff), set1(0x8000));
-    let k_count = _mm_cvtsi64_si128(k as i64);
-    let low_mask = set1((1u64 << k) - 1);
-    let k1 = set1(k as u64 + 1);
-    let vk_one = set1(1u64 << vk);
-    let vk_plus_one = set1(vk as u64 + 1);
-    let fifty_six = set1(56);
-    let sixty_four = set1(64);
-    let mut next = next;
-    let mut digest = _mm512_setzero_si512();
-    let mut value_bits = _mm512_setzero_si512();
-    let mut done = 0usize;
-    let (mut codes, mut lens) = ([0u64; 8], [0u64; 8]);
-    while done + 8 <= changed.len() {
-        let c = &changed[done..done + 8];
-        // The gathers read 8 bytes at each word: all of them must lie in the
-        // piece (indices ascend, so the last one decides).
-        if 2 * c[7] as usize + 8 > pa.len() || pa.len() != pb.len() {
-            break;
+    start: u64,
+    base: &[u8],
+    new: &[u8],
+    slow: &mut impl FnMut(&mut FastWriter, u64, u64),
+) -> Direct {
+    assert_eq!(base.len(), new.len(), "encoded buffers differ in length");
+    assert!(base.len().is_multiple_of(2), "odd length for 2-byte words");
+    assert!(
+        start + (base.len() / 2) as u64 <= u32::MAX as u64,
+        "block too long for 32-bit indices"
+    );
+    let mut rec = Records {
+        index: [0; REGION + 8 + 32],
+        old: [0; REGION + 8 + 32],
+        new: [0; REGION + 8 + 32],
+    };
+    let kernel = Kernel::new(sign_magnitude, seed, k, vk, block_first);
+    let mut st = State {
+        next,
+        digest: _mm512_setzero_si512(),
+        value_bits: _mm512_setzero_si512(),
+        changes: 0,
+    };
+    let mut len = 0usize;
+    for (r, (pa, pb)) in base
+        .chunks(2 * REGION)
+        .zip(new.chunks(2 * REGION))
+        .enumerate()
+    {
+        len = scan_region(pa, pb, start as u32 + (r * REGION) as u32, &mut rec, len);
+        len = kernel.drain(&mut rec, len, false, w, &mut st, slow);
+    }
+    kernel.drain(&mut rec, len, true, w, &mut st, slow);
+    Direct {
+        changes: st.changes,
+        next: st.next,
+        digest: _mm512_reduce_add_epi64(st.digest) as u64,
+        value_bits: _mm512_reduce_add_epi64(st.value_bits) as u64,
+    }
+}
+
+/// Appends the changes of one region (`pa`, `pb`: up to [`REGION`] words,
+/// the first at block index `first`) after the `len` records already held;
+/// returns the new count.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi2,popcnt")]
+fn scan_region(pa: &[u8], pb: &[u8], first: u32, rec: &mut Records, mut len: usize) -> usize {
+    assert!(pa.len() == pb.len() && pa.len() <= 2 * REGION && len < 8);
+    const IOTA: [u16; 32] = {
+        let mut a = [0u16; 32];
+        let mut j = 0;
+        while j < 32 {
+            a[j] = j as u16;
+            j += 1;
         }
-        // SAFETY: `c` is 8 u16 = 16 readable bytes; unaligned load.
-        let cv = _mm512_cvtepu16_epi64(unsafe { _mm_loadu_si128(c.as_ptr().cast()) });
-        let i = _mm512_add_epi64(cv, set1(piece_first));
-        // Gap: i − (previous i + 1), the first lane's counted from `next`.
-        let prev = _mm512_alignr_epi64::<7>(_mm512_add_epi64(i, ones), set1(next));
-        let g = _mm512_sub_epi64(i, prev);
-        let off = _mm512_slli_epi64::<1>(cv);
-        // SAFETY: every lane reads bytes 2c..2c+8 of `pa` / `pb`, in bounds by
-        // the check above (both have the same length); gathers need no
-        // alignment.
-        let (old, new) = unsafe {
+        a
+    };
+    // SAFETY: reads the 64 bytes of `IOTA`.
+    let iota = unsafe { _mm512_loadu_si512(IOTA.as_ptr().cast()) };
+    let mut at = 0usize;
+    while at < pa.len() {
+        let bytes = (pa.len() - at).min(64);
+        let (a, b) = if bytes == 64 {
+            // SAFETY: bytes `at..at + 64` of both slices are in bounds (checked
+            // just above); `loadu` has no alignment requirement.
+            unsafe {
+                (
+                    _mm512_loadu_si512(pa[at..at + 64].as_ptr().cast()),
+                    _mm512_loadu_si512(pb[at..at + 64].as_ptr().cast()),
+                )
+            }
+        } else {
+            // The region's tail: a masked load reads only the selected words
+            // (`bytes / 2` of them, all in bounds) and suppresses faults on the
+            // rest.
+            let m = (1u32 << (bytes / 2)) - 1;
+            // SAFETY: as above, for the masked words only.
+            unsafe {
+                (
+                    _mm512_maskz_loadu_epi16(m, pa[at..].as_ptr().cast()),
+                    _mm512_maskz_loadu_epi16(m, pb[at..].as_ptr().cast()),
+                )
+            }
+        };
+        // Masked-off tail lanes are zero in both, hence equal: never changed.
+        let m = _mm512_cmpneq_epi16_mask(a, b);
+        let (old, new) = (
+            _mm512_maskz_compress_epi16(m, a),
+            _mm512_maskz_compress_epi16(m, b),
+        );
+        // Offsets of the changed words in this chunk, then block indices.
+        let offsets = _mm512_maskz_compress_epi16(m, iota);
+        let first = _mm512_set1_epi32((first + at as u32 / 2) as i32);
+        // Usually at most 8 of the 32 words changed: narrow stores of 8
+        // records, which keep the store queue short (the scan's loads wait
+        // behind it); the rest only when there are more.
+        // SAFETY: every store writes within the named subslice (16, 32 or 64
+        // bytes at `len`); the arrays have room for 32 records past any `len`
+        // ≤ REGION + 7. Records past the compressed count are scratch.
+        unsafe {
+            _mm_storeu_si128(
+                rec.old[len..len + 8].as_mut_ptr().cast(),
+                _mm512_castsi512_si128(old),
+            );
+            _mm_storeu_si128(
+                rec.new[len..len + 8].as_mut_ptr().cast(),
+                _mm512_castsi512_si128(new),
+            );
+            _mm256_storeu_si256(
+                rec.index[len..len + 8].as_mut_ptr().cast(),
+                _mm256_add_epi32(
+                    _mm256_cvtepu16_epi32(_mm512_castsi512_si128(offsets)),
+                    _mm512_castsi512_si256(first),
+                ),
+            );
+        }
+        if m.count_ones() > 8 {
+            // SAFETY: as above.
+            unsafe {
+                _mm512_storeu_si512(rec.old[len..len + 32].as_mut_ptr().cast(), old);
+                _mm512_storeu_si512(rec.new[len..len + 32].as_mut_ptr().cast(), new);
+                _mm512_storeu_si512(
+                    rec.index[len..len + 16].as_mut_ptr().cast(),
+                    _mm512_add_epi32(
+                        _mm512_cvtepu16_epi32(_mm512_castsi512_si256(offsets)),
+                        first,
+                    ),
+                );
+                _mm512_storeu_si512(
+                    rec.index[len + 16..len + 32].as_mut_ptr().cast(),
+                    _mm512_add_epi32(
+                        _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64::<1>(offsets)),
+                        first,
+                    ),
+                );
+            }
+        }
+        len += m.count_ones() as usize;
+        at += 64;
+    }
+    len
+}
+
+/// Running totals of [`encode_direct_w2`].
+#[cfg(target_arch = "x86_64")]
+struct State {
+    next: u64,
+    digest: __m512i,
+    value_bits: __m512i,
+    changes: u64,
+}
+
+/// The per-call constants of the entry kernel.
+#[cfg(target_arch = "x86_64")]
+struct Kernel {
+    sign_magnitude: bool,
+    seed: u64,
+    block_first: __m512i,
+    k: u32,
+    low_mask: __m512i,
+    k1: __m512i,
+    vk_one: __m512i,
+    vk_plus_one: __m512i,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Kernel {
+    #[target_feature(enable = "avx512f")]
+    fn new(sign_magnitude: bool, seed: u64, k: u32, vk: u32, block_first: u64) -> Kernel {
+        let set1 = |x: u64| _mm512_set1_epi64(x as i64);
+        Kernel {
+            sign_magnitude,
+            seed,
+            block_first: set1(block_first),
+            k,
+            low_mask: set1((1u64 << k) - 1),
+            k1: set1(k as u64 + 1),
+            vk_one: set1(1u64 << vk),
+            vk_plus_one: set1(vk as u64 + 1),
+        }
+    }
+
+    /// Encodes the first `len` records in groups of eight, and moves those
+    /// left over (fewer than eight) to the front; returns their count. With
+    /// `last`, encodes those too (as one partial group) and returns 0.
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512cd")]
+    fn drain(
+        &self,
+        rec: &mut Records,
+        len: usize,
+        last: bool,
+        w: &mut FastWriter,
+        st: &mut State,
+        slow: &mut impl FnMut(&mut FastWriter, u64, u64),
+    ) -> usize {
+        let end = if last { len } else { len & !7 };
+        if last && !len.is_multiple_of(8) {
+            // Unused lanes: equal old and new words add nothing to the digest;
+            // their entries are not written.
+            rec.old[len..end.next_multiple_of(8)].fill(0);
+            rec.new[len..end.next_multiple_of(8)].fill(0);
+        }
+        w.reserve(8 * end);
+        let mut g = 0;
+        while g < end {
+            let count = (end - g).min(8);
+            self.group(rec, (g, count), 8 * (end - g), w, st, slow);
+            g += count;
+        }
+        // Carry the rest to the front.
+        rec.index.copy_within(end..len, 0);
+        rec.old.copy_within(end..len, 0);
+        rec.new.copy_within(end..len, 0);
+        len - end
+    }
+
+    /// Encodes the `count` (1–8) records at `g`; lanes past `count` must have
+    /// equal old and new words. `room` is what the writer must keep reserved
+    /// for this group and the rest after a slow entry.
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512cd")]
+    #[inline]
+    fn group(
+        &self,
+        rec: &Records,
+        (g, count): (usize, usize),
+        room: usize,
+        w: &mut FastWriter,
+        st: &mut State,
+        slow: &mut impl FnMut(&mut FastWriter, u64, u64),
+    ) {
+        let set1 = |x: u64| _mm512_set1_epi64(x as i64);
+        let (ones, w16, top) = (set1(1), set1(0xffff), set1(0x8000));
+        let zero = _mm512_setzero_si512();
+        // SAFETY: 8 u32 and 8 u16 at `g` are in bounds (the slices check it);
+        // unaligned loads.
+        let (i, old, new) = unsafe {
             (
-                _mm512_and_si512(_mm512_i64gather_epi64::<1>(off, pa.as_ptr().cast()), w16),
-                _mm512_and_si512(_mm512_i64gather_epi64::<1>(off, pb.as_ptr().cast()), w16),
+                _mm512_cvtepu32_epi64(_mm256_loadu_si256(rec.index[g..g + 8].as_ptr().cast())),
+                _mm512_cvtepu16_epi64(_mm_loadu_si128(rec.old[g..g + 8].as_ptr().cast())),
+                _mm512_cvtepu16_epi64(_mm_loadu_si128(rec.new[g..g + 8].as_ptr().cast())),
             )
         };
+        // Gap: i − (previous i + 1), the first lane's counted from `next`.
+        let prev = _mm512_alignr_epi64::<7>(_mm512_add_epi64(i, ones), set1(st.next));
+        let gap = _mm512_sub_epi64(i, prev);
         // Step of the ordered key, mod 2^16 (see `dtype::to_key`): a
         // sign-magnitude key flips every bit of negatives and only the sign
         // bit of the rest.
         let key = |x: __m512i| {
-            if sign_magnitude {
+            if self.sign_magnitude {
                 let neg = _mm512_srli_epi64::<15>(x);
-                let flip = _mm512_or_si512(
-                    _mm512_and_si512(_mm512_sub_epi64(_mm512_setzero_si512(), neg), w16),
-                    top,
-                );
+                let flip = _mm512_or_si512(_mm512_and_si512(_mm512_sub_epi64(zero, neg), w16), top);
                 _mm512_xor_si512(x, flip)
             } else {
                 x
@@ -133,25 +359,25 @@ pub unsafe fn write_steps_w2(
         let sn = _mm512_srli_epi64::<15>(s);
         let m = _mm512_and_si512(
             _mm512_add_epi64(
-                _mm512_xor_si512(
-                    s,
-                    _mm512_and_si512(_mm512_sub_epi64(_mm512_setzero_si512(), sn), w16),
-                ),
+                _mm512_xor_si512(s, _mm512_and_si512(_mm512_sub_epi64(zero, sn), w16)),
                 sn,
             ),
             w16,
         );
         // Rice code of the gap, as `emit_step`: (1 << q) | low << (q + 1).
-        let q = _mm512_srl_epi64(g, k_count);
+        let q = _mm512_srl_epi64(gap, std::arch::x86_64::_mm_cvtsi64_si128(self.k as i64));
         let code = _mm512_or_si512(
             _mm512_sllv_epi64(ones, q),
-            _mm512_sllv_epi64(_mm512_and_si512(g, low_mask), _mm512_add_epi64(q, ones)),
+            _mm512_sllv_epi64(
+                _mm512_and_si512(gap, self.low_mask),
+                _mm512_add_epi64(q, ones),
+            ),
         );
-        let len = _mm512_add_epi64(q, k1);
+        let len = _mm512_add_epi64(q, self.k1);
         // Signed Exp-Golomb code of the magnitude, as `emit_step`.
-        let y = _mm512_add_epi64(_mm512_sub_epi64(m, ones), vk_one);
-        let nb = _mm512_sub_epi64(sixty_four, _mm512_lzcnt_epi64(y));
-        let z = _mm512_sub_epi64(nb, vk_plus_one);
+        let y = _mm512_add_epi64(_mm512_sub_epi64(m, ones), self.vk_one);
+        let nb = _mm512_sub_epi64(set1(64), _mm512_lzcnt_epi64(y));
+        let z = _mm512_sub_epi64(nb, self.vk_plus_one);
         let vlen = _mm512_add_epi64(_mm512_add_epi64(z, nb), ones);
         let rest = _mm512_xor_si512(y, _mm512_sllv_epi64(ones, _mm512_sub_epi64(nb, ones)));
         let vcode = _mm512_or_si512(
@@ -162,33 +388,71 @@ pub unsafe fn write_steps_w2(
             _mm512_sllv_epi64(sn, _mm512_add_epi64(z, nb)),
         );
         let total = _mm512_add_epi64(len, vlen);
-        // Longer entries take the scalar path (`emit_long`). A lane with
-        // q ≥ 64, whose vector shifts gave 0, fails here too, before anything
-        // is written.
-        if _mm512_cmpgt_epu64_mask(total, fifty_six) != 0 {
-            break;
-        }
         let entry = _mm512_or_si512(code, _mm512_sllv_epi64(vcode, len));
-        digest = _mm512_add_epi64(
-            digest,
-            crate::digest::change_x8(seed, _mm512_add_epi64(i, set1(block_first)), old, new),
+        let used = ((1u32 << count) - 1) as u8;
+        st.digest = _mm512_add_epi64(
+            st.digest,
+            crate::digest::change_x8(self.seed, _mm512_add_epi64(i, self.block_first), old, new),
         );
-        value_bits = _mm512_add_epi64(value_bits, vlen);
-        // SAFETY: each store writes exactly the 64 bytes of an [u64; 8].
-        unsafe {
-            _mm512_storeu_si512(codes.as_mut_ptr().cast(), entry);
-            _mm512_storeu_si512(lens.as_mut_ptr().cast(), total);
+        st.value_bits = _mm512_add_epi64(st.value_bits, _mm512_maskz_mov_epi64(used, vlen));
+        st.changes += count as u64;
+        st.next = rec.index[g + count - 1] as u64 + 1;
+        // Longer entries take the scalar path. A lane with q ≥ 64, whose vector
+        // shifts gave 0, is longer than 56 bits too.
+        let fifty_six = set1(56);
+        let long = _mm512_cmpgt_epu64_mask(total, fifty_six) & used;
+        if count == 8 && long == 0 {
+            // Merge neighbours: lane 2j takes lane 2j+1 above its bits, then
+            // lane 4j takes lane 4j+2; written as 2 codes where each merged
+            // four fits in 56 bits, else as 4 pairs, else one by one.
+            let shift1 = _mm512_alignr_epi64::<7>(total, zero);
+            let pair = _mm512_or_si512(
+                entry,
+                _mm512_alignr_epi64::<1>(zero, _mm512_sllv_epi64(entry, shift1)),
+            );
+            let pair_len = _mm512_add_epi64(total, _mm512_alignr_epi64::<1>(zero, total));
+            let shift2 = _mm512_alignr_epi64::<6>(pair_len, zero);
+            let quad = _mm512_or_si512(
+                pair,
+                _mm512_alignr_epi64::<2>(zero, _mm512_sllv_epi64(pair, shift2)),
+            );
+            let quad_len = _mm512_add_epi64(pair_len, _mm512_alignr_epi64::<2>(zero, pair_len));
+            let (codes, lens, step) = if _mm512_cmpgt_epu64_mask(quad_len, fifty_six) & 0x11 == 0 {
+                (quad, quad_len, 4)
+            } else if _mm512_cmpgt_epu64_mask(pair_len, fifty_six) & 0x55 == 0 {
+                (pair, pair_len, 2)
+            } else {
+                (entry, total, 1)
+            };
+            let (c, l) = spill(codes, lens);
+            for j in (0..8).step_by(step) {
+                w.put56(c[j], l[j] as u32);
+            }
+            return;
         }
-        for (&code, &len) in codes.iter().zip(&lens) {
-            w.put56(code, len as u32);
+        let (c, l) = spill(entry, total);
+        let (gs, ss) = spill(gap, s);
+        for j in 0..count {
+            if long >> j & 1 == 0 {
+                w.put56(c[j], l[j] as u32);
+            } else {
+                slow(w, gs[j], ss[j]);
+                w.reserve(room);
+            }
         }
-        next = piece_first + c[7] as u64 + 1;
-        done += 8;
     }
-    Run {
-        done,
-        next,
-        digest: _mm512_reduce_add_epi64(digest) as u64,
-        value_bits: _mm512_reduce_add_epi64(value_bits) as u64,
+}
+
+/// Two vectors' lanes as arrays.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn spill(a: __m512i, b: __m512i) -> ([u64; 8], [u64; 8]) {
+    let (mut x, mut y) = ([0u64; 8], [0u64; 8]);
+    // SAFETY: each store writes exactly the 64 bytes of an [u64; 8].
+    unsafe {
+        _mm512_storeu_si512(x.as_mut_ptr().cast(), a);
+        _mm512_storeu_si512(y.as_mut_ptr().cast(), b);
     }
+    (x, y)
 }
