@@ -146,11 +146,39 @@ fn main() {
                 ));
             }
             let te = t.elapsed().as_secs_f64() / r as f64;
+            // Apply: the slice's delta forth and back, alternately.
+            use weightcast::codec::compact::{BlockUndo, apply_block};
+            let fwd = encode_tensor(KeyKind::SignMagnitude, 2, TensorSeed(1), a, b);
+            let back = encode_tensor(KeyKind::SignMagnitude, 2, TensorSeed(1), b, a);
+            let mut buf = a.to_vec();
+            let mut undo = BlockUndo::default();
+            let t = std::time::Instant::now();
+            for _ in 0..r / 2 {
+                for d in [&fwd, &back] {
+                    let blk = &d.blocks[0];
+                    apply_block(
+                        "t",
+                        0,
+                        blk,
+                        &d.payload,
+                        KeyKind::SignMagnitude,
+                        2,
+                        TensorSeed(1),
+                        0,
+                        &mut buf,
+                        &mut undo,
+                    )
+                    .expect("apply");
+                }
+            }
+            let ta = t.elapsed().as_secs_f64() / (r / 2 * 2) as f64;
+            assert!(buf == a, "forth and back");
             println!(
-                "in cache, {n} changes in 128 Ki words: compare {:.2} ns/change, scan {:.2}, encode {:.2}",
+                "in cache, {n} changes in 128 Ki words: compare {:.2} ns/change, scan {:.2}, encode {:.2}, apply {:.2}",
                 tc * 1e9 / n as f64,
                 ts * 1e9 / n as f64,
-                te * 1e9 / n as f64
+                te * 1e9 / n as f64,
+                ta * 1e9 / n as f64
             );
         }
         let mut ts = Vec::new();

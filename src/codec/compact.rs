@@ -846,11 +846,15 @@ fn apply_block_wide(
 }
 
 /// Entries decoded ahead before the tensor is touched: the old words of a
-/// batch are loaded back to back, so their cache misses overlap.
+/// batch are loaded back to back, so their cache misses overlap. Also the
+/// group size of step-coded blocks' pipeline.
 const BATCH: usize = LANES;
 
-/// Entries between decoding (and prefetching) one and writing it.
-const RING: usize = 32;
+/// Groups of [`BATCH`] entries held by the step-coded pipeline: a group is
+/// written `SLOTS - 1` groups (240 entries) after it was decoded and its
+/// lines prefetched into the second-level cache, far enough ahead for the
+/// memory latency (see `cpu::prefetch_l2`).
+const SLOTS: usize = 16;
 
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
@@ -1011,66 +1015,42 @@ fn apply_steps_w<const W: usize>(
     }
     let params = (e.pos_k as u32, e.val_k as u32);
     let q_limit = len >> e.pos_k;
-    let mask = word_mask(W);
+    let vector = W == 2 && super::vector::available();
     let mut dig = 0u64;
     let mut at = 0u64; // bit position in the stream
     let mut next = 0u64;
-    // Software pipeline: each entry's cache line is prefetched as soon as it
-    // is decoded, and the entry is written RING entries later, by when the
-    // line has arrived; one entry in, one out per step, so the memory system
-    // always has misses in flight while the (serial) decoding goes on.
-    let (mut ring_i, mut ring_s) = ([0u64; RING], [0u64; RING]);
-    let mut batch = ChangeBatch::default();
-    let mut batched = 0usize;
+    // Software pipeline, a group of BATCH entries at a time: each entry's
+    // cache line is prefetched (into the second-level cache) as soon as it is
+    // decoded, and its group is written SLOTS − 1 groups later, by when the
+    // lines have arrived; so the memory system always has many misses in
+    // flight while the (serial) decoding goes on.
+    let mut slots = [Group::default(); SLOTS];
+    let groups = e.changes.div_ceil(BATCH as u64);
     let mut written = 0u64;
-    let mut write = |blk: &mut [u8], i: u64, s: u64| {
-        let old = load::<W>(blk, i as usize);
-        let new = from_key(kind, W, to_key(kind, W, old).wrapping_add(s) & mask);
-        store::<W>(blk, i as usize, new);
-        (batch.index[batched], batch.old[batched], batch.new[batched]) = (first + i, old, new);
-        batched += 1;
-        if batched == LANES {
-            dig = dig.wrapping_add(seed.change_sum(&batch));
-            batched = 0;
-        }
-    };
     let mut result = Ok(());
-    for n in 0..e.changes {
-        let (gap, s, used) = match step_entry::<W>(stream, at, params, q_limit) {
-            Ok(x) => x,
-            Err(what) => {
-                result = Err(bad(what));
-                break;
-            }
-        };
-        at += used as u64;
-        let i = next + gap;
-        if i >= len {
-            result = Err(bad("position beyond the block"));
+    for n in 0..groups {
+        let g = &mut slots[n as usize % SLOTS];
+        g.count = (e.changes - n * BATCH as u64).min(BATCH as u64) as usize;
+        if let Err(what) =
+            decode_group::<W>(stream, (params, q_limit), blk, (&mut at, &mut next), g)
+        {
+            result = Err(bad(what));
             break;
         }
-        next = i + 1;
-        super::cpu::prefetch(blk, i as usize * W);
-        let slot = n as usize % RING;
-        if n >= RING as u64 {
-            write(blk, ring_i[slot], ring_s[slot]);
-            written += 1;
+        if n >= SLOTS as u64 - 1 {
+            let g = &slots[(n as usize + 1) % SLOTS];
+            dig = dig.wrapping_add(write_group::<W>(kind, seed, first, vector, blk, g));
+            written += g.count as u64;
         }
-        (ring_i[slot], ring_s[slot]) = (i, s);
     }
     undo.applied = written;
     result?;
-    // Drain the ring in entry order.
-    for n in written..e.changes {
-        let slot = n as usize % RING;
-        write(blk, ring_i[slot], ring_s[slot]);
+    // Drain the pipeline in entry order.
+    for n in groups.saturating_sub(SLOTS as u64 - 1)..groups {
+        let g = &slots[n as usize % SLOTS];
+        dig = dig.wrapping_add(write_group::<W>(kind, seed, first, vector, blk, g));
     }
     undo.applied = e.changes;
-    // Unused lanes of the last batch hold earlier entries: clear them.
-    for j in batched..LANES {
-        (batch.index[j], batch.old[j], batch.new[j]) = (0, 0, 0);
-    }
-    dig = dig.wrapping_add(seed.change_sum(&batch));
     // Fewer than 8 bits may remain, all zero padding.
     let total = stream.len() as u64 * 8;
     let clean = total - at < 8 && (at == total || stream[stream.len() - 1] >> (at & 7) == 0);
@@ -1078,6 +1058,92 @@ fn apply_steps_w<const W: usize>(
         return Err(bad("trailing bytes after the last change"));
     }
     Ok(dig)
+}
+
+/// Decodes the next `g.count` entries of a step-coded stream into `g`,
+/// prefetching each one's word of `blk`. `pos` is the bit position in the
+/// stream and the index the next gap counts from; both move on.
+///
+/// Kept apart from the pipeline so its few live values stay in registers:
+/// the bit position is on the loop's critical path.
+#[inline(always)]
+fn decode_group<const W: usize>(
+    stream: &[u8],
+    (params, q_limit): ((u32, u32), u64),
+    blk: &[u8],
+    pos: (&mut u64, &mut u64),
+    g: &mut Group,
+) -> std::result::Result<(), &'static str> {
+    let len = (blk.len() / W) as u64;
+    let (mut at, mut next) = (*pos.0, *pos.1);
+    let mut result = Ok(());
+    for j in 0..g.count.min(BATCH) {
+        let (gap, s, used) = match step_entry::<W>(stream, at, params, q_limit) {
+            Ok(x) => x,
+            Err(what) => {
+                result = Err(what);
+                break;
+            }
+        };
+        at += used as u64;
+        let i = next + gap;
+        if i >= len {
+            result = Err("position beyond the block");
+            break;
+        }
+        next = i + 1;
+        super::cpu::prefetch_l2(blk, i as usize * W);
+        (g.index[j], g.step[j]) = (i, s);
+    }
+    (*pos.0, *pos.1) = (at, next);
+    result
+}
+
+/// Decoded step-coded entries waiting to be written: block indices
+/// (ascending) and masked steps of the first `count` lanes.
+#[derive(Clone, Copy, Default)]
+struct Group {
+    index: [u64; BATCH],
+    step: [u64; BATCH],
+    count: usize,
+}
+
+/// Writes a group's new words (old key + step) and returns its digest change.
+#[inline(always)]
+fn write_group<const W: usize>(
+    kind: KeyKind,
+    seed: TensorSeed,
+    first: u64,
+    vector: bool,
+    blk: &mut [u8],
+    g: &Group,
+) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if vector {
+        // SAFETY: `vector` is true only where `vector::available()` confirmed
+        // the CPU's features. Equal results to the loop below are tested by
+        // `vector_and_scalar_group_writes_agree`.
+        return unsafe {
+            super::vector::apply_steps_w2(
+                kind == KeyKind::SignMagnitude,
+                seed.0,
+                first,
+                blk,
+                (&g.index, &g.step, g.count),
+            )
+        };
+    }
+    let _ = vector;
+    let mask = word_mask(W);
+    let mut batch = ChangeBatch::default();
+    for j in 0..g.count {
+        let i = g.index[j] as usize;
+        let old = load::<W>(blk, i);
+        let new = from_key(kind, W, to_key(kind, W, old).wrapping_add(g.step[j]) & mask);
+        store::<W>(blk, i, new);
+        (batch.index[j], batch.old[j], batch.new[j]) = (first + i as u64, old, new);
+    }
+    seed.change_sum(&batch)
 }
 
 #[cold]
@@ -1294,12 +1360,78 @@ mod tests {
             );
         }
         // A claimed count one too high fails only after every real entry was
-        // decoded: all but the ring's worth written.
+        // decoded, in group `changes / BATCH`: the groups before it are
+        // written, but for the last two (decoded, waiting in the pipeline).
         let more = BlockEntry {
             changes: e.changes + 1,
             ..e.clone()
         };
-        assert_eq!(fails_cleanly(&more, &enc.payload), e.changes - RING as u64);
+        let failing = e.changes / BATCH as u64;
+        let written = (failing + 1 - SLOTS as u64) * BATCH as u64;
+        assert_eq!(fails_cleanly(&more, &enc.payload), written);
+        assert!(written >= e.changes - (SLOTS * BATCH) as u64);
+    }
+
+    /// Group writes with and without AVX-512: same words, same digest, for
+    /// both key kinds, every group size, steps of every size and sign
+    /// (crossing zero and wrapping), and words at the block's very end.
+    #[test]
+    fn vector_and_scalar_group_writes_agree() {
+        let words = 600usize;
+        let (base, _) = bf16_pair(words, |_| false);
+        let mut base = base;
+        // Special words: ±0, the extremes, around the sign.
+        for (j, w) in [0u16, 0x8000, 0x7fff, 0xffff, 1, 0x8001]
+            .into_iter()
+            .enumerate()
+        {
+            base[2 * j..2 * j + 2].copy_from_slice(&w.to_le_bytes());
+        }
+        let vector = super::super::vector::available();
+        eprintln!("AVX-512 apply available: {vector}");
+        let mut x = 0x1234_5678_9abc_def1u64;
+        for kind in [KeyKind::SignMagnitude, KeyKind::Identity] {
+            for count in 0..=BATCH {
+                for round in 0..20u64 {
+                    let mut g = Group {
+                        count,
+                        // Stale lanes past `count` must not matter.
+                        index: [7; BATCH],
+                        step: [0xdead; BATCH],
+                    };
+                    let mut i = if round % 2 == 0 { 0 } else { words - count };
+                    for j in 0..count {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        let step = match x % 5 {
+                            0 => 1,
+                            1 => 0xffff,
+                            2 => 1 + (x >> 40) % 300,
+                            3 => 0x8000,
+                            _ => (x >> 20) & 0xffff,
+                        }
+                        .max(1);
+                        (g.index[j], g.step[j]) = (i as u64, step);
+                        i += 1 + (round as usize % 3) * ((x >> 60) as usize % 2);
+                        i = i.min(words - (count - j - 1));
+                    }
+                    let run = |vector: bool| {
+                        let mut blk = base.clone();
+                        let d =
+                            write_group::<2>(kind, TensorSeed(3), 1 << 33, vector, &mut blk, &g);
+                        (d, blk)
+                    };
+                    let scalar = run(false);
+                    if count > 0 {
+                        assert!(scalar.1 != base, "the scalar write changed nothing");
+                    }
+                    if vector {
+                        assert!(run(true) == scalar, "{kind:?} count {count} round {round}");
+                    }
+                }
+            }
+        }
     }
 
     /// The direct part of a block through the scalar path: `(changes, next,

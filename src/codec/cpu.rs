@@ -63,6 +63,29 @@ pub fn prefetch(data: &[u8], at: usize) {
     let _ = (data, at);
 }
 
+/// Like [`prefetch`], but asks for the line in the second-level cache only
+/// (PREFETCHT1). Such a request holds no first-level miss buffer while the
+/// line comes from memory, so many more can be in flight: the apply pipeline
+/// issues it hundreds of entries ahead. Measured on the development machine
+/// (Zen 4) in a plain read-modify-write loop over 1.7% of a 256 MB buffer's
+/// words: PREFETCHT0 32 entries ahead 9.7 ns per entry, PREFETCHT1 256
+/// entries ahead 5.9 ns (`docs/benchmarks.md`).
+#[inline(always)]
+pub fn prefetch_l2(data: &[u8], at: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(b) = data.get(at) {
+        // SAFETY: as for `prefetch`: SSE is baseline on x86-64, the pointer
+        // comes from a live reference, and the instruction is only a hint.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                (b as *const u8).cast(),
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (data, at);
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -70,8 +93,10 @@ mod tests {
         let data: Vec<u8> = (0..200u8).collect();
         for at in [0, 63, 64, 199, 200, usize::MAX] {
             super::prefetch(&data, at);
+            super::prefetch_l2(&data, at);
         }
         super::prefetch(&[], 0);
+        super::prefetch_l2(&[], 0);
         assert!(data.iter().copied().eq(0..200u8));
     }
 }

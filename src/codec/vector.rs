@@ -456,3 +456,78 @@ fn spill(a: __m512i, b: __m512i) -> ([u64; 8], [u64; 8]) {
     }
     (x, y)
 }
+
+/// Writes up to 16 step-coded changes of 2-byte words: for each of the first
+/// `count` lanes, word `index[j]` of `blk` becomes `unkey(key(old) + step[j])`
+/// (mod 2^16; see `dtype::to_key`); returns the digest change of the writes.
+/// Indices must be distinct (a block's ascend) and in range; the loads and
+/// stores are bounds-checked.
+///
+/// The key arithmetic and the digest run eight lanes per vector; the words
+/// are moved with scalar loads and stores (an AVX-512 gather could read past
+/// the block's end, and a scatter is slower than the stores).
+///
+/// # Safety
+/// The CPU must have the features [`available`] checks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512cd,avx512vbmi2,popcnt")]
+pub unsafe fn apply_steps_w2(
+    sign_magnitude: bool,
+    seed: u64,
+    block_first: u64,
+    blk: &mut [u8],
+    (index, step, count): (&[u64; 16], &[u64; 16], usize),
+) -> u64 {
+    let count = count.min(16);
+    let mut olds = [0u64; 16];
+    for j in 0..count {
+        let i = index[j] as usize;
+        olds[j] = u16::from_le_bytes([blk[2 * i], blk[2 * i + 1]]) as u64;
+    }
+    let set1 = |x: u64| _mm512_set1_epi64(x as i64);
+    let (w16, top) = (set1(0xffff), set1(0x8000));
+    let zero = _mm512_setzero_si512();
+    let mut news = [0u64; 16];
+    let mut digest = zero;
+    for h in 0..2 {
+        // Unused lanes: old 0 and step 0 give new 0, which adds nothing to
+        // the digest and is not stored.
+        let used = (((1u32 << count) - 1) >> (8 * h)) as u8;
+        // SAFETY: each load reads 8 u64 of a 16-element array at 8·h.
+        let (i, old, s) = unsafe {
+            (
+                _mm512_loadu_si512(index[8 * h..8 * h + 8].as_ptr().cast()),
+                _mm512_loadu_si512(olds[8 * h..8 * h + 8].as_ptr().cast()),
+                _mm512_maskz_mov_epi64(
+                    used,
+                    _mm512_loadu_si512(step[8 * h..8 * h + 8].as_ptr().cast()),
+                ),
+            )
+        };
+        let new = if sign_magnitude {
+            // key: negatives flip every bit, the rest only the sign bit.
+            let neg = _mm512_srli_epi64::<15>(old);
+            let flip = _mm512_or_si512(_mm512_and_si512(_mm512_sub_epi64(zero, neg), w16), top);
+            let key = _mm512_and_si512(_mm512_add_epi64(_mm512_xor_si512(old, flip), s), w16);
+            // unkey: keys below 2^15 were negatives (flip every bit), the
+            // rest positives (flip the sign bit).
+            let low = _mm512_xor_si512(_mm512_srli_epi64::<15>(key), set1(1));
+            let flip = _mm512_or_si512(_mm512_and_si512(_mm512_sub_epi64(zero, low), w16), top);
+            _mm512_xor_si512(key, flip)
+        } else {
+            _mm512_and_si512(_mm512_add_epi64(old, s), w16)
+        };
+        let new = _mm512_maskz_mov_epi64(used, new);
+        digest = _mm512_add_epi64(
+            digest,
+            crate::digest::change_x8(seed, _mm512_add_epi64(i, set1(block_first)), old, new),
+        );
+        // SAFETY: writes 8 u64 of a 16-element array at 8·h.
+        unsafe { _mm512_storeu_si512(news[8 * h..8 * h + 8].as_mut_ptr().cast(), new) };
+    }
+    for j in 0..count {
+        let i = index[j] as usize;
+        blk[2 * i..2 * i + 2].copy_from_slice(&(news[j] as u16).to_le_bytes());
+    }
+    _mm512_reduce_add_epi64(digest) as u64
+}
