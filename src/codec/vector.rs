@@ -34,12 +34,14 @@ use super::bits::FastWriter;
 
 /// Whether the CPU runs the kernel: AVX-512 F, BW (16-bit compares and masked
 /// loads), DQ (the digest's 64-bit multiply), CD (leading-zero counts) and
-/// VBMI2 (16-bit compress); cached by the standard library's detection macro.
+/// VBMI2 (16-bit compress), and the scalar bit instructions of
+/// [`super::cpu::wide`]; cached by the standard library's detection macro.
 #[inline]
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        crate::digest::wide512()
+        super::cpu::wide()
+            && crate::digest::wide512()
             && std::arch::is_x86_feature_detected!("avx512bw")
             && std::arch::is_x86_feature_detected!("avx512cd")
             && std::arch::is_x86_feature_detected!("avx512vbmi2")
@@ -88,7 +90,9 @@ struct Records {
 /// # Safety
 /// The CPU must have the features [`available`] checks.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512cd,avx512vbmi2,popcnt")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512dq,avx512cd,avx512vbmi2,avx2,bmi1,bmi2,lzcnt,popcnt"
+)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn encode_direct_w2(
     sign_magnitude: bool,
@@ -142,7 +146,7 @@ pub unsafe fn encode_direct_w2(
 /// the first at block index `first`) after the `len` records already held;
 /// returns the new count.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vbmi2,popcnt")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi2,avx2,bmi1,bmi2,lzcnt,popcnt")]
 fn scan_region(pa: &[u8], pb: &[u8], first: u32, rec: &mut Records, mut len: usize) -> usize {
     assert!(pa.len() == pb.len() && pa.len() <= 2 * REGION && len < 8);
     const IOTA: [u16; 32] = {
@@ -242,6 +246,7 @@ fn scan_region(pa: &[u8], pb: &[u8], first: u32, rec: &mut Records, mut len: usi
 
 /// Running totals of [`encode_direct_w2`].
 #[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
 struct State {
     next: u64,
     digest: __m512i,
@@ -282,7 +287,7 @@ impl Kernel {
     /// Encodes the first `len` records in groups of eight, and moves those
     /// left over (fewer than eight) to the front; returns their count. With
     /// `last`, encodes those too (as one partial group) and returns 0.
-    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512cd")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512cd,avx2,bmi1,bmi2,lzcnt,popcnt")]
     fn drain(
         &self,
         rec: &mut Records,
@@ -300,12 +305,15 @@ impl Kernel {
             rec.new[len..end.next_multiple_of(8)].fill(0);
         }
         w.reserve(8 * end);
+        // The running totals in locals (registers), not behind `st`.
+        let mut local = State { ..*st };
         let mut g = 0;
         while g < end {
             let count = (end - g).min(8);
-            self.group(rec, (g, count), 8 * (end - g), w, st, slow);
+            self.group(rec, (g, count), 8 * (end - g), w, &mut local, slow);
             g += count;
         }
+        *st = local;
         // Carry the rest to the front.
         rec.index.copy_within(end..len, 0);
         rec.old.copy_within(end..len, 0);
@@ -316,7 +324,7 @@ impl Kernel {
     /// Encodes the `count` (1–8) records at `g`; lanes past `count` must have
     /// equal old and new words. `room` is what the writer must keep reserved
     /// for this group and the rest after a slow entry.
-    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512cd")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512cd,avx2,bmi1,bmi2,lzcnt,popcnt")]
     #[inline]
     fn group(
         &self,
@@ -470,7 +478,9 @@ fn spill(a: __m512i, b: __m512i) -> ([u64; 8], [u64; 8]) {
 /// # Safety
 /// The CPU must have the features [`available`] checks.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512cd,avx512vbmi2,popcnt")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512dq,avx512cd,avx512vbmi2,avx2,bmi1,bmi2,lzcnt,popcnt"
+)]
 pub unsafe fn apply_steps_w2(
     sign_magnitude: bool,
     seed: u64,
