@@ -42,57 +42,32 @@ fn main() {
         })
         .collect();
     let n = index.len();
-    let rmw = |data: &mut [u8], i: u32| {
-        let i = 2 * i as usize;
-        let w = u16::from_le_bytes([data[i], data[i + 1]]).wrapping_add(1);
-        data[i..i + 2].copy_from_slice(&w.to_le_bytes());
-    };
-    type Variant<'a> = (&'a str, Box<dyn Fn(&mut [u8]) + 'a>);
-    let idx = &index;
-    let variants: Vec<Variant> = vec![
-        (
-            "no prefetch",
-            Box::new(move |d: &mut [u8]| idx.iter().for_each(|&i| rmw(d, i))),
-        ),
-        (
-            "L1 prefetch, 32 ahead",
-            Box::new(move |d: &mut [u8]| {
-                for e in 0..n {
-                    if let Some(&a) = idx.get(e + 32) {
-                        prefetch(d, 2 * a as usize);
-                    }
-                    rmw(d, idx[e]);
-                }
-            }),
-        ),
-        (
-            "L2 prefetch, 32 ahead",
-            Box::new(move |d: &mut [u8]| {
-                for e in 0..n {
-                    if let Some(&a) = idx.get(e + 32) {
-                        prefetch_l2(d, 2 * a as usize);
-                    }
-                    rmw(d, idx[e]);
-                }
-            }),
-        ),
-        (
-            "L2 prefetch, 256 ahead",
-            Box::new(move |d: &mut [u8]| {
-                for e in 0..n {
-                    if let Some(&a) = idx.get(e + 256) {
-                        prefetch_l2(d, 2 * a as usize);
-                    }
-                    rmw(d, idx[e]);
-                }
-            }),
-        ),
+    // Each variant: its name, and the prefetch issued `ahead` words before
+    // each read-modify-write (none for the first).
+    type Prefetch = fn(&[u8], usize);
+    let variants: [(&str, Option<(Prefetch, usize)>); 4] = [
+        ("no prefetch", None),
+        ("L1 prefetch, 32 ahead", Some((prefetch, 32))),
+        ("L2 prefetch, 32 ahead", Some((prefetch_l2, 32))),
+        ("L2 prefetch, 256 ahead", Some((prefetch_l2, 256))),
     ];
+    let run = |data: &mut [u8], pf: Option<(Prefetch, usize)>| {
+        for (e, &i) in index.iter().enumerate() {
+            if let Some((pf, ahead)) = pf
+                && let Some(&a) = index.get(e + ahead)
+            {
+                pf(data, 2 * a as usize);
+            }
+            let i = 2 * i as usize;
+            let w = u16::from_le_bytes([data[i], data[i + 1]]).wrapping_add(1);
+            data[i..i + 2].copy_from_slice(&w.to_le_bytes());
+        }
+    };
     println!(
         "{n} of {words} words ({:.2}%), one thread, medians of 7",
         100.0 * n as f64 / words as f64
     );
-    for (name, f) in &variants {
+    for (name, pf) in variants {
         let (mut ratios, mut times) = (Vec::new(), Vec::new());
         for _ in 0..7 {
             let t = Instant::now();
@@ -100,7 +75,7 @@ fn main() {
             std::hint::black_box(c);
             let tc = t.elapsed().as_secs_f64();
             let t = Instant::now();
-            f(&mut data);
+            run(&mut data, pf);
             let tf = t.elapsed().as_secs_f64();
             ratios.push(tc / tf);
             times.push(tf);

@@ -38,27 +38,15 @@ pub fn wide() -> bool {
     }
 }
 
-/// Hints the CPU to bring the cache line holding `data[at]` into L1 soon.
+/// Hints the CPU to bring the cache line holding `data[at]` into L1 soon
+/// (PREFETCHT0).
 ///
 /// A hint only: it never faults, never changes memory, and does nothing when
-/// `at` is out of range or on targets without a prefetch instruction. The
-/// codec's loops issue it for words they will touch a few dozen entries later,
-/// so the memory latency overlaps the decoding (or scanning) in between.
+/// `at` is out of range or on targets without a prefetch instruction.
 #[inline(always)]
 pub fn prefetch(data: &[u8], at: usize) {
     #[cfg(target_arch = "x86_64")]
-    if let Some(b) = data.get(at) {
-        // SAFETY: `_mm_prefetch` needs SSE, which every x86-64 CPU has (it is
-        // in the target's baseline feature set), and the pointer comes from a
-        // live reference. PREFETCHT0 is a hint: it reads nothing architecturally
-        // and cannot fault. Exercised by every codec test that applies a
-        // step-coded block (e.g. `prefetch_is_only_a_hint` below).
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                (b as *const u8).cast(),
-            )
-        };
-    }
+    hint::<{ std::arch::x86_64::_MM_HINT_T0 }>(data, at);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (data, at);
 }
@@ -74,17 +62,22 @@ pub fn prefetch(data: &[u8], at: usize) {
 #[inline(always)]
 pub fn prefetch_l2(data: &[u8], at: usize) {
     #[cfg(target_arch = "x86_64")]
-    if let Some(b) = data.get(at) {
-        // SAFETY: as for `prefetch`: SSE is baseline on x86-64, the pointer
-        // comes from a live reference, and the instruction is only a hint.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
-                (b as *const u8).cast(),
-            )
-        };
-    }
+    hint::<{ std::arch::x86_64::_MM_HINT_T1 }>(data, at);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (data, at);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn hint<const H: i32>(data: &[u8], at: usize) {
+    if let Some(b) = data.get(at) {
+        // SAFETY: `_mm_prefetch` needs SSE, which every x86-64 CPU has (it is
+        // in the target's baseline feature set), and the pointer comes from a
+        // live reference. A prefetch is a hint: it reads nothing
+        // architecturally and cannot fault. Exercised by every codec test
+        // that applies a step-coded block (and `prefetch_is_only_a_hint`).
+        unsafe { std::arch::x86_64::_mm_prefetch::<H>((b as *const u8).cast()) };
+    }
 }
 
 #[cfg(test)]
