@@ -177,12 +177,13 @@ impl TensorSeed {
 }
 
 /// Whether the CPU has the AVX-512 subset [`TensorSeed::change_sum`] uses
-/// (F for the vectors, DQ for the 64-bit multiply); cached by the standard
-/// library's detection macro.
+/// (F for the vectors, DQ for the 64-bit multiply; cached by the standard
+/// library's detection macro), and `codec::cpu::simd_allowed`.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 pub fn wide512() -> bool {
-    std::arch::is_x86_feature_detected!("avx512f")
+    crate::codec::cpu::simd_allowed()
+        && std::arch::is_x86_feature_detected!("avx512f")
         && std::arch::is_x86_feature_detected!("avx512dq")
 }
 

@@ -20,13 +20,24 @@
 #[cfg(target_arch = "x86_64")]
 pub const FEATURES: &str = "avx2,bmi1,bmi2,lzcnt,popcnt";
 
+/// Whether the runtime-dispatched SIMD paths (AVX2, AVX-512) may run at all.
+/// `WEIGHTCAST_SIMD=off` in the environment turns every one of them off, so
+/// the portable code runs everywhere: the test script runs the round-trip
+/// suites that way, and an operator can rule the vector paths out when
+/// diagnosing. Read once per process.
+pub fn simd_allowed() -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ALLOWED.get_or_init(|| std::env::var_os("WEIGHTCAST_SIMD").is_none_or(|v| v != "off"))
+}
+
 /// Whether the CPU runs the wide variants (cached by the standard library's
-/// detection macro).
+/// detection macro), and [`simd_allowed`].
 #[inline]
 pub fn wide() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx2")
+        simd_allowed()
+            && std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("bmi1")
             && std::arch::is_x86_feature_detected!("bmi2")
             && std::arch::is_x86_feature_detected!("lzcnt")
