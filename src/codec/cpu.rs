@@ -9,12 +9,14 @@
 //! ratios stay apples to apples.
 //!
 //! AVX-512 paths are detected where they are used: `digest::wide512` (the
-//! digest sums) and `codec::vector::available` (the encoder kernel, which adds
-//! AVX-512 CD to it).
+//! digest sums) and `codec::vector::available` (the fused encoder and the
+//! apply's group writes, which add AVX-512 BW, CD and VBMI2 to it). All of
+//! them also need [`simd_allowed`] (`WEIGHTCAST_SIMD=off` turns them off).
 //!
 //! Calling a `#[target_feature]` function is `unsafe` only because executing
 //! instructions the CPU lacks is undefined behaviour; every call site checks
-//! [`wide`] first, which is the whole proof obligation.
+//! [`wide`] (or the AVX-512 detection) first, which is the whole proof
+//! obligation.
 
 /// The feature list the wide variants are compiled with.
 #[cfg(target_arch = "x86_64")]
