@@ -306,7 +306,7 @@ impl Kernel {
         }
         w.reserve(8 * end);
         // The running totals in locals (registers), not behind `st`.
-        let mut local = State { ..*st };
+        let mut local = *st;
         let mut g = 0;
         while g < end {
             let count = (end - g).min(8);
@@ -336,7 +336,7 @@ impl Kernel {
         slow: &mut impl FnMut(&mut FastWriter, u64, u64),
     ) {
         let set1 = |x: u64| _mm512_set1_epi64(x as i64);
-        let (ones, w16, top) = (set1(1), set1(0xffff), set1(0x8000));
+        let (ones, w16) = (set1(1), set1(0xffff));
         let zero = _mm512_setzero_si512();
         // SAFETY: 8 u32 and 8 u16 at `g` are in bounds (the slices check it);
         // unaligned loads.
@@ -355,9 +355,7 @@ impl Kernel {
         // bit of the rest.
         let key = |x: __m512i| {
             if self.sign_magnitude {
-                let neg = _mm512_srli_epi64::<15>(x);
-                let flip = _mm512_or_si512(_mm512_and_si512(_mm512_sub_epi64(zero, neg), w16), top);
-                _mm512_xor_si512(x, flip)
+                _mm512_xor_si512(x, sign_flip(_mm512_srli_epi64::<15>(x)))
             } else {
                 x
             }
@@ -451,6 +449,20 @@ impl Kernel {
     }
 }
 
+/// What the 16-bit sign-magnitude key (`dtype::to_key`) XORs a word with,
+/// per lane: every bit (0xffff) where `negative` is 1, only the sign bit
+/// (0x8000) where it is 0.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn sign_flip(negative: __m512i) -> __m512i {
+    let all = _mm512_and_si512(
+        _mm512_sub_epi64(_mm512_setzero_si512(), negative),
+        _mm512_set1_epi64(0xffff),
+    );
+    _mm512_or_si512(all, _mm512_set1_epi64(0x8000))
+}
+
 /// Two vectors' lanes as arrays.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
@@ -495,7 +507,7 @@ pub unsafe fn apply_steps_w2(
         olds[j] = u16::from_le_bytes([blk[2 * i], blk[2 * i + 1]]) as u64;
     }
     let set1 = |x: u64| _mm512_set1_epi64(x as i64);
-    let (w16, top) = (set1(0xffff), set1(0x8000));
+    let w16 = set1(0xffff);
     let zero = _mm512_setzero_si512();
     let mut news = [0u64; 16];
     let mut digest = zero;
@@ -515,15 +527,11 @@ pub unsafe fn apply_steps_w2(
             )
         };
         let new = if sign_magnitude {
-            // key: negatives flip every bit, the rest only the sign bit.
-            let neg = _mm512_srli_epi64::<15>(old);
-            let flip = _mm512_or_si512(_mm512_and_si512(_mm512_sub_epi64(zero, neg), w16), top);
+            let flip = sign_flip(_mm512_srli_epi64::<15>(old));
             let key = _mm512_and_si512(_mm512_add_epi64(_mm512_xor_si512(old, flip), s), w16);
-            // unkey: keys below 2^15 were negatives (flip every bit), the
-            // rest positives (flip the sign bit).
+            // unkey: keys below 2^15 were negatives, the rest positives.
             let low = _mm512_xor_si512(_mm512_srli_epi64::<15>(key), set1(1));
-            let flip = _mm512_or_si512(_mm512_and_si512(_mm512_sub_epi64(zero, low), w16), top);
-            _mm512_xor_si512(key, flip)
+            _mm512_xor_si512(key, sign_flip(low))
         } else {
             _mm512_and_si512(_mm512_add_epi64(old, s), w16)
         };
