@@ -1,6 +1,7 @@
 //! The long-running commands stop cleanly on SIGTERM and SIGINT (what compose,
 //! Kubernetes and Ctrl-C send), with exit status 0.
 
+use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -13,37 +14,69 @@ fn signal(pid: u32, sig: &str) {
     assert!(ok, "kill -{sig} {pid}");
 }
 
-/// Starts `args`, waits until it serves `/healthz` on the port it printed in
-/// its log, sends `sig`, and expects a clean exit within 10 s.
+/// The first `127.0.0.1:PORT` in a log line (field names may be coloured).
+fn bound_addr(line: &str) -> Option<std::net::SocketAddr> {
+    let at = line.find("127.0.0.1:")?;
+    let rest = &line[at + "127.0.0.1:".len()..];
+    let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+    format!("127.0.0.1:{}", &rest[..digits]).parse().ok()
+}
+
+/// Starts `args` listening on port 0, learns the port it bound from its log
+/// (a port picked by the test and released before the daemon binds it could
+/// be taken meanwhile by another test's daemon, whose answer would then be
+/// mistaken for this one's), checks it serves `/healthz`, sends `sig`, and
+/// expects a clean exit within 10 s.
 fn stops_on(args: &[&str], sig: &str) {
     let dir = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let listen = format!("127.0.0.1:{port}");
     let store = url::Url::from_directory_path(dir.path().join("bucket")).unwrap();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_weightcast"));
     for a in args {
         cmd.arg(
             a.replace("{store}", store.as_str())
-                .replace("{listen}", &listen)
+                .replace("{listen}", "127.0.0.1:0")
                 .replace("{dir}", dir.path().to_str().unwrap()),
         );
     }
     let mut child = cmd
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(&listen).is_err() {
-        assert!(Instant::now() < deadline, "{args:?} never listened");
-        assert!(child.try_wait().unwrap().is_none(), "{args:?} exited early");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    // Read the log on a thread (and keep draining it, so the daemon never
+    // blocks on a full pipe); the first bound address comes back here.
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut tx = Some(tx);
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            if let Some(addr) = bound_addr(&line)
+                && let Some(tx) = tx.take()
+            {
+                let _ = tx.send(addr);
+            }
+        }
+    });
+    let addr = match rx.recv_timeout(Duration::from_secs(30)) {
+        Ok(addr) => addr,
+        Err(e) => {
+            let _ = child.kill();
+            panic!("{args:?} never logged a bound address: {e}");
+        }
+    };
+    let mut conn = std::net::TcpStream::connect(addr).expect("connecting to the daemon");
+    write!(conn, "GET /healthz HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut reply = String::new();
+    conn.read_to_string(&mut reply).unwrap();
+    assert_eq!(
+        reply.split_whitespace().nth(1),
+        Some("200"),
+        "{args:?} /healthz: {reply}"
+    );
     signal(child.id(), sig);
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {

@@ -520,6 +520,13 @@ fn main() -> Result<()> {
                 .transpose()?;
             let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             rt.block_on(async {
+                // The daemon takes over SIGTERM/SIGINT first thing (see
+                // `shutdown`); a one-shot run keeps the default action.
+                let stops = if once {
+                    None
+                } else {
+                    Some((shutdown()?, shutdown()?))
+                };
                 let store = weightcast::store::Store::open(&store)?;
                 std::fs::create_dir_all(&out)
                     .with_context(|| format!("creating {}", out.display()))?;
@@ -549,9 +556,8 @@ fn main() -> Result<()> {
                 }
                 let shared = weightcast::server::Shared::new(store.url(), key);
                 let mut notify_url = advertise;
-                let stop = shutdown()?;
+                let (stop, stop_server) = stops.expect("installed for the daemon");
                 if let Some(addr) = listen {
-                    let stop_server = shutdown()?;
                     let listener = tokio::net::TcpListener::bind(addr)
                         .await
                         .with_context(|| format!("binding {addr}"))?;
@@ -591,10 +597,12 @@ fn main() -> Result<()> {
         } => {
             let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             rt.block_on(async {
+                // First, so a signal during start-up is honoured once it is up
+                // instead of killing the process half-way through opening.
+                let stop = shutdown()?;
                 let publisher = opts.open(false).await?;
                 let shared =
                     weightcast::server::PublisherShared::new(publisher, &token, &checkpoint_root)?;
-                let stop = shutdown()?;
                 let listener = tokio::net::TcpListener::bind(listen)
                     .await
                     .with_context(|| format!("binding {listen}"))?;

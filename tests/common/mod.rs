@@ -58,10 +58,16 @@ fn start(program: &str, args: &[String], what: &str, hint: &str) -> Child {
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("binding an ephemeral loopback port")
-        .port()
+    free_ports::<1>()[0]
+}
+
+/// `N` distinct free loopback ports: all are held while the next is picked, so
+/// the kernel cannot hand the same one out twice.
+fn free_ports<const N: usize>() -> [u16; N] {
+    let held: Vec<TcpListener> = (0..N)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("binding an ephemeral loopback port"))
+        .collect();
+    std::array::from_fn(|i| held[i].local_addr().expect("a bound port").port())
 }
 
 fn wait_for(port: u16, what: &str) {
@@ -219,7 +225,7 @@ pub fn garage() -> &'static Garage {
     G.get_or_init(|| {
         let program = std::env::var("GARAGE").unwrap_or_else(|_| "garage".into());
         let dir = tempfile::tempdir().expect("garage directory");
-        let (s3, rpc, admin) = (free_port(), free_port(), free_port());
+        let [s3, rpc, admin] = free_ports();
         let config = dir.path().join("garage.toml");
         let secret: String = blake3::hash(format!("{:?}", Instant::now()).as_bytes())
             .to_hex()
