@@ -115,6 +115,24 @@ pub struct BenchReport {
     pub stats: Vec<ChangeStats>,
     /// Measurements.
     pub rows: Vec<BenchRow>,
+    /// The full digest pass over the model (what loading or verifying an
+    /// anchor costs), measured in step 1.
+    pub digest_pass: Option<DigestPass>,
+}
+
+/// Timing of a full digest pass over every tensor of the model.
+#[derive(Clone, Debug, Serialize)]
+pub struct DigestPass {
+    /// Median seconds.
+    pub seconds: f64,
+    /// Median of the per-repetition compare / pass ratios (each against the
+    /// mean of the compares just before and after it). The compare reads two
+    /// buffers and the pass one, so 2× would mean both run at memory speed.
+    pub vs_compare: f64,
+    /// The per-repetition ratios, in run order.
+    pub ratios: Vec<f64>,
+    /// Whether the AVX-512 pass ran (`false`: the portable table loop).
+    pub vector: bool,
 }
 
 /// The baseline: count differing words of every tensor, with the same
@@ -165,6 +183,7 @@ pub fn run(
         lr: cfg.lr,
         stats: Vec::new(),
         rows: Vec::new(),
+        digest_pass: None,
     };
     progress(&format!(
         "model: {elements} bf16 elements ({:.2} GB), {} threads",
@@ -256,6 +275,17 @@ pub fn run(
                 compare_before = compare_after;
             }
         }
+        if step == 1 {
+            let pass = digest_pass(&base, &new, reps);
+            progress(&format!(
+                "full digest pass: {:.3}s, {:.2}x compare ({}), {}",
+                pass.seconds,
+                pass.vs_compare,
+                range(&pass.ratios),
+                if pass.vector { "AVX-512" } else { "portable" }
+            ));
+            report.digest_pass = Some(pass);
+        }
         let compare_s = median(compare_times);
         for (acc, &encoding) in accs.into_iter().zip(&cfg.encodings) {
             let summary = acc.summary.expect("at least one repetition");
@@ -280,12 +310,6 @@ pub fn run(
                 encode_extra_peak,
                 apply_extra_peak,
             };
-            let range = |v: &[f64]| {
-                let (lo, hi) = v
-                    .iter()
-                    .fold((f64::INFINITY, 0f64), |(l, h), &x| (l.min(x), h.max(x)));
-                format!("{lo:.2}–{hi:.2}")
-            };
             progress(&format!(
                 "step {step} {encoding:>7}: density {:.3}%  {:.3} B/changed  {:.0}x smaller  encode {:.2}x compare ({})  apply {:.2}x compare ({})  (compare {:.3}s, encode {:.3}s, apply {:.3}s)  extra peak encode {} MB, apply {} MB",
                 row.density * 100.0,
@@ -306,4 +330,39 @@ pub fn run(
         base = new;
     }
     Ok(report)
+}
+
+/// `lo–hi` of a list of ratios.
+fn range(v: &[f64]) -> String {
+    let (lo, hi) = v
+        .iter()
+        .fold((f64::INFINITY, 0f64), |(l, h), &x| (l.min(x), h.max(x)));
+    format!("{lo:.2}–{hi:.2}")
+}
+
+/// Times a full digest pass over `new`, each repetition between two compares
+/// of `base` and `new`.
+fn digest_pass(base: &TensorSet, new: &TensorSet, reps: u32) -> DigestPass {
+    let mut before = time(|| plain_compare(base, new));
+    let mut seconds = Vec::new();
+    let mut ratios = Vec::new();
+    for _ in 0..reps {
+        let s = time(|| new.full_digests());
+        let after = time(|| plain_compare(base, new));
+        seconds.push(s);
+        ratios.push((before + after) / 2.0 / s);
+        before = after;
+    }
+    DigestPass {
+        seconds: median(seconds),
+        vs_compare: median(ratios.clone()),
+        ratios,
+        vector: crate::digest::full_pass_vector(),
+    }
+}
+
+fn time<T>(f: impl FnOnce() -> T) -> f64 {
+    let t = Instant::now();
+    std::hint::black_box(f());
+    t.elapsed().as_secs_f64()
 }

@@ -214,14 +214,18 @@ impl TensorSet {
         }
     }
 
+    /// Every tensor's digest of its current bytes (a full pass, parallel),
+    /// in tensor order.
+    pub fn full_digests(&self) -> Vec<Digest> {
+        self.tensors
+            .par_iter()
+            .map(|t| tensor_digest(t.seed, t.dtype, &self.buf[t.range.clone()]))
+            .collect()
+    }
+
     /// Recomputes every tensor's digest (a full pass, parallel).
     pub fn compute_digests(&mut self) {
-        let buf = &self.buf;
-        let digests: Vec<Digest> = self
-            .tensors
-            .par_iter()
-            .map(|t| tensor_digest(t.seed, t.dtype, &buf[t.range.clone()]))
-            .collect();
+        let digests = self.full_digests();
         for (t, d) in self.tensors.iter_mut().zip(digests) {
             t.digest = d;
         }
