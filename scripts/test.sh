@@ -47,7 +47,7 @@ cargo test --doc
 
 step "the codec's portable paths end to end (WEIGHTCAST_SIMD=off: no AVX2/AVX-512)"
 WEIGHTCAST_SIMD=off cargo test --lib codec
-WEIGHTCAST_SIMD=off cargo test --test roundtrip --test malformed
+WEIGHTCAST_SIMD=off cargo test --test it -- roundtrip:: malformed::
 
 step "container tests (MinIO through testcontainers; skipped, visibly, without a Docker daemon)"
 cargo test --test minio_container -- --nocapture 2>&1 | grep -E 'SKIPPED|test result|running|minio' || true

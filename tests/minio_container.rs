@@ -10,6 +10,7 @@
 //! socket must answer `OK`), not the CLI. Once a daemon answers, everything
 //! else (pulling the image, starting it, the round trip) must succeed.
 
+#[path = "it/common.rs"]
 mod common;
 
 use std::collections::BTreeMap;

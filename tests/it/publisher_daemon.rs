@@ -1,7 +1,7 @@
 //! The publisher daemon over loopback HTTP: authenticated requests publish,
 //! others are refused without touching the bucket.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 

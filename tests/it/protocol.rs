@@ -1,7 +1,7 @@
 //! The commit protocol on real stores: in-memory, local filesystem, and S3 on
 //! moto (a real server on loopback).
 
-mod common;
+use crate::common;
 
 use bytes::Bytes;
 use weightcast::protocol::{

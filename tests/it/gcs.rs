@@ -11,7 +11,7 @@
 //! is refused. A canary test fails the day object_store's writes start working
 //! against the emulator, so the publisher suites can be pointed at it.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 

@@ -1,7 +1,7 @@
 //! The store layer against every backend the suite can run: in-memory, local
 //! filesystem and S3 (moto, a real server on loopback).
 
-mod common;
+use crate::common;
 
 use bytes::Bytes;
 use weightcast::store::{ConditionalWrites, Created, Fetched, Store};

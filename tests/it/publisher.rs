@@ -1,7 +1,7 @@
 //! The publisher end to end on real stores: versions committed from checkpoints
 //! on disk replay bit-identically from the bucket alone.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::Path;

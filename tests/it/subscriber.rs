@@ -2,7 +2,7 @@
 //! lags converge bit-identically; corrupt or missing objects are repaired from
 //! an anchor or refused, never materialized.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

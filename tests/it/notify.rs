@@ -2,7 +2,7 @@
 //! a subscriber catch up at once; unauthenticated or malformed requests change
 //! nothing.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -1,7 +1,7 @@
 //! Retention on a real store: old versions and orphaned objects go, the kept
 //! range still replays, and subscribers behind it re-bootstrap.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 

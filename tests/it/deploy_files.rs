@@ -17,7 +17,7 @@
 //! (`*_catches_*` tests), so that a checker that accepts everything fails.
 
 #[allow(dead_code)]
-#[path = "../examples/trainer_loop/cli.rs"]
+#[path = "../../examples/trainer_loop/cli.rs"]
 mod trainer_cli;
 
 use std::collections::{BTreeMap, BTreeSet};

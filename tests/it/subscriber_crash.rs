@@ -9,7 +9,7 @@
 //!
 //! A last uninterrupted run must converge to the newest version bit-identically.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

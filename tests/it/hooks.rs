@@ -3,7 +3,7 @@
 //! command. The engines are stand-in HTTP servers on loopback that record what
 //! they were asked (no GPU engine runs here).
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};

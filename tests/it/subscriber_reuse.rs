@@ -3,7 +3,7 @@
 //! cloned and patched (header + that tensor), and the result is still the
 //! publisher's checkpoint, bit for bit.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;

@@ -1,0 +1,23 @@
+//! The integration tests: one binary (as delta-rs lays out its `tests/it`), so
+//! the crate is linked once and each real server (moto, Garage,
+//! fake-gcs-server) starts once for the whole run. Each module is one area;
+//! `cargo test --test it <module>::` runs one of them.
+
+mod common;
+
+mod cli_signals;
+mod deploy_files;
+mod docs_flags;
+mod gc;
+mod gcs;
+mod hooks;
+mod malformed;
+mod notify;
+mod protocol;
+mod publisher;
+mod publisher_daemon;
+mod roundtrip;
+mod store;
+mod subscriber;
+mod subscriber_crash;
+mod subscriber_reuse;
