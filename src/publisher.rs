@@ -25,9 +25,8 @@ use crate::codec::{DeltaOptions, encode_delta, read_anchor};
 use crate::error::{Error, Result};
 use crate::format::Encoding;
 use crate::protocol::{
-    Commit, Latest, MANIFEST_FORMAT, Manifest, ObjectEntry, ObjectRole, VersionKind, commit,
-    is_safe_file_name, upload_bridge, upload_file, upload_object, versions_after, write_latest,
-    writer_token,
+    Commit, Latest, Manifest, ObjectRole, Staging, VersionKind, commit, is_safe_file_name,
+    versions_after, write_latest,
 };
 use crate::store::{ConditionalWrites, Store};
 use crate::tensors::{Digests, TensorSet};
@@ -339,36 +338,20 @@ impl Publisher {
             return self.publish_anchor(cp, next, reason, deltas).await;
         }
 
-        let writer = writer_token();
-        let mut objects: Vec<ObjectEntry> = Vec::new();
+        let mut staging = Staging::new(next);
         let mut bytes = 0u64;
         for (name, d) in deltas {
             bytes += d.len() as u64;
-            objects.push(
-                upload_object(
-                    &self.store,
-                    next,
-                    &writer,
-                    &name,
-                    ObjectRole::Delta,
-                    Bytes::from(d),
-                )
-                .await?,
-            );
+            staging
+                .upload(&self.store, &name, ObjectRole::Delta, Bytes::from(d))
+                .await?;
         }
         let st = self.state.clone().expect("delta implies a state");
         bytes += self
-            .upload_changed_files(&cp, next, &writer, &st.files, &mut objects)
+            .upload_changed_files(&cp, &mut staging, &st.files)
             .await?;
-        let manifest = Manifest {
-            format: MANIFEST_FORMAT.into(),
-            version: next,
-            kind: VersionKind::Delta,
-            base_version: Some(next - 1),
-            anchor_version: st.anchor_version,
-            writer,
-            objects,
-        };
+        let manifest =
+            staging.manifest(VersionKind::Delta, Some(next - 1), st.anchor_version, None);
         bytes += self.commit(&manifest).await?;
         let new_state = State {
             version: next,
@@ -432,8 +415,7 @@ impl Publisher {
         reason: String,
         bridges: Vec<(String, Vec<u8>)>,
     ) -> Result<Published> {
-        let writer = writer_token();
-        let mut objects = Vec::new();
+        let mut staging = Staging::new(next);
         let mut bytes = 0u64;
         let total: u64 = cp.tensors.values().map(|t| t.total_elements()).sum();
         for set in cp.tensors.values_mut() {
@@ -446,40 +428,30 @@ impl Publisher {
         // in-memory copy of the model. They become the snapshot after the commit.
         for (name, staged) in self.stage(&cp.tensors, next)? {
             bytes += staged.size;
-            objects.push(
-                upload_file(
+            staging
+                .upload_file(
                     &self.store,
-                    next,
-                    &writer,
                     &name,
                     ObjectRole::Anchor,
                     &staged.path,
-                    staged.size,
-                    staged.blake3,
+                    (staged.size, staged.blake3),
                 )
-                .await?,
-            );
+                .await?;
         }
         let anchor_bytes = bytes;
         let bridged = !bridges.is_empty();
         let mut bridge_bytes = 0u64;
         for (name, d) in bridges {
             bridge_bytes += d.len() as u64;
-            objects.push(upload_bridge(&self.store, next, &writer, &name, Bytes::from(d)).await?);
+            staging
+                .upload(&self.store, &name, ObjectRole::Delta, Bytes::from(d))
+                .await?;
         }
         bytes += bridge_bytes;
         bytes += self
-            .upload_changed_files(&cp, next, &writer, &BTreeMap::new(), &mut objects)
+            .upload_changed_files(&cp, &mut staging, &BTreeMap::new())
             .await?;
-        let manifest = Manifest {
-            format: MANIFEST_FORMAT.into(),
-            version: next,
-            kind: VersionKind::Anchor,
-            base_version: bridged.then(|| next - 1),
-            anchor_version: next,
-            writer,
-            objects,
-        };
+        let manifest = staging.manifest(VersionKind::Anchor, bridged.then(|| next - 1), next, None);
         bytes += self.commit(&manifest).await?;
         let new_state = State {
             version: next,
@@ -546,7 +518,7 @@ impl Publisher {
                     .unwrap_or(u64::MAX),
             );
         let now = crate::notify::unix_now();
-        match crate::notify::registrations(&self.store).await {
+        match crate::protocol::registrations(&self.store).await {
             Ok(regs) => urls.extend(
                 regs.into_iter()
                     .filter(|r| now.saturating_sub(r.updated_at) <= max_age)
@@ -572,10 +544,8 @@ impl Publisher {
     async fn upload_changed_files(
         &self,
         cp: &Checkpoint,
-        version: u64,
-        writer: &str,
+        staging: &mut Staging,
         previous: &BTreeMap<String, String>,
-        objects: &mut Vec<ObjectEntry>,
     ) -> Result<u64> {
         let mut bytes = 0;
         for (name, body) in &cp.files {
@@ -584,17 +554,9 @@ impl Publisher {
                 continue;
             }
             bytes += body.len() as u64;
-            objects.push(
-                upload_object(
-                    &self.store,
-                    version,
-                    writer,
-                    name,
-                    ObjectRole::File,
-                    body.clone(),
-                )
-                .await?,
-            );
+            staging
+                .upload(&self.store, name, ObjectRole::File, body.clone())
+                .await?;
         }
         Ok(bytes)
     }
@@ -604,7 +566,7 @@ impl Publisher {
         match commit(&self.store, manifest).await? {
             Commit::Committed => {}
             Commit::VersionTaken => {
-                return Err(Error::Config(format!(
+                return Err(Error::Conflict(format!(
                     "version {} was committed by another publisher; this publisher's objects are \
                      not visible. Restart it to continue after the bucket's newest version.",
                     manifest.version

@@ -126,12 +126,52 @@ fn parse_hf(parsed: &url::Url, url: &str) -> Result<(String, String, String)> {
     ))
 }
 
-fn store_err(op: &str, key: &str, source: object_store::Error) -> Error {
-    Error::Store {
-        op: op.to_string(),
-        key: key.to_string(),
-        source: Box::new(source),
+/// What to tell an operator about a store failure, beyond the backend's own
+/// words: the setting that most likely fixes it.
+fn store_hint(url: &str, e: &object_store::Error) -> String {
+    use object_store::Error as E;
+    // The backend's message and every cause under it (reqwest keeps the
+    // telling part, e.g. "URL scheme is not allowed", in a source).
+    let mut text = e.to_string();
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
     }
+    let scheme = url.split("://").next().unwrap_or("");
+    let creds = match scheme {
+        "s3" | "s3a" => {
+            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_REGION, AWS_ENDPOINT for S3-compatible stores)"
+        }
+        "hf" => {
+            "HF_S3_ACCESS_KEY_ID / HF_S3_SECRET_ACCESS_KEY (generate S3 credentials from a Hugging Face token)"
+        }
+        "gs" => "GOOGLE_SERVICE_ACCOUNT (or GOOGLE_APPLICATION_CREDENTIALS)",
+        "az" | "azure" | "abfs" | "abfss" | "adl" => {
+            "AZURE_STORAGE_ACCOUNT_NAME / AZURE_STORAGE_ACCOUNT_KEY"
+        }
+        _ => "the store's credentials",
+    };
+    let hint = match e {
+        E::Unauthenticated { .. } | E::PermissionDenied { .. } => {
+            format!("check the credentials: {creds}")
+        }
+        _ if text.contains("scheme is not allowed") => {
+            "the endpoint is http://: set AWS_ALLOW_HTTP=true (or the store's allow_http option) \
+             to allow unencrypted connections"
+                .to_string()
+        }
+        _ if text.contains("169.254.169.254") || text.contains("instance metadata") => format!(
+            "no credentials were found, so the client asked the cloud metadata service: set {creds}"
+        ),
+        _ if text.contains("NoSuchBucket") || text.contains("bucket does not exist") => {
+            "the bucket does not exist: create it, or fix the bucket name in the store URL"
+                .to_string()
+        }
+        _ => return String::new(),
+    };
+    format!(" ({hint})")
 }
 
 /// Client settings for multi-GB objects, applied after the environment and
@@ -170,24 +210,37 @@ where
     Ok(builder)
 }
 
-/// Collects a listing, sorted by key.
-async fn collect_listing(
-    stream: futures::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>>,
-    prefix: &str,
-) -> Result<Vec<Listed>> {
-    let mut out: Vec<Listed> = stream
-        .map_ok(|m| Listed {
-            key: m.location.to_string(),
-            size: m.size,
-        })
-        .try_collect()
-        .await
-        .map_err(|e| store_err("list", prefix, e))?;
-    out.sort_by(|a, b| a.key.cmp(&b.key));
-    Ok(out)
-}
-
 impl Store {
+    /// The error for a failed store operation: names the operation, the key
+    /// and the store, with a hint at the likely fix.
+    pub(crate) fn err(&self, op: &str, key: &str, source: object_store::Error) -> Error {
+        Error::Store {
+            op: op.to_string(),
+            key: key.to_string(),
+            url: self.url.clone(),
+            hint: store_hint(&self.url, &source),
+            source: Box::new(source),
+        }
+    }
+
+    /// Collects a listing, sorted by key.
+    async fn collect_listing(
+        &self,
+        stream: futures::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>>,
+        prefix: &str,
+    ) -> Result<Vec<Listed>> {
+        let mut out: Vec<Listed> = stream
+            .map_ok(|m| Listed {
+                key: m.location.to_string(),
+                size: m.size,
+            })
+            .try_collect()
+            .await
+            .map_err(|e| self.err("list", prefix, e))?;
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(out)
+    }
+
     /// Opens a store by URL, taking credentials and endpoints from the
     /// conventional environment variables (see the module documentation).
     pub fn open(url: &str) -> Result<Store> {
@@ -354,7 +407,7 @@ impl Store {
             self.inner
                 .put(&path, PutPayload::from(bytes))
                 .await
-                .map_err(|e| store_err("put", key, e))?;
+                .map_err(|e| self.err("put", key, e))?;
             if let Some(p) = &self.progress {
                 p.advanced(len);
             }
@@ -364,13 +417,13 @@ impl Store {
             .inner
             .put_multipart(&path)
             .await
-            .map_err(|e| store_err("start multipart upload", key, e))?;
+            .map_err(|e| self.err("start multipart upload", key, e))?;
         let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_SIZE);
         for chunk in bytes.chunks(PART_SIZE) {
             writer
                 .wait_for_capacity(PART_CONCURRENCY)
                 .await
-                .map_err(|e| store_err("upload part", key, e))?;
+                .map_err(|e| self.err("upload part", key, e))?;
             writer.put(bytes.slice_ref(chunk));
             if let Some(p) = &self.progress {
                 p.advanced(chunk.len() as u64);
@@ -379,7 +432,7 @@ impl Store {
         writer
             .finish()
             .await
-            .map_err(|e| store_err("complete multipart upload", key, e))?;
+            .map_err(|e| self.err("complete multipart upload", key, e))?;
         Ok(())
     }
 
@@ -405,7 +458,7 @@ impl Store {
             .inner
             .put_multipart(&p)
             .await
-            .map_err(|e| store_err("start multipart upload", key, e))?;
+            .map_err(|e| self.err("start multipart upload", key, e))?;
         let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_SIZE);
         let mut sent = 0u64;
         loop {
@@ -421,7 +474,7 @@ impl Store {
             sent += n as u64;
             if let Err(e) = writer.wait_for_capacity(PART_CONCURRENCY).await {
                 writer.abort().await.ok();
-                return Err(store_err("upload part", key, e));
+                return Err(self.err("upload part", key, e));
             }
             writer.put(Bytes::from(part));
             if let Some(pr) = &self.progress {
@@ -440,7 +493,7 @@ impl Store {
         writer
             .finish()
             .await
-            .map_err(|e| store_err("complete multipart upload", key, e))?;
+            .map_err(|e| self.err("complete multipart upload", key, e))?;
         Ok(())
     }
 
@@ -457,7 +510,7 @@ impl Store {
             Ok(_) => Ok(Created::Created),
             Err(object_store::Error::AlreadyExists { .. }) => Ok(Created::AlreadyExists),
             Err(object_store::Error::Precondition { .. }) => Ok(Created::AlreadyExists),
-            Err(e) => Err(store_err("create", key, e)),
+            Err(e) => Err(self.err("create", key, e)),
         }
     }
 
@@ -501,7 +554,7 @@ impl Store {
                     });
                 }
                 let etag = r.meta.e_tag.clone();
-                let bytes = r.bytes().await.map_err(|e| store_err("read", key, e))?;
+                let bytes = r.bytes().await.map_err(|e| self.err("read", key, e))?;
                 if bytes.len() as u64 > max {
                     return Err(Error::TooLarge {
                         key: key.to_string(),
@@ -513,7 +566,7 @@ impl Store {
             }
             Err(object_store::Error::NotFound { .. }) => Ok(Fetched::Missing),
             Err(object_store::Error::NotModified { .. }) => Ok(Fetched::NotModified),
-            Err(e) => Err(store_err("read", key, e)),
+            Err(e) => Err(self.err("read", key, e)),
         }
     }
 
@@ -524,7 +577,8 @@ impl Store {
         } else {
             Some(Self::path(prefix)?)
         };
-        collect_listing(self.inner.list(p.as_ref()), prefix).await
+        self.collect_listing(self.inner.list(p.as_ref()), prefix)
+            .await
     }
 
     /// Lists the objects under `prefix` whose keys sort after `after` (S3's
@@ -532,8 +586,9 @@ impl Store {
     pub async fn list_after(&self, prefix: &str, after: &str) -> Result<Vec<Listed>> {
         let p = Self::path(prefix)?;
         let offset = Self::path(after)?;
-        let mut out =
-            collect_listing(self.inner.list_with_offset(Some(&p), &offset), prefix).await?;
+        let mut out = self
+            .collect_listing(self.inner.list_with_offset(Some(&p), &offset), prefix)
+            .await?;
         out.retain(|l| l.key.as_str() > after);
         Ok(out)
     }
@@ -543,7 +598,7 @@ impl Store {
         let path = Self::path(key)?;
         match self.inner.delete(&path).await {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
-            Err(e) => Err(store_err("delete", key, e)),
+            Err(e) => Err(self.err("delete", key, e)),
         }
     }
 

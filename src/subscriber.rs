@@ -833,13 +833,13 @@ pub async fn run_daemon(store: &Store, cfg: &DaemonConfig, shared: &crate::serve
                 let due = registered
                     .is_none_or(|(v, at)| v != c.version || at.elapsed() >= REGISTRATION_REFRESH);
                 if let (Some(id), true) = (&cfg.id, due) {
-                    let reg = crate::notify::Registration {
+                    let reg = crate::protocol::Registration {
                         id: id.clone(),
                         notify_url: cfg.notify_url.clone(),
                         version: Some(c.version),
                         updated_at: crate::notify::unix_now(),
                     };
-                    match crate::notify::register(store, &reg).await {
+                    match crate::protocol::register(store, &reg).await {
                         Ok(()) => registered = Some((c.version, std::time::Instant::now())),
                         Err(e) => tracing::warn!(error = %e, "registration failed"),
                     }

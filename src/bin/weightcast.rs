@@ -615,7 +615,7 @@ fn main() -> Result<()> {
             let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             let view = rt.block_on(async {
                 let store = weightcast::store::Store::open(&store)?;
-                weightcast::notify::fleet(&store).await
+                weightcast::protocol::fleet(&store).await
             })?;
             println!("{}", serde_json::to_string_pretty(&view)?);
         }

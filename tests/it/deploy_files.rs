@@ -1076,7 +1076,7 @@ fn check_compose(doc: &Value, image: &Image) -> Vec<String> {
         .filter(|s| s.program.as_deref() == Some("subscribe"))
     {
         if let Some(id) = flag_value(&s.argv, "--id")
-            && (!weightcast::notify::valid_id(&id) || !ids.insert(id.clone()))
+            && (!weightcast::protocol::registry::valid_id(&id) || !ids.insert(id.clone()))
         {
             p(format!("{}: --id {id} is invalid or used twice", s.name));
         }
@@ -1558,7 +1558,7 @@ fn check_k8s(docs: &[Value], image: &Image, file: &str) -> Vec<String> {
                 }
             }
             if let Some(id) = flag_value(&argv, "--id")
-                && !weightcast::notify::valid_id(&id)
+                && !weightcast::protocol::registry::valid_id(&id)
             {
                 problems.push(format!("{ctx}: --id {id} is not a valid registration id"));
             }

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use weightcast::generator::{Generator, GeneratorConfig};
-use weightcast::notify::{Key, SIGNATURE_HEADER, TIMESTAMP_HEADER, registrations, unix_now};
+use weightcast::notify::{Key, SIGNATURE_HEADER, TIMESTAMP_HEADER, unix_now};
+use weightcast::protocol::registrations;
 use weightcast::publisher::Publisher;
 use weightcast::server::Shared;
 use weightcast::store::Store;

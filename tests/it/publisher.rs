@@ -96,6 +96,53 @@ fn same_tensors(a: &TensorSet, b: &TensorSet) -> bool {
         })
 }
 
+/// The mission's bucket layout (issue 12): every anchor object under
+/// `anchors/`, every delta object (bridges included) under `deltas/`, the
+/// other files under `files/`, and nothing else but the protocol's own keys.
+/// Each anchor and delta object describes itself: at least three metadata
+/// keys, among them its kind and version, agreeing with its place.
+async fn check_layout(store: &Store) {
+    let listed = store.list("").await.unwrap();
+    let (mut anchors, mut deltas) = (0, 0);
+    for l in &listed {
+        let top = l.key.split('/').next().unwrap();
+        match top {
+            "anchors" | "deltas" => {
+                let k =
+                    weightcast::protocol::layout::parse_object_key(&l.key).unwrap_or_else(|| {
+                        panic!("{} is not <prefix>/<version>-<writer>/<file>", l.key)
+                    });
+                assert!(k.name.ends_with(".safetensors"), "{}", l.key);
+                let bytes = store.get(&l.key).await.unwrap().unwrap();
+                let (meta, header) = weightcast::codec::inspect(&bytes).unwrap();
+                assert!(meta.len() >= 3, "{}: {} metadata keys", l.key, meta.len());
+                let h = header.unwrap_or_else(|| panic!("{} has no weightcast header", l.key));
+                assert_eq!(h.model_version, k.version, "{}", l.key);
+                let want = if top == "anchors" {
+                    anchors += 1;
+                    weightcast::format::Kind::Anchor
+                } else {
+                    deltas += 1;
+                    weightcast::format::Kind::Delta
+                };
+                assert_eq!(h.kind, want, "{}", l.key);
+                assert_eq!(
+                    meta.get("weightcast.kind").map(String::as_str),
+                    Some(top.trim_end_matches('s'))
+                );
+            }
+            "files" => assert!(!l.key.ends_with(".safetensors"), "{}", l.key),
+            "versions" | "subscribers" | "_weightcast" => {}
+            "latest.json" => {}
+            other => panic!("unexpected key {} (top-level `{other}`)", l.key),
+        }
+    }
+    assert!(
+        anchors >= 2 && deltas >= 2,
+        "{anchors} anchors, {deltas} deltas"
+    );
+}
+
 async fn publisher_suite(store: Store) {
     let work = tempfile::tempdir().unwrap();
     let state = work.path().join("state");
@@ -159,6 +206,8 @@ async fn publisher_suite(store: Store) {
     assert_eq!((out.version, out.kind), (4, VersionKind::Anchor));
     assert!(out.anchor_reason.unwrap().contains("every 4"));
     truth.push((dir4, set4));
+
+    check_layout(&store).await;
 
     // Every version replays bit-identically, shards, index and config included.
     for (v, (dir, set)) in truth.iter().enumerate() {
