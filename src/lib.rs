@@ -79,13 +79,13 @@ pub mod generator;
 #[cfg(feature = "store")]
 pub mod hooks;
 #[cfg(feature = "store")]
+pub mod http;
+#[cfg(feature = "store")]
 pub mod notify;
 #[cfg(feature = "store")]
 pub mod protocol;
 #[cfg(feature = "store")]
 pub mod publisher;
-#[cfg(feature = "store")]
-pub mod server;
 #[cfg(feature = "store")]
 pub mod store;
 #[cfg(feature = "store")]

@@ -554,7 +554,7 @@ fn main() -> Result<()> {
                         None => bail!("the bucket has no committed version yet"),
                     };
                 }
-                let shared = weightcast::server::Shared::new(store.url(), key);
+                let shared = weightcast::subscriber::status::Shared::new(store.url(), key);
                 let mut notify_url = advertise;
                 let (stop, stop_server) = stops.expect("installed for the daemon");
                 if let Some(addr) = listen {
@@ -566,7 +566,9 @@ fn main() -> Result<()> {
                     tracing::info!(%bound, "serving /v1/notify, /v1/status, /healthz, /metrics");
                     let s = shared.clone();
                     tokio::spawn(async move {
-                        if let Err(e) = weightcast::server::run(listener, s, stop_server).await {
+                        if let Err(e) =
+                            weightcast::http::subscriber::serve(listener, s, stop_server).await
+                        {
                             tracing::error!(error = %e, "HTTP server stopped");
                         }
                     });
@@ -601,13 +603,16 @@ fn main() -> Result<()> {
                 // instead of killing the process half-way through opening.
                 let stop = shutdown()?;
                 let publisher = opts.open(false).await?;
-                let shared =
-                    weightcast::server::PublisherShared::new(publisher, &token, &checkpoint_root)?;
+                let shared = weightcast::http::publisher::PublisherShared::new(
+                    publisher,
+                    &token,
+                    &checkpoint_root,
+                )?;
                 let listener = tokio::net::TcpListener::bind(listen)
                     .await
                     .with_context(|| format!("binding {listen}"))?;
                 tracing::info!(addr = %listener.local_addr()?, "serving POST /v1/publish");
-                weightcast::server::run_publisher(listener, shared, stop).await?;
+                weightcast::http::publisher::serve(listener, shared, stop).await?;
                 anyhow::Ok(())
             })?;
         }

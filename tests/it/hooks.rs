@@ -17,7 +17,7 @@ use axum::routing::post;
 use weightcast::generator::{Generator, GeneratorConfig};
 use weightcast::hooks::Hook;
 use weightcast::publisher::Publisher;
-use weightcast::server::Shared;
+use weightcast::subscriber::status::Shared;
 use weightcast::subscriber::{DaemonConfig, run_daemon};
 
 type Log = Arc<Mutex<Vec<(String, String)>>>;

@@ -12,8 +12,8 @@ use weightcast::generator::{Generator, GeneratorConfig};
 use weightcast::notify::{Key, SIGNATURE_HEADER, TIMESTAMP_HEADER, unix_now};
 use weightcast::protocol::registrations;
 use weightcast::publisher::Publisher;
-use weightcast::server::Shared;
 use weightcast::store::Store;
+use weightcast::subscriber::status::Shared;
 use weightcast::subscriber::{DaemonConfig, run_daemon};
 
 const SECRET: &str = "a-test-secret-of-enough-length";
@@ -23,7 +23,11 @@ async fn start_subscriber(store: &Store, out: &std::path::Path) -> (Arc<Shared>,
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let s = shared.clone();
-    tokio::spawn(weightcast::server::run(listener, s, std::future::pending()));
+    tokio::spawn(weightcast::http::subscriber::serve(
+        listener,
+        s,
+        std::future::pending(),
+    ));
     let cfg = DaemonConfig {
         out: out.to_path_buf(),
         // Far longer than the test: only a notification can make it catch up.

@@ -6,9 +6,9 @@ use crate::common;
 use std::collections::BTreeMap;
 
 use weightcast::generator::{Generator, GeneratorConfig};
+use weightcast::http::publisher::PublisherShared;
 use weightcast::protocol::versions_after;
 use weightcast::publisher::Publisher;
-use weightcast::server::PublisherShared;
 use weightcast::subscriber::catch_up;
 
 const TOKEN: &str = "test-token-0123456789";
@@ -41,7 +41,7 @@ async fn publish_over_http() {
     let shared = PublisherShared::new(publisher, TOKEN, &root).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(weightcast::server::run_publisher(
+    tokio::spawn(weightcast::http::publisher::serve(
         listener,
         shared,
         std::future::pending(),

@@ -22,6 +22,8 @@
 //! repaired by starting again from the anchor; a failure there is an error, and
 //! nothing unverified is ever materialized.
 
+pub mod status;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -788,7 +790,7 @@ pub const REGISTRATION_REFRESH: std::time::Duration = std::time::Duration::from_
 /// poll interval, whichever comes first (bursts of notifications coalesce).
 /// Updates the shared status and, with an id, the bucket registration (on each
 /// new version, and every [`REGISTRATION_REFRESH`]).
-pub async fn run_daemon(store: &Store, cfg: &DaemonConfig, shared: &crate::server::Shared) -> ! {
+pub async fn run_daemon(store: &Store, cfg: &DaemonConfig, shared: &status::Shared) -> ! {
     // (version, when) of the last registration written.
     let mut registered: Option<(u64, std::time::Instant)> = None;
     loop {
