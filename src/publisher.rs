@@ -550,6 +550,7 @@ impl Publisher {
         let mut bytes = 0;
         for (name, body) in &cp.files {
             let hash = blake3::hash(body).to_hex().to_string();
+            staging.list_file(name, body.len() as u64, hash.clone());
             if previous.get(name) == Some(&hash) {
                 continue;
             }

@@ -12,7 +12,7 @@ use super::layout::{
     LATEST_KEY, VERSIONS_PREFIX, manifest_key, object_key, version_of_manifest_key, writer_token,
 };
 use super::manifest::{
-    MANIFEST_FORMAT, MAX_MANIFEST_BYTES, Manifest, ObjectEntry, ObjectRole, VersionKind,
+    FileRef, MANIFEST_FORMAT, MAX_MANIFEST_BYTES, Manifest, ObjectEntry, ObjectRole, VersionKind,
 };
 
 /// The newest-version hint.
@@ -40,6 +40,7 @@ pub struct Staging {
     version: u64,
     writer: String,
     objects: Vec<ObjectEntry>,
+    files: Vec<FileRef>,
 }
 
 impl Staging {
@@ -49,6 +50,7 @@ impl Staging {
             version,
             writer: writer_token(),
             objects: Vec::new(),
+            files: Vec::new(),
         }
     }
 
@@ -120,6 +122,16 @@ impl Staging {
         self.objects.last().expect("just pushed")
     }
 
+    /// Lists a non-tensor file of the version (every one, changed or not; a
+    /// changed one is also uploaded as a `file` object).
+    pub fn list_file(&mut self, name: &str, size: u64, blake3: String) {
+        self.files.push(FileRef {
+            name: name.to_string(),
+            size,
+            blake3,
+        });
+    }
+
     /// The manifest of this version.
     pub fn manifest(
         self,
@@ -137,6 +149,7 @@ impl Staging {
             step,
             writer: self.writer,
             objects: self.objects,
+            files: self.files,
         }
     }
 }

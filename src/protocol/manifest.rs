@@ -52,6 +52,19 @@ pub struct ObjectEntry {
     pub blake3: String,
 }
 
+/// A non-tensor file of a version (listed whether or not it changed, so that
+/// a reader knows the version's complete set of files).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileRef {
+    /// The checkpoint-relative file name.
+    pub name: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// BLAKE3 of the file, 64 hex digits.
+    pub blake3: String,
+}
+
 /// A commit: everything a reader needs to materialize one version.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -77,6 +90,11 @@ pub struct Manifest {
     pub writer: String,
     /// The version's objects.
     pub objects: Vec<ObjectEntry>,
+    /// Every non-tensor file of the version, changed or not (a file listed
+    /// here without a `file` object is unchanged since the version before; a
+    /// file a reader holds that is not listed was deleted).
+    #[serde(default)]
+    pub files: Vec<FileRef>,
 }
 
 impl Manifest {
@@ -203,6 +221,32 @@ impl Manifest {
                 }
             }
         }
+        let mut listed = std::collections::BTreeMap::new();
+        for f in &self.files {
+            if !is_safe_file_name(&f.name) || f.name.ends_with(".safetensors") {
+                return bad(format!(
+                    "files: `{}` is not a plain relative path of a non-tensor file",
+                    f.name
+                ));
+            }
+            if f.blake3.len() != 64 || !f.blake3.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return bad(format!("files: `{}`: blake3 is not 64 hex digits", f.name));
+            }
+            if listed.insert(f.name.as_str(), f).is_some() {
+                return bad(format!("files: `{}` listed twice", f.name));
+            }
+        }
+        for o in self.objects.iter().filter(|o| o.role == ObjectRole::File) {
+            match listed.get(o.name.as_str()) {
+                Some(f) if f.size == o.size && f.blake3 == o.blake3 => {}
+                _ => {
+                    return bad(format!(
+                        "file object `{}` does not match its entry in `files`",
+                        o.key
+                    ));
+                }
+            }
+        }
         Ok(())
     }
 
@@ -269,6 +313,7 @@ mod tests {
             step: None,
             writer: writer.into(),
             objects: vec![entry(role, version, writer, "model.safetensors")],
+            files: Vec::new(),
         }
     }
 
