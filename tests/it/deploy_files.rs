@@ -37,7 +37,8 @@ const DOCKERFILE: &str = "deploy/Dockerfile";
 const ENV_EXAMPLE: &str = "deploy/weightcast.env.example";
 const K8S: &str = "deploy/k8s/subscriber-sidecar.yaml";
 
-/// Records a problem: `bad!(problems, "format", args...)`.
+/// Records a problem: `bad! {problems, "format", args...}` (in braces, which
+/// rustfmt leaves alone, so that each message stays on one line).
 macro_rules! bad {
     ($problems:expr, $($fmt:tt)*) => { $problems.push(format!($($fmt)*)) };
 }
@@ -182,10 +183,7 @@ fn unknown_env<'a>(
     problems: &mut Vec<String>,
 ) {
     for n in names.into_iter().filter(|n| !known_env(n)) {
-        bad!(
-            problems,
-            "{ctx}: {n} is read by neither weightcast nor its store"
-        );
+        bad! {problems, "{ctx}: {n} is read by neither weightcast nor its store"}
     }
 }
 
@@ -296,10 +294,7 @@ fn check_dockerfile(text: &str, problems: &mut Vec<String>) -> Image {
             "COPY" if rest.starts_with("--from=") => image.programs.extend(words.last().cloned()),
             "COPY" => {
                 for src in words.iter().rev().skip(1).filter(|s| !context(s)) {
-                    bad!(
-                        problems,
-                        "{DOCKERFILE}: COPY {src}: not in the build context"
-                    );
+                    bad! {problems, "{DOCKERFILE}: COPY {src}: not in the build context"}
                 }
             }
             "RUN" => {
@@ -308,10 +303,7 @@ fn check_dockerfile(text: &str, problems: &mut Vec<String>) -> Image {
                         .iter()
                         .filter(|n| !cargo_target(kind, n))
                     {
-                        bad!(
-                            problems,
-                            "{DOCKERFILE}: cargo build --{kind} {name}: no such target"
-                        );
+                        bad! {problems, "{DOCKERFILE}: --{kind} {name}: no such Cargo target"}
                     }
                 }
             }
@@ -328,11 +320,7 @@ fn check_dockerfile(text: &str, problems: &mut Vec<String>) -> Image {
         .first()
         .is_some_and(|p| image.programs.contains(p))
     {
-        bad!(
-            problems,
-            "{DOCKERFILE}: ENTRYPOINT {:?} is not copied in",
-            image.entrypoint
-        );
+        bad! {problems, "{DOCKERFILE}: ENTRYPOINT {:?} is not copied in", image.entrypoint}
     }
     image
 }
@@ -408,7 +396,7 @@ fn check_compose(model: &Value, image: &Image) -> Vec<String> {
     for (name, def) in services {
         let img = text(&def["image"]).unwrap_or_default();
         if def.get("build").is_none() && !pinned(&img) {
-            bad!(p, "{name}: pin the image {img} to a release");
+            bad! {p, "{name}: pin the image {img} to a release"}
         }
         if def.pointer("/build/dockerfile").and_then(Value::as_str) != Some(DOCKERFILE) {
             continue;
@@ -423,10 +411,7 @@ fn check_compose(model: &Value, image: &Image) -> Vec<String> {
             .map(|a| a.replace("$$", "$"))
             .collect();
         if argv.len() < 2 || !image.programs.contains(&argv[0]) {
-            bad!(
-                p,
-                "{name}: runs {argv:?}, not a program of the image with a command"
-            );
+            bad! {p, "{name}: runs {argv:?}, not a program of the image with a command"}
             continue;
         }
         argv[0] = argv[0].rsplit('/').next().unwrap_or("").to_string();
@@ -437,7 +422,7 @@ fn check_compose(model: &Value, image: &Image) -> Vec<String> {
             _ => check_trainer(&argv[1..], &env),
         };
         if let Err(e) = parsed {
-            bad!(p, "{name}: {e}");
+            bad! {p, "{name}: {e}"}
         }
         ours.push(Service {
             name,
@@ -456,28 +441,16 @@ fn check_compose(model: &Value, image: &Image) -> Vec<String> {
             if pt["target"].as_u64() != port
                 || !listen.as_ref().is_some_and(|l| l.starts_with("0.0.0.0:"))
             {
-                bad!(
-                    p,
-                    "{name}: publishes port {}, but listens on {listen:?}",
-                    pt["target"]
-                );
+                bad! {p, "{name}: publishes port {}, but listens on {listen:?}", pt["target"]}
             }
             if pt["host_ip"] != "127.0.0.1" {
-                bad!(
-                    p,
-                    "{name}: publishes port {} on {}, not 127.0.0.1",
-                    pt["target"],
-                    pt["host_ip"]
-                );
+                bad! {p, "{name}: publishes {} on {}, not 127.0.0.1", pt["target"], pt["host_ip"]}
             }
         }
         if let Some(port) = port {
             let test = texts(&s.def["healthcheck"]["test"]).join(" ");
             if !test.contains(&format!("http://127.0.0.1:{port}/healthz")) {
-                bad!(
-                    p,
-                    "{name}: health check `{test}` is not on http://127.0.0.1:{port}/healthz"
-                );
+                bad! {p, "{name}: health check `{test}` is not on http://127.0.0.1:{port}/healthz"}
             }
         }
         let advertise = format!("http://{name}:{}/v1/notify", port.unwrap_or(0));
@@ -485,17 +458,14 @@ fn check_compose(model: &Value, image: &Image) -> Vec<String> {
             && s.flag("--id").is_some()
             && s.flag("--advertise") != Some(advertise.clone())
         {
-            bad!(p, "{name}: --advertise should be {advertise}");
+            bad! {p, "{name}: --advertise should be {advertise}"}
         }
         // The publisher: reachable from the host, collecting old versions.
         if s.runs("publisher")
             && (s.def["ports"].as_array().is_none_or(Vec::is_empty)
                 || s.flag("--keep-anchors").is_none())
         {
-            bad!(
-                p,
-                "{name}: publish the port, and set --keep-anchors (else the bucket grows forever)"
-            );
+            bad! {p, "{name}: publish the port, set --keep-anchors (or the bucket grows)"}
         }
     }
     // The trainer reaches a publisher, with its token, on the same volume.
@@ -509,28 +479,19 @@ fn check_compose(model: &Value, image: &Image) -> Vec<String> {
         let Some(publ) =
             target.filter(|(s, port)| s.runs("publisher") && listen_port(&s.argv) == Some(*port))
         else {
-            bad!(
-                p,
-                "{}: --publisher {url} is not a publisher's --listen port",
-                t.name
-            );
+            bad! {p, "{}: --publisher {url} is not a publisher's --listen port", t.name}
             continue;
         };
         let publ = publ.0;
         if t.flag("--token").is_none() || t.flag("--token") != publ.flag("--token") {
-            bad!(p, "{}: its token differs from {}'s", t.name, publ.name);
+            bad! {p, "{}: its token differs from {}'s", t.name, publ.name}
         }
         let (dir, root) = (
             t.flag("--dir").unwrap_or_default(),
             publ.flag("--checkpoint-root").unwrap_or_default(),
         );
         if !Path::new(&dir).starts_with(&root) || t.volume_of(&dir) != publ.volume_of(&dir) {
-            bad!(
-                p,
-                "{}: --dir {dir} is not under {}'s --checkpoint-root {root} on one volume",
-                t.name,
-                publ.name
-            );
+            bad! {p, "{}: --dir {dir} is not under {}'s --checkpoint-root {root}", t.name, publ.name}
         }
     }
     // One store and notify key; the bucket's endpoint and keys are MinIO's.
@@ -540,20 +501,14 @@ fn check_compose(model: &Value, image: &Image) -> Vec<String> {
         .map(|s| s.flag("--store"))
         .collect();
     if stores.len() != 1 || stores.contains(&None) {
-        bad!(
-            p,
-            "the weightcast services should share one store, not {stores:?}"
-        );
+        bad! {p, "the weightcast services should share one store, not {stores:?}"}
     }
     let keyed = ours
         .iter()
         .filter(|s| s.runs("publisher") || (s.runs("subscribe") && s.flag("--id").is_some()));
     let keys: BTreeSet<_> = keyed.map(|s| s.flag("--notify-key")).collect();
     if keys.len() != 1 || keys.iter().any(|k| k.as_ref().is_none_or(|k| k.len() < 16)) {
-        bad!(
-            p,
-            "the publisher and registered subscribers need one notify key of 16+ characters, not {keys:?}"
-        );
+        bad! {p, "publisher, registered subscribers: one notify key, 16+ characters: {keys:?}"}
     }
     for s in ours
         .iter()
@@ -566,11 +521,7 @@ fn check_compose(model: &Value, image: &Image) -> Vec<String> {
                 .filter(|d| items(&d["ports"]).any(|p| p["target"] == json!(port)))
         });
         let Some(server) = server else {
-            bad!(
-                p,
-                "{}: AWS_ENDPOINT {endpoint} is not a port of a service",
-                s.name
-            );
+            bad! {p, "{}: AWS_ENDPOINT {endpoint} is not a port of a service", s.name}
             continue;
         };
         for (mine, theirs) in [
@@ -578,12 +529,12 @@ fn check_compose(model: &Value, image: &Image) -> Vec<String> {
             ("AWS_SECRET_ACCESS_KEY", "MINIO_ROOT_PASSWORD"),
         ] {
             if s.env.get(mine) != pairs(&server["environment"]).get(theirs) {
-                bad!(p, "{}: {mine} is not the bucket server's {theirs}", s.name);
+                bad! {p, "{}: {mine} is not the bucket server's {theirs}", s.name}
             }
         }
     }
     if !ours.iter().any(|s| s.runs("publisher")) {
-        bad!(p, "no publisher service");
+        bad! {p, "no publisher service"}
     }
     problems.iter().map(|m| format!("{COMPOSE}: {m}")).collect()
 }
@@ -622,7 +573,7 @@ fn container_env(
                     .into_iter()
                     .flatten(),
             ),
-            None => bad!(problems, "{ctx}: envFrom {kind} {name} is not in the file"),
+            None => bad! {problems, "{ctx}: envFrom {kind} {name} is not in the file"},
         }
     }
     for e in items(&c["env"]) {
@@ -678,10 +629,7 @@ fn expand(
         let (var, rest) = part.split_once(')').unwrap_or((part, ""));
         match env.get(var) {
             Some(v) => out.push_str(v),
-            None => bad!(
-                problems,
-                "{ctx}: $({var}) is not a variable of the container"
-            ),
+            None => bad! {problems, "{ctx}: $({var}) is not a variable of the container"},
         }
         out.push_str(rest);
     }
@@ -713,7 +661,7 @@ fn check_k8s(docs: &[Value], image: &Image) -> Vec<String> {
             let ctx = format!("container {}", c["name"]);
             let img = text(&c["image"]).unwrap_or_default();
             if !pinned(&img) {
-                bad!(p, "{ctx}: pin the image {img} to a release");
+                bad! {p, "{ctx}: pin the image {img} to a release"}
             }
             if !img.contains("/weightcast:") {
                 continue;
@@ -724,11 +672,7 @@ fn check_k8s(docs: &[Value], image: &Image) -> Vec<String> {
                 || !c["command"].is_null()
                 || c["securityContext"]["runAsUser"].as_u64() != image.uid
             {
-                bad!(
-                    p,
-                    "{ctx}: run {version} with its ENTRYPOINT (no `command`) as runAsUser {:?}",
-                    image.uid
-                );
+                bad! {p, "{ctx}: run {version} by its ENTRYPOINT as runAsUser {:?}", image.uid}
             }
             let env = container_env(c, docs, &ctx, p);
             let raw = texts(&c["args"]).join(" ");
@@ -742,7 +686,7 @@ fn check_k8s(docs: &[Value], image: &Image) -> Vec<String> {
                 .map(|a| expand(a, &env, &ctx, p))
                 .collect();
             if let Err(e) = check_weightcast(&argv, &env) {
-                bad!(p, "{ctx}: {e}");
+                bad! {p, "{ctx}: {e}"}
                 continue;
             }
             if i < init.len() || argv.contains(&"--once".to_string()) {
@@ -752,20 +696,17 @@ fn check_k8s(docs: &[Value], image: &Image) -> Vec<String> {
             sidecars += 1;
             let Some(port) = listen_port(&argv).filter(|port| container_ports(c).contains(port))
             else {
-                bad!(
-                    p,
-                    "{ctx}: --listen on a declared containerPort, for the probes"
-                );
+                bad! {p, "{ctx}: --listen on a declared containerPort, for the probes"}
                 continue;
             };
             for which in ["readinessProbe", "livenessProbe"] {
                 if probe(c, which) != Some((port, "/healthz".into())) {
-                    bad!(p, "{ctx}: {which} should be httpGet /healthz on {port}");
+                    bad! {p, "{ctx}: {which} should be httpGet /healthz on {port}"}
                 }
             }
             let advertise = value(&argv, "--advertise").and_then(|u| http_url(&u));
             if advertise.is_some_and(|(_, p, path)| p != port || path != "/v1/notify") {
-                bad!(p, "{ctx}: --advertise is not http://<pod>:{port}/v1/notify");
+                bad! {p, "{ctx}: --advertise is not http://<pod>:{port}/v1/notify"}
             }
             let out = value(&argv, "--out").unwrap_or_default();
             let engines: Vec<(String, u64)> = values(&argv, "--hook")
@@ -779,48 +720,36 @@ fn check_k8s(docs: &[Value], image: &Image) -> Vec<String> {
                 })
                 .collect();
             if engines.is_empty() {
-                bad!(
-                    p,
-                    "{ctx}: no vllm: or sglang: --hook on 127.0.0.1 tells the engine about versions"
-                );
+                bad! {p, "{ctx}: no vllm:/sglang: --hook on 127.0.0.1 tells the engine"}
             }
             for (kind, port) in engines {
                 let Some(engine) = main
                     .iter()
                     .find(|e| e["name"] != c["name"] && container_ports(e).contains(&port))
                 else {
-                    bad!(
-                        p,
-                        "{ctx}: the {kind} hook's port {port} is no container's of the pod"
-                    );
+                    bad! {p, "{ctx}: the {kind} hook's port {port} is no container's of the pod"}
                     continue;
                 };
                 let name = &engine["name"];
                 if mount_of(engine, &out) != mount_of(c, &out) {
-                    bad!(
-                        p,
-                        "{ctx}: {name} must mount the volume of --out {out} at the same path"
-                    );
+                    bad! {p, "{ctx}: {name} must mount the volume of --out {out} at the same path"}
                 }
                 if ![texts(&engine["command"]), texts(&engine["args"])]
                     .concat()
                     .contains(&format!("{out}/current"))
                 {
-                    bad!(p, "{ctx}: {name} does not serve {out}/current");
+                    bad! {p, "{ctx}: {name} does not serve {out}/current"}
                 }
                 let dev = items(&engine["env"])
                     .any(|e| e["name"] == "VLLM_SERVER_DEV_MODE" && e["value"] == "1");
                 if kind == "vllm" && !dev {
-                    bad!(
-                        p,
-                        "{ctx}: {name} needs VLLM_SERVER_DEV_MODE=1 for the vllm hook"
-                    );
+                    bad! {p, "{ctx}: {name} needs VLLM_SERVER_DEV_MODE=1 for the vllm hook"}
                 }
             }
         }
     }
     if sidecars == 0 {
-        bad!(p, "no weightcast subscriber sidecar");
+        bad! {p, "no weightcast subscriber sidecar"}
     }
     problems.iter().map(|m| format!("{K8S}: {m}")).collect()
 }
@@ -1041,7 +970,7 @@ fn compose_checker_catches_mistakes() {
         --keep-anchors | publisher | --keep-anchors |
         publisher's --listen | trainer | http://publisher:8470 | http://publisher:8471
         token differs | trainer | /environment/WEIGHTCAST_API_TOKEN | "0123456789abcdefX"
-        on one volume | trainer | /volumes/0/source | "checkpoints-2"
+        not under | trainer | /volumes/0/source | "checkpoints-2"
         --advertise | subscriber-a | http://subscriber-a:8481/v1/notify | http://a:8481/v1/notify
         notify key | subscriber-b | /environment/WEIGHTCAST_NOTIFY_KEY | "0123456789abcdefX"
         share one store | subscriber-b | s3://weights/policy | s3://weights/other
