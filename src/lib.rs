@@ -74,6 +74,7 @@ pub mod demo;
 pub mod digest;
 pub mod dtype;
 pub mod error;
+pub mod failpoint;
 pub mod format;
 pub mod generator;
 #[cfg(feature = "store")]

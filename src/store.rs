@@ -40,7 +40,41 @@ pub const MULTIPART_THRESHOLD: usize = 64 << 20;
 /// Size of one multipart part (equal sizes suit every store, R2 included).
 pub const PART_SIZE: usize = 16 << 20;
 /// Parts uploaded concurrently.
-pub const PART_CONCURRENCY: usize = 4;
+pub const PART_CONCURRENCY: usize = 8;
+
+/// A piece of an object being uploaded (see [`Store::put_sources`]).
+#[derive(Clone, Debug)]
+pub enum Source {
+    /// Bytes in memory.
+    Bytes(Bytes),
+    /// `len` bytes of a file from `offset`, read when their part is sent.
+    File {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Where the bytes start.
+        offset: u64,
+        /// How many.
+        len: u64,
+    },
+}
+
+impl Source {
+    /// Bytes this source contributes.
+    pub fn len(&self) -> u64 {
+        match self {
+            Source::Bytes(b) => b.len() as u64,
+            Source::File { len, .. } => *len,
+        }
+    }
+
+    /// Whether it contributes nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Bytes read from a file per step of an upload.
+const READ_STEP: u64 = 8 << 20;
 
 /// Outcome of a conditional create.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -497,6 +531,72 @@ impl Store {
         Ok(())
     }
 
+    /// Uploads the concatenation of `sources` as one object and returns its
+    /// size and BLAKE3 (hashed as the bytes go out). File pieces are read in
+    /// steps of 8 MiB when their turn comes, and at most
+    /// [`PART_CONCURRENCY`] parts of [`PART_SIZE`] are in flight: memory stays
+    /// bounded whatever the object's size. A file that is shorter than
+    /// announced fails the upload, which is then aborted.
+    pub async fn put_sources(&self, key: &str, sources: &[Source]) -> Result<(u64, String)> {
+        let total: u64 = sources.iter().map(Source::len).sum();
+        let mut hasher = blake3::Hasher::new();
+        if total < MULTIPART_THRESHOLD as u64 {
+            let mut buf = Vec::with_capacity(total as usize);
+            for s in sources {
+                let mut at = 0;
+                while at < s.len() {
+                    let chunk = read_source(s, at, s.len() - at).await?;
+                    at += chunk.len() as u64;
+                    buf.extend_from_slice(&chunk);
+                }
+            }
+            hasher.update(&buf);
+            self.put(key, Bytes::from(buf)).await?;
+            return Ok((total, hasher.finalize().to_hex().to_string()));
+        }
+        let path = Self::path(key)?;
+        if let Some(p) = &self.progress {
+            p.started(key, total);
+        }
+        let upload = self
+            .inner
+            .put_multipart(&path)
+            .await
+            .map_err(|e| self.err("start multipart upload", key, e))?;
+        let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_SIZE);
+        for s in sources {
+            let mut at = 0;
+            while at < s.len() {
+                let chunk = match read_source(s, at, READ_STEP.min(s.len() - at)).await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        writer.abort().await.ok();
+                        return Err(e);
+                    }
+                };
+                at += chunk.len() as u64;
+                if chunk.len() >= 1 << 20 {
+                    hasher.update_rayon(&chunk);
+                } else {
+                    hasher.update(&chunk);
+                }
+                if let Err(e) = writer.wait_for_capacity(PART_CONCURRENCY).await {
+                    writer.abort().await.ok();
+                    return Err(self.err("upload part", key, e));
+                }
+                if let Some(p) = &self.progress {
+                    p.advanced(chunk.len() as u64);
+                }
+                writer.put(chunk);
+            }
+        }
+        writer
+            .finish()
+            .await
+            .map_err(|e| self.err("complete multipart upload", key, e))?;
+        Ok((total, hasher.finalize().to_hex().to_string()))
+    }
+
     /// Creates an object only if the key is free (`If-None-Match: *` or the
     /// store's equivalent). Stores that ignore the condition report `Created`
     /// for both racers: see [`Store::probe_conditional_writes`].
@@ -624,6 +724,26 @@ impl Store {
             (Created::AlreadyExists, Some(b"first")) => ConditionalWrites::Enforced,
             _ => ConditionalWrites::Ignored,
         })
+    }
+}
+
+/// Reads up to `len` bytes of `s` from `at` (all of them, or an error).
+async fn read_source(s: &Source, at: u64, len: u64) -> Result<Bytes> {
+    match s {
+        Source::Bytes(b) => Ok(b.slice(at as usize..(at + len) as usize)),
+        Source::File { path, offset, .. } => {
+            let (path, pos) = (path.clone(), offset + at);
+            tokio::task::spawn_blocking(move || {
+                use std::os::unix::fs::FileExt;
+                let io = |e| Error::io(format!("reading {}", path.display()), e);
+                let f = std::fs::File::open(&path).map_err(io)?;
+                let mut buf = vec![0u8; len as usize];
+                f.read_exact_at(&mut buf, pos).map_err(io)?;
+                Ok(Bytes::from(buf))
+            })
+            .await
+            .map_err(|e| Error::io("reading an upload source", std::io::Error::other(e)))?
+        }
     }
 }
 

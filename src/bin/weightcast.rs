@@ -106,6 +106,10 @@ enum Command {
         /// The checkpoint.
         #[arg(long)]
         checkpoint: PathBuf,
+        /// The trainer's step: must be newer than the last committed
+        /// version's; recorded in the manifest.
+        #[arg(long)]
+        step: Option<u64>,
         /// No upload progress bar (it is drawn only when stderr is a terminal).
         #[arg(long, short)]
         quiet: bool,
@@ -252,6 +256,15 @@ struct PublishOpts {
     /// nothing (0: ignore registrations).
     #[arg(long, default_value_t = 86400)]
     registration_max_age: u64,
+    /// Publish only the checkpoint files matching this glob (repeatable;
+    /// relative to the checkpoint directory, `**` allowed).
+    #[arg(long = "include")]
+    include: Vec<String>,
+    /// Skip the checkpoint files matching this glob (repeatable). Replaces the
+    /// default, which skips optimizer, scheduler and RNG state
+    /// (optimizer*.pt, scheduler*.pt, rng_state*.pth, global_step*/, *.distcp).
+    #[arg(long = "exclude")]
+    exclude: Vec<String>,
 }
 
 /// Upload progress bars on stderr (drawn only when stderr is a terminal): one
@@ -321,6 +334,11 @@ impl PublishOpts {
                 .keep_anchors
                 .map(|k| retention(k, self.registration_max_age))
                 .transpose()?,
+            checkpoint: weightcast::publisher::CheckpointOptions {
+                include: self.include,
+                exclude: (!self.exclude.is_empty()).then_some(self.exclude),
+                root: None,
+            },
         };
         Ok(weightcast::publisher::Publisher::open(store, cfg).await?)
     }
@@ -490,13 +508,15 @@ fn main() -> Result<()> {
         }
         Command::Publish {
             checkpoint,
+            step,
             quiet,
             opts,
         } => {
             let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             let published = rt.block_on(async {
                 let mut p = opts.open(!quiet).await?;
-                anyhow::Ok(p.publish(&checkpoint).await?)
+                let opts = weightcast::publisher::PublishOptions { step };
+                anyhow::Ok(p.publish_path(&checkpoint, &opts).await?)
             })?;
             println!("{}", serde_json::to_string(&published)?);
         }
@@ -603,10 +623,12 @@ fn main() -> Result<()> {
                 // instead of killing the process half-way through opening.
                 let stop = shutdown()?;
                 let publisher = opts.open(false).await?;
+                let filters = publisher.checkpoint_options().clone();
                 let shared = weightcast::http::publisher::PublisherShared::new(
                     publisher,
                     &token,
                     &checkpoint_root,
+                    filters,
                 )?;
                 let listener = tokio::net::TcpListener::bind(listen)
                     .await

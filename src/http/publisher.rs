@@ -24,6 +24,8 @@ pub struct PublisherShared {
     pub token_hash: blake3::Hash,
     /// Checkpoints must lie under this directory (canonical).
     pub root: std::path::PathBuf,
+    /// How checkpoint directories are read (links must stay under `root`).
+    pub checkpoint: crate::publisher::CheckpointOptions,
 }
 
 impl PublisherShared {
@@ -33,6 +35,7 @@ impl PublisherShared {
         publisher: crate::publisher::Publisher,
         token: &str,
         root: &std::path::Path,
+        checkpoint: crate::publisher::CheckpointOptions,
     ) -> crate::Result<Arc<PublisherShared>> {
         if token.len() < 16 {
             return Err(crate::Error::Config(
@@ -42,10 +45,15 @@ impl PublisherShared {
         let root = root
             .canonicalize()
             .map_err(|e| crate::Error::io(format!("checkpoint root {}", root.display()), e))?;
+        let checkpoint = crate::publisher::CheckpointOptions {
+            root: Some(root.clone()),
+            ..checkpoint
+        };
         Ok(Arc::new(PublisherShared {
             publisher: tokio::sync::Mutex::new(publisher),
             token_hash: blake3::hash(token.as_bytes()),
             root,
+            checkpoint,
         }))
     }
 }
@@ -55,6 +63,34 @@ impl PublisherShared {
 #[serde(deny_unknown_fields)]
 struct PublishRequest {
     checkpoint: std::path::PathBuf,
+    #[serde(default)]
+    step: Option<u64>,
+}
+
+/// Resolves a requested checkpoint path under `root` without touching the
+/// filesystem first: absolute paths must lie under the root, relative ones
+/// are taken from it, and `..`/`.` components are refused outright (so the
+/// answer never depends on what exists outside the root).
+fn resolve(
+    root: &std::path::Path,
+    requested: &std::path::Path,
+) -> Result<std::path::PathBuf, String> {
+    use std::path::Component;
+    let rel = if requested.is_absolute() {
+        requested
+            .strip_prefix(root)
+            .map_err(|_| format!("checkpoint must be under {}", root.display()))?
+    } else {
+        requested
+    };
+    if rel.components().any(|c| !matches!(c, Component::Normal(_))) {
+        return Err(format!(
+            "checkpoint path `{}` must be a plain path under {} (no `..` or `.`)",
+            requested.display(),
+            root.display()
+        ));
+    }
+    Ok(root.join(rel))
 }
 
 /// The publisher daemon's routes: `POST /v1/publish`, `GET /healthz`.
@@ -101,27 +137,21 @@ async fn publish(
         Err(e) => {
             return error(
                 StatusCode::BAD_REQUEST,
-                format!("expected {{\"checkpoint\": PATH}}: {e}"),
+                format!("expected {{\"checkpoint\": PATH, \"step\": N (optional)}}: {e}"),
             );
         }
     };
-    let path = match req.checkpoint.canonicalize() {
+    let path = match resolve(&shared.root, &req.checkpoint) {
         Ok(p) => p,
-        Err(e) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                format!("checkpoint {}: {e}", req.checkpoint.display()),
-            );
-        }
+        Err(why) => return error(StatusCode::FORBIDDEN, why),
     };
-    if !path.starts_with(&shared.root) {
-        return error(
-            StatusCode::FORBIDDEN,
-            format!("checkpoint must be under {}", shared.root.display()),
-        );
-    }
     let mut p = shared.publisher.lock().await;
-    match p.publish(&path).await {
+    let opts = crate::publisher::PublishOptions { step: req.step };
+    let published = match crate::publisher::Checkpoint::open(&path, &shared.checkpoint) {
+        Ok(cp) => p.publish(cp, &opts).await,
+        Err(e) => Err(e),
+    };
+    match published {
         Ok(published) => (StatusCode::OK, axum::Json(published)).into_response(),
         Err(e) => super::error_response(&e),
     }

@@ -179,6 +179,7 @@ pub fn publisher_config(
         notify_urls: Vec::new(),
         notify_key,
         retention: None,
+        checkpoint: Default::default(),
     }
 }
 

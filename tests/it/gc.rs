@@ -34,7 +34,7 @@ async fn gc_suite(store: Store) {
         let f = dir.join("model.safetensors");
         let mut file = std::fs::File::create(&f).unwrap();
         g.snapshot().write_to(&BTreeMap::new(), &mut file).unwrap();
-        p.publish(&f).await.unwrap();
+        p.publish_path(&f, &Default::default()).await.unwrap();
         if v == 1 {
             // A subscriber that will fall behind the retained range.
             catch_up(&store, &sub).await.unwrap().unwrap();
@@ -149,7 +149,10 @@ async fn registered_lag_suite(store: Store) {
         if v > 0 {
             g.step();
         }
-        let out = p.publish(&checkpoint(&g, work.path(), v)).await.unwrap();
+        let out = p
+            .publish_path(&checkpoint(&g, work.path(), v), &Default::default())
+            .await
+            .unwrap();
         if v % 3 == 0 {
             assert_eq!(out.kind, weightcast::protocol::VersionKind::Anchor);
             // Every anchor after the first carries bridges from the version before.

@@ -80,7 +80,10 @@ async fn notifications_wake_subscribers_and_bad_ones_are_refused() {
     )
     .await
     .unwrap();
-    publisher.publish(&write(&g, 0)).await.unwrap();
+    publisher
+        .publish_path(&write(&g, 0), &Default::default())
+        .await
+        .unwrap();
 
     let (shared, base) = start_subscriber(&store, &work.path().join("sub")).await;
     wait_for_version(&shared, 0).await; // the first catch-up runs at start
@@ -93,7 +96,10 @@ async fn notifications_wake_subscribers_and_bad_ones_are_refused() {
 
     // Publish: the signed POST wakes the subscriber long before its poll.
     g.step();
-    let out = publisher.publish(&write(&g, 1)).await.unwrap();
+    let out = publisher
+        .publish_path(&write(&g, 1), &Default::default())
+        .await
+        .unwrap();
     assert_eq!(out.notified, 1);
     wait_for_version(&shared, 1).await;
     assert_eq!(shared.status.lock().unwrap().notifications, 1);
@@ -108,7 +114,14 @@ async fn notifications_wake_subscribers_and_bad_ones_are_refused() {
     .await
     .unwrap();
     drop(publisher);
-    assert_eq!(quiet.publish(&write(&g, 2)).await.unwrap().notified, 0);
+    assert_eq!(
+        quiet
+            .publish_path(&write(&g, 2), &Default::default())
+            .await
+            .unwrap()
+            .notified,
+        0
+    );
     let client = reqwest::Client::new();
     let body = format!(
         r#"{{"store":"{}","version":2,"anchor_version":0}}"#,

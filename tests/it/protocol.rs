@@ -26,7 +26,7 @@ async fn publish(store: &Store, version: u64, payload: &[u8]) -> (Manifest, Comm
         )
         .await
         .unwrap();
-    staging
+    let cfg = staging
         .upload(
             store,
             "config.json",
@@ -34,7 +34,9 @@ async fn publish(store: &Store, version: u64, payload: &[u8]) -> (Manifest, Comm
             Bytes::from_static(b"{}"),
         )
         .await
-        .unwrap();
+        .unwrap()
+        .clone();
+    staging.list_file(&cfg.name, cfg.size, cfg.blake3);
     let m = staging.manifest(kind, version.checked_sub(1), 0, None);
     let outcome = commit(store, &m).await.unwrap();
     (m, outcome)

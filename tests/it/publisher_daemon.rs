@@ -34,11 +34,12 @@ async fn publish_over_http() {
             .await
             .unwrap(),
             "short",
-            &root
+            &root,
+            Default::default()
         )
         .is_err()
     );
-    let shared = PublisherShared::new(publisher, TOKEN, &root).unwrap();
+    let shared = PublisherShared::new(publisher, TOKEN, &root, Default::default()).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(weightcast::http::publisher::serve(
@@ -63,16 +64,67 @@ async fn publish_over_http() {
         std::fs::create_dir_all(&dir).unwrap();
         let mut f = std::fs::File::create(dir.join("model.safetensors")).unwrap();
         g.snapshot().write_to(&BTreeMap::new(), &mut f).unwrap();
-        let r = post(TOKEN, serde_json::json!({ "checkpoint": dir }))
-            .send()
-            .await
-            .unwrap();
+        let r = post(
+            TOKEN,
+            serde_json::json!({ "checkpoint": dir, "step": 10 * v }),
+        )
+        .send()
+        .await
+        .unwrap();
         assert_eq!(r.status().as_u16(), 200);
         let out: serde_json::Value = r.json().await.unwrap();
         assert_eq!(out["version"], v);
+        assert_eq!(out["step"], 10 * v);
         assert_eq!(out["kind"], if v == 0 { "anchor" } else { "delta" });
         assert!(out["bytes"].as_u64().unwrap() > 0);
     }
+    // Steps must increase: an old step is refused with 409 — before the
+    // identical-content rule, which would otherwise make it a no-op.
+    let r = post(
+        TOKEN,
+        serde_json::json!({ "checkpoint": root.join("step-1"), "step": 10 }),
+    )
+    .send()
+    .await
+    .unwrap();
+    assert_eq!(r.status().as_u16(), 409);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert!(
+        body["error"].as_str().unwrap().contains("not newer"),
+        "{body}"
+    );
+    // The same content again is a no-op that answers the last version.
+    let r = post(
+        TOKEN,
+        serde_json::json!({ "checkpoint": root.join("step-1"), "step": 11 }),
+    )
+    .send()
+    .await
+    .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let out: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(
+        (out["version"].as_u64(), out["unchanged"].as_bool()),
+        (Some(1), Some(true))
+    );
+    // A malformed checkpoint is the caller's problem, named (D8).
+    let bad = root.join("bad");
+    std::fs::create_dir_all(&bad).unwrap();
+    std::fs::write(bad.join("model.safetensors"), b"truncated").unwrap();
+    let r = post(TOKEN, serde_json::json!({ "checkpoint": bad }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 422);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("model.safetensors"),
+        "{body}"
+    );
+    assert_eq!(body["kind"], "bad_request");
 
     // Refusals: no change to the bucket.
     let outside = work.path().join("elsewhere");
@@ -101,7 +153,7 @@ async fn publish_over_http() {
                 TOKEN,
                 serde_json::json!({ "checkpoint": root.join("missing") }),
             ),
-            400,
+            422,
         ),
         (post(TOKEN, serde_json::json!({ "path": "x" })), 400),
     ];
