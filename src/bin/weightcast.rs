@@ -392,12 +392,40 @@ fn shutdown() -> Result<impl std::future::Future<Output = ()>> {
     })
 }
 
-fn main() -> Result<()> {
+/// Prints one line on stdout. A closed stdout (the reader went away, EPIPE)
+/// is not an error: the work the line reports is done (a commit stands), and
+/// a panic or a failure exit would misreport it.
+fn emit(line: impl std::fmt::Display) {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    match writeln!(stdout, "{line}").and_then(|()| stdout.flush()) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+        Err(e) => tracing::warn!(error = %e, "cannot write to stdout"),
+    }
+}
+
+/// The exit code for a failure: the library's error kind decides (see
+/// `weightcast::error::ErrorKind::exit_code`), 1 for anything else.
+fn exit_code(e: &anyhow::Error) -> i32 {
+    e.chain()
+        .find_map(|c| c.downcast_ref::<weightcast::Error>())
+        .map_or(1, |w| w.kind().exit_code())
+}
+
+fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().command {
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("Error: {e:#}");
+        std::process::exit(exit_code(&e));
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
         Command::Demo {
             dir,
             steps,
@@ -423,22 +451,22 @@ fn main() -> Result<()> {
                 encoding,
                 model: GeneratorConfig::small(7),
             };
-            let report = demo::run(&cfg, |line| println!("{line}"))?;
+            let report = demo::run(&cfg, |line| emit(line))?;
             let deltas: Vec<_> = report.steps.iter().filter(|s| s.kind == "delta").collect();
             let delta_bytes: u64 = deltas.iter().map(|s| s.bytes).sum();
             let changed: u64 = deltas.iter().map(|s| s.changed).sum();
-            println!(
+            emit(format!(
                 "deltas: {:.3} bytes per changed element, {:.0}x smaller than full weights on average",
                 delta_bytes as f64 / changed.max(1) as f64,
                 (report.full_bytes * deltas.len() as u64) as f64 / delta_bytes.max(1) as f64
-            );
+            ));
             if json {
-                println!("{}", serde_json::to_string(&report)?);
+                emit(serde_json::to_string(&report)?);
             }
             if !report.bit_identical {
                 bail!("verdict: FAILED, a replica diverged from the trainer");
             }
-            println!("verdict: OK, every replica is bit-identical to the trainer at every version");
+            emit("verdict: OK, every replica is bit-identical to the trainer at every version");
         }
         Command::Bench {
             what:
@@ -467,7 +495,7 @@ fn main() -> Result<()> {
                 seed,
                 reps,
             };
-            let report = weightcast::bench::run(&cfg, &AllocProbe, |l| println!("{l}"))?;
+            let report = weightcast::bench::run(&cfg, &AllocProbe, |l| emit(l))?;
             if let Some(p) = json {
                 std::fs::write(&p, serde_json::to_vec_pretty(&report)?)
                     .with_context(|| format!("writing {}", p.display()))?;
@@ -490,7 +518,7 @@ fn main() -> Result<()> {
             };
             let (bytes, summary) = codec::encode_delta(&base_set, &mut new_set, &opts)?;
             std::fs::write(&out, bytes).with_context(|| format!("writing {}", out.display()))?;
-            println!("{}", serde_json::to_string(&summary)?);
+            emit(serde_json::to_string(&summary)?);
         }
         Command::Apply { base, delta, out } => {
             let mut set = TensorSet::read(&base, Digests::Compute)?;
@@ -504,7 +532,7 @@ fn main() -> Result<()> {
             );
             codec::write_anchor(&set, version, &mut f)?;
             f.flush()?;
-            println!("{}", serde_json::to_string(&report)?);
+            emit(serde_json::to_string(&report)?);
         }
         Command::Publish {
             checkpoint,
@@ -518,7 +546,7 @@ fn main() -> Result<()> {
                 let opts = weightcast::publisher::PublishOptions { step };
                 anyhow::Ok(p.publish_path(&checkpoint, &opts).await?)
             })?;
-            println!("{}", serde_json::to_string(&published)?);
+            emit(serde_json::to_string(&published)?);
         }
         Command::Subscribe {
             store,
@@ -568,7 +596,7 @@ fn main() -> Result<()> {
                                     );
                                 }
                             }
-                            println!("{}", serde_json::to_string(&c)?);
+                            emit(serde_json::to_string(&c)?);
                             Ok(())
                         }
                         None => bail!("the bucket has no committed version yet"),
@@ -644,7 +672,7 @@ fn main() -> Result<()> {
                 let store = weightcast::store::Store::open(&store)?;
                 weightcast::protocol::fleet(&store).await
             })?;
-            println!("{}", serde_json::to_string_pretty(&view)?);
+            emit(serde_json::to_string_pretty(&view)?);
         }
         Command::Gc {
             store,
@@ -657,7 +685,7 @@ fn main() -> Result<()> {
                 let store = weightcast::store::Store::open(&store)?;
                 weightcast::protocol::collect_garbage(&store, &retention, dry_run).await
             })?;
-            println!("{}", serde_json::to_string(&collected)?);
+            emit(serde_json::to_string(&collected)?);
         }
         Command::Inspect { path } => {
             let bytes =
@@ -674,7 +702,7 @@ fn main() -> Result<()> {
             if let Some(t) = tensors {
                 meta.insert("weightcast.tensors".into(), t);
             }
-            println!("{}", serde_json::to_string_pretty(&meta)?);
+            emit(serde_json::to_string_pretty(&meta)?);
         }
     }
     Ok(())

@@ -176,3 +176,54 @@ fn a_wiped_bucket_gets_an_anchor() {
     let got = TensorSet::read(&sub.join("current/model.safetensors"), Digests::Compute).unwrap();
     assert_eq!(got.digest(), want.digest());
 }
+
+/// D6: a reader that closed stdout does not turn a successful commit into a
+/// panic or a failure; and failures exit with their kind's code (a step that
+/// is not newer: 75, "try again later / resync").
+#[test]
+fn closed_stdout_and_exit_codes() {
+    let work = tempfile::tempdir().unwrap();
+    let bucket = work.path().join("bucket");
+    std::fs::create_dir_all(&bucket).unwrap();
+    let url = url::Url::from_directory_path(&bucket).unwrap().to_string();
+    let state = work.path().join("state");
+    let g = Generator::new(GeneratorConfig::tiny(13));
+    let ckpt = checkpoint(&g, &work.path().join("ckpt"));
+    let run = |step: &str, closed: bool| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_weightcast"));
+        c.args([
+            "publish", "--quiet", "--store", &url, "--step", step, "--state",
+        ])
+        .arg(&state)
+        .arg("--checkpoint")
+        .arg(&ckpt)
+        .env_remove("WEIGHTCAST_FAILPOINT")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+        let mut child = c.spawn().unwrap();
+        if closed {
+            drop(child.stdout.take());
+        }
+        child.wait_with_output().unwrap()
+    };
+    let first = run("5", true);
+    assert!(
+        first.status.success(),
+        "{:?}: {}",
+        first.status,
+        String::from_utf8_lossy(&first.stderr)
+    );
+    let again = run("5", false);
+    assert_eq!(
+        again.status.code(),
+        Some(75),
+        "{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+    assert!(String::from_utf8_lossy(&again.stderr).contains("not newer"));
+    let manifest: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(bucket.join("versions/00000000000000000000.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(manifest["step"], 5, "the first run committed");
+}
