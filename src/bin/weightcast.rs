@@ -37,8 +37,23 @@ impl MemProbe for AllocProbe {
     about = "Ship RL policy weights through object storage as anchors plus exact sparse deltas"
 )]
 struct Cli {
+    /// Log format on stderr: text, or json (one JSON object per event, for
+    /// log pipelines). Levels from RUST_LOG (default: info for weightcast).
+    #[arg(
+        long,
+        global = true,
+        env = "WEIGHTCAST_LOG_FORMAT",
+        default_value = "text"
+    )]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -414,11 +429,17 @@ fn exit_code(e: &anyhow::Error) -> i32 {
 }
 
 fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .init();
-    if let Err(e) = run(Cli::parse()) {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("weightcast=info"));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().init(),
+    }
+    if let Err(e) = run(cli) {
         eprintln!("Error: {e:#}");
         std::process::exit(exit_code(&e));
     }

@@ -90,7 +90,9 @@ fn documented(doc: &str, command: &str) -> String {
     for line in doc.lines().filter(|l| l.starts_with("| ")) {
         let first = line.split('|').nth(1).unwrap_or("").trim();
         if !first.is_empty() {
-            inside = first.split(", ").any(|c| c.trim_matches('`') == command);
+            // "every command" rows document the global flags.
+            inside = first == "every command"
+                || first.split(", ").any(|c| c.trim_matches('`') == command);
         }
         if inside {
             rows.push_str(line);

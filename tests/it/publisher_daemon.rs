@@ -168,8 +168,107 @@ async fn publish_over_http() {
         .unwrap();
     assert_eq!(no_auth.status().as_u16(), 401);
     assert_eq!(versions_after(&store, None).await.unwrap(), vec![0, 1]);
+    let _ = &store;
+
+    // Operator surface: metrics parse with Prometheus' own parser; status
+    // shows no store to anonymous callers; health follows what the daemon
+    // cannot fix alone.
+    let metrics = client
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let families = common::parse_prometheus(&metrics);
+    for f in [
+        "weightcast_publisher_version",
+        "weightcast_publisher_versions",
+        "weightcast_publisher_errors",
+        "weightcast_publisher_healthy",
+    ] {
+        assert!(
+            families.iter().any(|x| x == f),
+            "{f} missing from {families:?}"
+        );
+    }
+    assert!(
+        metrics.contains("weightcast_publisher_versions_total{kind=\"delta\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("weightcast_publisher_errors_total{kind=\"precondition\"} 1"),
+        "{metrics}"
+    );
+    let anon: serde_json::Value = client
+        .get(format!("{base}/v1/status"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(anon["version"], 1);
+    assert!(!anon.to_string().contains(store.url()), "{anon}");
+    assert!(!anon.to_string().contains("file://"), "{anon}");
+    let full: serde_json::Value = client
+        .get(format!("{base}/v1/status"))
+        .header("authorization", format!("Bearer {TOKEN}"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(full["store"], store.url());
+    assert_eq!(
+        client
+            .get(format!("{base}/healthz"))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16(),
+        200
+    );
+    // The bucket becomes unwritable (its `deltas` prefix is a file): the
+    // publish fails, and /healthz says so until a publish succeeds again.
+    let bucket = std::path::Path::new(_bucket.path());
+    std::fs::rename(bucket.join("deltas"), bucket.join("deltas.aside")).unwrap();
+    std::fs::write(bucket.join("deltas"), b"in the way").unwrap();
+    g.step();
+    let dir = root.join("step-2");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut f = std::fs::File::create(dir.join("model.safetensors")).unwrap();
+    g.snapshot().write_to(&BTreeMap::new(), &mut f).unwrap();
+    let r = post(TOKEN, serde_json::json!({ "checkpoint": dir }))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_server_error(), "{}", r.status());
+    let h = client.get(format!("{base}/healthz")).send().await.unwrap();
+    assert_eq!(h.status().as_u16(), 503);
+    assert!(h.text().await.unwrap().contains("last publish failed"));
+    std::fs::remove_file(bucket.join("deltas")).unwrap();
+    std::fs::rename(bucket.join("deltas.aside"), bucket.join("deltas")).unwrap();
+    let r = post(TOKEN, serde_json::json!({ "checkpoint": dir }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(
+        client
+            .get(format!("{base}/healthz"))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16(),
+        200
+    );
 
     // What was published replays.
     let sub = work.path().join("sub");
-    assert_eq!(catch_up(&store, &sub).await.unwrap().unwrap().version, 1);
+    assert_eq!(catch_up(&store, &sub).await.unwrap().unwrap().version, 2);
 }
