@@ -1,23 +1,28 @@
-//! The end-to-end demo behind `weightcast demo`: a few training steps of the
-//! synthetic model published as anchors and deltas into a local bucket
-//! directory, replayed by two replicas (one from the start, one joining late
-//! from the newest anchor), with bit-identity checked at every version.
+//! The end-to-end demo behind `weightcast demo`: the whole product on an
+//! embedded default. A synthetic Llama-shaped model takes a few RL-like
+//! training steps; a [`Publisher`] commits each step from memory (no
+//! checkpoint file) into a `file://` bucket as anchors and deltas; two
+//! subscribers catch up into their own output directories — one follows every
+//! version, one joins late from the newest anchor — and every replica is
+//! checked bit for bit against the trainer.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::codec::{DeltaOptions, apply_delta, encode_anchor, encode_delta, read_anchor};
 use crate::error::{Error, Result};
 use crate::format::Encoding;
 use crate::generator::{Generator, GeneratorConfig};
-use crate::tensors::TensorSet;
+use crate::publisher::{AnchorPolicy, Checkpoint, PublishOptions, Publisher, PublisherConfig};
+use crate::store::Store;
+use crate::tensors::{Digests, TensorSet};
 
 /// Demo settings.
 #[derive(Clone, Debug)]
 pub struct DemoConfig {
-    /// Where the bucket directory goes.
+    /// Where the bucket, the publisher's state and the replicas go.
     pub dir: PathBuf,
     /// Training steps (versions after the first anchor).
     pub steps: u64,
@@ -42,10 +47,12 @@ pub struct DemoStep {
     pub changed: u64,
     /// Full size / bytes.
     pub reduction: f64,
-    /// Seconds to encode.
-    pub encode_s: f64,
-    /// Seconds for a replica to apply and verify.
-    pub apply_s: f64,
+    /// Seconds to publish (diff, encode, upload, commit).
+    pub publish_s: f64,
+    /// Seconds for the following subscriber to catch up and verify.
+    pub catch_up_s: f64,
+    /// Bytes that subscriber downloaded.
+    pub downloaded: u64,
 }
 
 /// The demo's outcome.
@@ -61,133 +68,135 @@ pub struct DemoReport {
     pub bit_identical: bool,
 }
 
-fn object_path(dir: &Path, kind: &str, version: u64) -> PathBuf {
-    dir.join(kind).join(format!("{version:012}.safetensors"))
+/// Whether the replica in `out` holds exactly `truth`'s tensors.
+fn replica_matches(out: &Path, truth: &TensorSet) -> Result<bool> {
+    let got = TensorSet::read(&out.join("current").join(FILE), Digests::Skip)?;
+    Ok(got.len() == truth.len()
+        && truth.tensors().iter().enumerate().all(|(i, t)| {
+            got.position(&t.name)
+                .is_some_and(|j| got.data(j) == truth.data(i))
+        }))
 }
 
-fn write_object(path: &Path, bytes: &[u8]) -> Result<()> {
-    let parent = path.parent().expect("object paths have a parent");
-    std::fs::create_dir_all(parent)
-        .map_err(|e| Error::io(format!("creating {}", parent.display()), e))?;
-    let tmp = path.with_extension("partial");
-    std::fs::write(&tmp, bytes).map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
-    std::fs::rename(&tmp, path).map_err(|e| Error::io(format!("renaming {}", path.display()), e))
-}
-
-fn read_object(path: &Path) -> Result<Vec<u8>> {
-    std::fs::read(path).map_err(|e| Error::io(format!("reading {}", path.display()), e))
-}
-
-fn same_bytes(a: &TensorSet, b: &TensorSet) -> bool {
-    a.len() == b.len() && (0..a.len()).all(|i| a.data(i) == b.data(i))
-}
+const FILE: &str = "model.safetensors";
 
 /// Runs the demo; `progress` receives one human-readable line per event.
-pub fn run(cfg: &DemoConfig, mut progress: impl FnMut(&str)) -> Result<DemoReport> {
+pub fn run(cfg: &DemoConfig, progress: impl FnMut(&str)) -> Result<DemoReport> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| Error::io("starting the async runtime", e))?
+        .block_on(run_async(cfg, progress))
+}
+
+async fn run_async(cfg: &DemoConfig, mut progress: impl FnMut(&str)) -> Result<DemoReport> {
+    let bucket = cfg.dir.join("bucket");
+    std::fs::create_dir_all(&bucket)
+        .map_err(|e| Error::io(format!("creating {}", bucket.display()), e))?;
+    let url = url::Url::from_directory_path(
+        bucket
+            .canonicalize()
+            .map_err(|e| Error::io(format!("resolving {}", bucket.display()), e))?,
+    )
+    .map_err(|()| Error::Config(format!("{}: not an absolute path", bucket.display())))?;
+    let store = Store::open(url.as_str())?;
+    let mut publisher = Publisher::open(
+        store.clone(),
+        PublisherConfig {
+            state_dir: cfg.dir.join("publisher-state"),
+            encoding: cfg.encoding,
+            anchors: AnchorPolicy {
+                every: cfg.anchor_every,
+                ..Default::default()
+            },
+            single_writer: false,
+            notify_urls: Vec::new(),
+            notify_key: None,
+            retention: None,
+            checkpoint: Default::default(),
+        },
+    )
+    .await?;
     let mut trainer = Generator::new(cfg.model.clone());
     let elements = trainer.config().elements();
     let full = elements * 2;
     progress(&format!(
-        "model: {} tensors, {elements} bf16 elements ({:.1} MB); bucket: {}",
+        "model: {} tensors, {elements} bf16 elements ({:.1} MB); bucket: {url}",
         cfg.model.tensors.len(),
         full as f64 / 1e6,
-        cfg.dir.display()
     ));
-    let mut published = trainer.snapshot();
-    let (bytes, _) = encode_anchor(&published, 0)?;
-    write_object(&object_path(&cfg.dir, "anchors", 0), &bytes)?;
-    let mut early = read_anchor(read_object(&object_path(&cfg.dir, "anchors", 0))?)?.1;
+    let follower = cfg.dir.join("replica-following");
+    let config = br#"{"model_type": "llama", "demo": true}"#;
     let mut report = DemoReport {
         elements,
         full_bytes: full,
-        steps: vec![DemoStep {
-            version: 0,
-            kind: "anchor",
-            bytes: bytes.len() as u64,
-            changed: elements,
-            reduction: full as f64 / bytes.len() as f64,
-            encode_s: 0.0,
-            apply_s: 0.0,
-        }],
+        steps: Vec::new(),
         bit_identical: true,
     };
-    progress(&format!("v0  anchor {:>12} bytes", bytes.len()));
-    let mut last_anchor = 0;
-    for v in 1..=cfg.steps {
-        trainer.step();
-        let mut next = trainer.snapshot_without_digests();
+    let mut truth = trainer.snapshot();
+    for v in 0..=cfg.steps {
+        if v > 0 {
+            trainer.step();
+            truth = trainer.snapshot();
+        }
+        // The trainer hands its tensors over in memory.
+        let cp = Checkpoint::from_sets(
+            BTreeMap::from([(FILE.to_string(), trainer.snapshot_without_digests())]),
+            BTreeMap::from([("config.json".to_string(), bytes::Bytes::from_static(config))]),
+        )?;
         let t = Instant::now();
-        let step = if v % cfg.anchor_every == 0 {
-            next.compute_digests();
-            let (bytes, _) = encode_anchor(&next, v)?;
-            let encode_s = t.elapsed().as_secs_f64();
-            write_object(&object_path(&cfg.dir, "anchors", v), &bytes)?;
-            last_anchor = v;
-            let t = Instant::now();
-            early = read_anchor(read_object(&object_path(&cfg.dir, "anchors", v))?)?.1;
-            DemoStep {
-                version: v,
-                kind: "anchor",
-                bytes: bytes.len() as u64,
-                changed: elements,
-                reduction: full as f64 / bytes.len() as f64,
-                encode_s,
-                apply_s: t.elapsed().as_secs_f64(),
-            }
-        } else {
-            let opts = DeltaOptions {
-                encoding: cfg.encoding,
-                model_version: v,
-                base_version: v - 1,
-            };
-            let (bytes, summary) = encode_delta(&published, &mut next, &opts)?;
-            let encode_s = t.elapsed().as_secs_f64();
-            write_object(&object_path(&cfg.dir, "deltas", v), &bytes)?;
-            let t = Instant::now();
-            apply_delta(
-                &mut early,
-                &read_object(&object_path(&cfg.dir, "deltas", v))?,
-            )?;
-            DemoStep {
-                version: v,
-                kind: "delta",
-                bytes: bytes.len() as u64,
-                changed: summary.changed,
-                reduction: full as f64 / bytes.len() as f64,
-                encode_s,
-                apply_s: t.elapsed().as_secs_f64(),
-            }
-        };
-        let ok = same_bytes(&early, &next) && early.digest() == next.digest();
+        let out = publisher
+            .publish(cp, &PublishOptions { step: Some(v) })
+            .await?;
+        let publish_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let caught = crate::subscriber::catch_up(&store, &follower)
+            .await?
+            .ok_or_else(|| Error::NotFound("the bucket has no version".into()))?;
+        let catch_up_s = t.elapsed().as_secs_f64();
+        let ok = caught.version == out.version && replica_matches(&follower, &truth)?;
         report.bit_identical &= ok;
+        let kind = match out.kind {
+            crate::protocol::VersionKind::Anchor => "anchor",
+            crate::protocol::VersionKind::Delta => "delta",
+        };
+        let step = DemoStep {
+            version: out.version,
+            kind,
+            bytes: out.bytes,
+            changed: out.changed,
+            reduction: full as f64 / out.bytes.max(1) as f64,
+            publish_s,
+            catch_up_s,
+            downloaded: caught.downloaded,
+        };
         progress(&format!(
-            "v{v:<3} {:<6} {:>12} bytes  {:>8} changed ({:.2}%)  {:>7.1}x smaller  encode {:>6.1} ms  replica apply+verify {:>6.1} ms  {}",
+            "v{:<3} {:<6} {:>12} bytes  {:>8} changed ({:.2}%)  {:>7.1}x smaller  publish {:>6.1} ms  replica catch-up+verify {:>6.1} ms  {}",
+            step.version,
             step.kind,
             step.bytes,
             step.changed,
             step.changed as f64 * 100.0 / elements as f64,
             step.reduction,
-            step.encode_s * 1e3,
-            step.apply_s * 1e3,
+            step.publish_s * 1e3,
+            step.catch_up_s * 1e3,
             if ok { "bit-identical" } else { "MISMATCH" }
         ));
         report.steps.push(step);
-        published = next;
     }
-    // A late joiner: newest anchor, then every delta after it.
+    // A late joiner: a fresh subscriber starts from the newest anchor.
+    let late = cfg.dir.join("replica-late");
     let t = Instant::now();
-    let mut late = read_anchor(read_object(&object_path(&cfg.dir, "anchors", last_anchor))?)?.1;
-    for v in last_anchor + 1..=cfg.steps {
-        apply_delta(
-            &mut late,
-            &read_object(&object_path(&cfg.dir, "deltas", v))?,
-        )?;
-    }
-    let ok = same_bytes(&late, &published);
+    let caught = crate::subscriber::catch_up(&store, &late)
+        .await?
+        .ok_or_else(|| Error::NotFound("the bucket has no version".into()))?;
+    let ok = replica_matches(&late, &truth)?;
     report.bit_identical &= ok;
     progress(&format!(
-        "late joiner: anchor v{last_anchor} + {} deltas in {:.1} ms: {}",
-        cfg.steps - last_anchor,
+        "late joiner: version {} ({} bytes downloaded, {} deltas replayed after the anchor) in {:.1} ms: {}",
+        caught.version,
+        caught.downloaded,
+        caught.deltas_applied,
         t.elapsed().as_secs_f64() * 1e3,
         if ok { "bit-identical" } else { "MISMATCH" }
     ));

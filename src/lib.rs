@@ -70,6 +70,7 @@
 
 pub mod bench;
 pub mod codec;
+#[cfg(feature = "store")]
 pub mod demo;
 pub mod digest;
 pub mod dtype;

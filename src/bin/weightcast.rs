@@ -472,22 +472,37 @@ fn run(cli: Cli) -> Result<()> {
                 encoding,
                 model: GeneratorConfig::small(7),
             };
-            let report = demo::run(&cfg, |line| emit(line))?;
+            // With --json, stdout carries the JSON report alone.
+            let report = demo::run(&cfg, |line| {
+                if json {
+                    eprintln!("{line}");
+                } else {
+                    emit(line)
+                }
+            })?;
             let deltas: Vec<_> = report.steps.iter().filter(|s| s.kind == "delta").collect();
             let delta_bytes: u64 = deltas.iter().map(|s| s.bytes).sum();
             let changed: u64 = deltas.iter().map(|s| s.changed).sum();
-            emit(format!(
+            let summary = format!(
                 "deltas: {:.3} bytes per changed element, {:.0}x smaller than full weights on average",
                 delta_bytes as f64 / changed.max(1) as f64,
                 (report.full_bytes * deltas.len() as u64) as f64 / delta_bytes.max(1) as f64
-            ));
+            );
+            let verdict = if report.bit_identical {
+                "verdict: OK, every replica is bit-identical to the trainer at every version"
+            } else {
+                "verdict: FAILED, a replica diverged from the trainer"
+            };
             if json {
+                eprintln!("{summary}\n{verdict}");
                 emit(serde_json::to_string(&report)?);
+            } else {
+                emit(summary);
+                emit(verdict);
             }
             if !report.bit_identical {
-                bail!("verdict: FAILED, a replica diverged from the trainer");
+                bail!("a replica diverged from the trainer");
             }
-            emit("verdict: OK, every replica is bit-identical to the trainer at every version");
         }
         Command::Bench {
             what:
