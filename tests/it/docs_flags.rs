@@ -14,6 +14,7 @@ const COMMANDS: &[&[&str]] = &[
     &["apply"],
     &["inspect"],
     &["bench", "codec"],
+    &["bench", "anchors"],
 ];
 
 /// The long flags a command's help lists (`--help` itself excluded).
