@@ -399,6 +399,17 @@ fn shutdown() -> Result<impl std::future::Future<Output = ()>> {
     })
 }
 
+/// Sizes rayon's global pool (`--threads`; default: all cores).
+fn set_threads(threads: Option<usize>) -> Result<()> {
+    if let Some(t) = threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(t)
+            .build_global()
+            .context("configuring worker threads")?;
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -460,12 +471,7 @@ fn main() -> Result<()> {
                     reps,
                 },
         } => {
-            if let Some(t) = threads {
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(t)
-                    .build_global()
-                    .context("configuring worker threads")?;
-            }
+            set_threads(threads)?;
             let cfg = BenchConfig {
                 elements,
                 steps,
@@ -492,12 +498,7 @@ fn main() -> Result<()> {
                     json,
                 },
         } => {
-            if let Some(t) = threads {
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(t)
-                    .build_global()
-                    .context("configuring worker threads")?;
-            }
+            set_threads(threads)?;
             let set = match &input {
                 Some(p) => TensorSet::read(p, Digests::Compute)?,
                 None => weightcast::generator::Generator::new(GeneratorConfig::with_elements(

@@ -25,7 +25,9 @@ use crate::digest::{Digest, TensorSeed};
 use crate::dtype::{Dtype, element_count, key_kind, word_bytes};
 use crate::error::{Error, Result};
 use crate::format::{BlockEntry, Encoding, Header, Kind, TensorEntry, entry_digest, keys};
-use crate::tensors::{Digests, TensorInfo, TensorSet, safetensors_header, write_safetensors};
+use crate::tensors::{
+    Digests, TensorInfo, TensorSet, safetensors_header, safetensors_header_lens, write_safetensors,
+};
 
 /// What a delta is and where it sits in the version chain.
 #[derive(Clone, Copy, Debug)]
@@ -831,13 +833,21 @@ pub fn anchor_prefix(set: &TensorSet, model_version: u64) -> Result<Vec<u8>> {
         return Err(Error::metadata("anchor", "tensor set has no digests"));
     }
     let meta = anchor_header(set, model_version).to_metadata();
-    let views: Vec<(&str, Dtype, &[usize], &[u8])> = set
+    let lens: Vec<(&str, Dtype, &[usize], usize)> = set
         .tensors()
         .iter()
-        .enumerate()
-        .map(|(i, t)| (t.name.as_str(), t.dtype, t.shape.as_slice(), set.data(i)))
+        .map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice(), t.range.len()))
         .collect();
-    let head = safetensors_header(&views, &meta)?;
+    object_prefix(&lens, &meta)
+}
+
+/// An object's first bytes: the 8-byte header length and the padded header
+/// of tensors with these byte lengths, in this order.
+pub(crate) fn object_prefix(
+    lens: &[(&str, Dtype, &[usize], usize)],
+    meta: &BTreeMap<String, String>,
+) -> Result<Vec<u8>> {
+    let head = safetensors_header_lens(lens, meta)?;
     let mut out = Vec::with_capacity(8 + head.len());
     out.extend_from_slice(&(head.len() as u64).to_le_bytes());
     out.extend_from_slice(&head);

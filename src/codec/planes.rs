@@ -40,7 +40,6 @@ use crate::digest::{Digest, TensorSeed, words_digest};
 use crate::dtype::{Dtype, byte_len, element_count, parse_dtype, word_bytes};
 use crate::error::{Error, Result};
 use crate::format::{Encoding, Header, Kind, entry_digest, keys};
-use crate::tensors::safetensors_header_lens;
 
 /// Suffix of the `U8` tensor holding a tensor's chunks.
 pub const SUFFIX: &str = ".planes";
@@ -463,6 +462,12 @@ impl<W: Write> PlanesWriter<W> {
         Ok(())
     }
 
+    /// Chunks a batch collects at most (many small tensors): bounds the
+    /// workers, each of which holds a zstd context.
+    fn max_jobs() -> usize {
+        4 * rayon::current_num_threads().max(16)
+    }
+
     /// Bytes a batch collects before it is compressed.
     fn batch_len(&self, chunk: usize) -> usize {
         self.opts
@@ -521,7 +526,7 @@ impl<W: Write> PlanesWriter<W> {
                 });
                 self.tail += chunk;
             }
-            if self.pending.len() >= batch {
+            if self.pending.len() >= batch || self.jobs.len() >= Self::max_jobs() {
                 self.flush()?;
             }
         }
@@ -555,6 +560,9 @@ impl<W: Write> PlanesWriter<W> {
             self.tail = self.pending.len();
         }
         self.open = None;
+        if self.jobs.len() >= Self::max_jobs() {
+            self.flush()?;
+        }
         Ok(())
     }
 
@@ -663,10 +671,7 @@ impl<W: Write> PlanesWriter<W> {
             .zip(&shapes)
             .map(|(n, s)| (n.as_str(), Dtype::U8, s.as_slice(), s[0]))
             .collect();
-        let head = safetensors_header_lens(&lens, &meta)?;
-        let mut prefix = Vec::with_capacity(8 + head.len());
-        prefix.extend_from_slice(&(head.len() as u64).to_le_bytes());
-        prefix.extend_from_slice(&head);
+        let prefix = super::object_prefix(&lens, &meta)?;
         let raw_bytes = self
             .tensors
             .iter()
@@ -975,11 +980,7 @@ impl PlanesLayout {
                 (t.name.as_str(), t.dtype, t.shape.as_slice(), len)
             })
             .collect();
-        let head = safetensors_header_lens(&lens, &meta)?;
-        let mut out = Vec::with_capacity(8 + head.len());
-        out.extend_from_slice(&(head.len() as u64).to_le_bytes());
-        out.extend_from_slice(&head);
-        Ok(out)
+        super::object_prefix(&lens, &meta)
     }
 
     /// Ranges of object bytes, each at most `max_bytes` long unless a single
@@ -1397,7 +1398,7 @@ mod tests {
         encode_anchor, encode_anchor_compressed, inspect, materialize_anchor, read_anchor,
         write_anchor_compressed, write_anchor_planes,
     };
-    use crate::tensors::TensorSet;
+    use crate::tensors::{TensorSet, safetensors_header_lens};
 
     fn noise(seed: u64, n: usize) -> Vec<u8> {
         let mut x = seed;
@@ -1635,6 +1636,29 @@ mod tests {
             .unwrap();
         let e = dec.finish().unwrap_err().to_string();
         assert!(e.contains("never decoded"), "{e}");
+    }
+
+    #[test]
+    fn many_small_tensors_keep_the_workers_bounded() {
+        let items: Vec<_> = (0..3000)
+            .map(|i| (format!("t{i:05}"), Dtype::U8, vec![3], noise(i, 3)))
+            .collect();
+        let set = TensorSet::from_tensors(items).unwrap();
+        let mut w = PlanesWriter::new(Vec::new(), PlanesOptions::default()).unwrap();
+        for (i, t) in set.tensors().iter().enumerate() {
+            w.tensor(&t.name, t.dtype, &t.shape, set.data(i)).unwrap();
+        }
+        assert!(w.workers.len() <= PlanesWriter::<Vec<u8>>::max_jobs());
+        let digests = set
+            .tensors()
+            .iter()
+            .map(|t| (t.name.clone(), t.digest))
+            .collect();
+        let f = w.finish(1, &digests).unwrap();
+        let mut obj = f.prefix;
+        obj.extend_from_slice(&f.sink);
+        let (_, back) = read_anchor(obj).unwrap();
+        assert_same(&set, &back);
     }
 
     #[test]
