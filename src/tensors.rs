@@ -1,10 +1,12 @@
-//! An in-memory set of named tensors laid out as one safetensors image.
+//! A set of named tensors, each a byte range of a buffer.
 //!
-//! A [`TensorSet`] owns a single buffer (a whole safetensors file when it was
-//! read from one) and describes each tensor as a byte range into it, so loading a
-//! checkpoint costs one read and no copy, and applying a delta mutates the
-//! tensors in place. Each tensor carries its additive [`Digest`], maintained
-//! incrementally by the codec.
+//! A [`TensorSet`] describes each tensor as a byte range of one of its
+//! buffers: a whole safetensors file read into memory or memory-mapped (then
+//! ranges are file offsets, so a mapped file is patched in place), or
+//! buffers the caller owns (a trainer's tensors, handed over without a copy;
+//! see [`ExternalBuffer`]). Applying a delta mutates the tensors in place.
+//! Each tensor carries its additive [`Digest`], maintained incrementally by the
+//! codec.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
@@ -27,8 +29,11 @@ pub struct TensorInfo {
     pub dtype: Dtype,
     /// Shape (C order).
     pub shape: Vec<usize>,
-    /// Byte range of the data inside the set's buffer.
+    /// Byte range of the data inside its buffer (for a set read or mapped
+    /// from a safetensors file: the offsets in the file).
     pub range: Range<usize>,
+    /// Which of the set's buffers holds the data.
+    pub buf: usize,
     /// Seed of the element hash (derived from name, dtype, shape).
     pub seed: TensorSeed,
     /// Additive digest of the current bytes (valid when the set's digests are).
@@ -56,20 +61,125 @@ pub enum Digests {
     Skip,
 }
 
-/// Named tensors in one buffer, sorted by name.
-#[derive(Clone, Debug)]
+/// Memory a caller owns and lends to a [`TensorSet`] (e.g. a Python
+/// tensor's storage): the set reads it, and writes it only through
+/// [`ExternalBuffer::bytes_mut`].
+pub trait ExternalBuffer: Send + Sync {
+    /// The bytes.
+    fn bytes(&self) -> &[u8];
+    /// The bytes for writing, if the owner allows writes.
+    fn bytes_mut(&mut self) -> Option<&mut [u8]>;
+}
+
+impl ExternalBuffer for bytes::Bytes {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+    fn bytes_mut(&mut self) -> Option<&mut [u8]> {
+        None
+    }
+}
+
+/// Where a [`TensorSet`]'s bytes live.
+pub enum Buffer {
+    /// Owned memory.
+    Owned(Vec<u8>),
+    /// A file mapped read-only.
+    Mapped(memmap2::Mmap),
+    /// A file mapped for writing (shared: writes reach the file).
+    MappedMut(memmap2::MmapMut),
+    /// Memory lent by the caller.
+    External(Box<dyn ExternalBuffer>),
+}
+
+impl std::fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self {
+            Buffer::Owned(_) => "Owned",
+            Buffer::Mapped(_) => "Mapped",
+            Buffer::MappedMut(_) => "MappedMut",
+            Buffer::External(_) => "External",
+        };
+        write!(f, "{kind}({} bytes)", self.len())
+    }
+}
+
+impl std::ops::Deref for Buffer {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Buffer::Owned(v) => v,
+            Buffer::Mapped(m) => m,
+            Buffer::MappedMut(m) => m,
+            Buffer::External(e) => e.bytes(),
+        }
+    }
+}
+
+impl Buffer {
+    /// The bytes for writing; a read-only mapping or a read-only external
+    /// buffer is copied into owned memory first (copy on write).
+    fn writable(&mut self) -> &mut [u8] {
+        let read_only = match self {
+            Buffer::Mapped(_) => true,
+            Buffer::External(e) => e.bytes_mut().is_none(),
+            _ => false,
+        };
+        if read_only {
+            *self = Buffer::Owned(self.to_vec());
+        }
+        match self {
+            Buffer::Owned(v) => v,
+            Buffer::MappedMut(m) => m,
+            Buffer::External(e) => e.bytes_mut().expect("checked writable"),
+            Buffer::Mapped(_) => unreachable!("copied above"),
+        }
+    }
+
+    /// Whether writes reach memory or a file that someone else owns (a
+    /// mapping or an external buffer), rather than a private copy.
+    pub fn is_shared(&self) -> bool {
+        !matches!(self, Buffer::Owned(_))
+    }
+}
+
+/// Named tensors over one or more buffers, sorted by name.
+#[derive(Debug)]
 pub struct TensorSet {
-    buf: Vec<u8>,
+    bufs: Vec<Buffer>,
     tensors: Vec<TensorInfo>,
     index: HashMap<String, usize>,
     metadata: BTreeMap<String, String>,
     digests_valid: bool,
 }
 
+impl Clone for TensorSet {
+    /// A copy in owned memory (mapped and external buffers are copied).
+    fn clone(&self) -> Self {
+        TensorSet {
+            bufs: self
+                .bufs
+                .iter()
+                .map(|b| Buffer::Owned(b.to_vec()))
+                .collect(),
+            tensors: self.tensors.clone(),
+            index: self.index.clone(),
+            metadata: self.metadata.clone(),
+            digests_valid: self.digests_valid,
+        }
+    }
+}
+
 impl TensorSet {
     /// Parses a safetensors image, validating the container (header size, offsets,
     /// coverage, dtype/shape/length agreement) through the `safetensors` crate.
     pub fn from_safetensors(buf: Vec<u8>, digests: Digests) -> Result<Self> {
+        Self::from_buffer(Buffer::Owned(buf), digests)
+    }
+
+    /// Parses a safetensors image held in any [`Buffer`] (see
+    /// [`TensorSet::from_safetensors`]).
+    pub fn from_buffer(buf: Buffer, digests: Digests) -> Result<Self> {
         let (n, meta) =
             SafeTensors::read_metadata(&buf).map_err(|e| Error::Container(e.to_string()))?;
         let data_start = 8 + n;
@@ -84,6 +194,7 @@ impl TensorSet {
                     dtype: info.dtype,
                     shape: info.shape.clone(),
                     range: data_start + a..data_start + b,
+                    buf: 0,
                     digest: Digest::default(),
                 }
             })
@@ -95,7 +206,14 @@ impl TensorSet {
             .unwrap_or_default()
             .into_iter()
             .collect();
-        let mut set = TensorSet::assemble(buf, tensors, metadata);
+        let mut set = TensorSet {
+            bufs: vec![buf],
+            index: HashMap::new(),
+            tensors,
+            metadata,
+            digests_valid: false,
+        };
+        set.reindex();
         if digests == Digests::Compute {
             set.compute_digests();
         }
@@ -108,6 +226,120 @@ impl TensorSet {
             std::fs::read(path).map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
         Self::from_safetensors(buf, digests)
             .map_err(|e| Error::Container(format!("{}: {e}", path.display())))
+    }
+
+    /// Maps a safetensors file: read-only, or for writing (`writable`; writes
+    /// through [`TensorSet::data_mut`] and the codec's apply reach the file).
+    ///
+    /// The file must not be truncated while mapped (reading a page past the
+    /// new end raises SIGBUS): map only files this process owns, such as its
+    /// own state, never a file another process may rewrite.
+    pub fn map(path: &Path, writable: bool, digests: Digests) -> Result<Self> {
+        let io = |e| Error::io(format!("mapping {}", path.display()), e);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(writable)
+            .open(path)
+            .map_err(io)?;
+        // SAFETY: memory-mapping is unsafe because another process may change
+        // or truncate the file while it is mapped (Rust's aliasing rules do
+        // not cover that, and truncation raises SIGBUS). `map` is documented
+        // to be used only on files this process owns (its state directory and
+        // output slots), which nothing else writes; the mapping lives inside
+        // the returned set.
+        let buf = unsafe {
+            if writable {
+                Buffer::MappedMut(memmap2::MmapMut::map_mut(&file).map_err(io)?)
+            } else {
+                Buffer::Mapped(memmap2::Mmap::map(&file).map_err(io)?)
+            }
+        };
+        Self::from_buffer(buf, digests)
+            .map_err(|e| Error::Container(format!("{}: {e}", path.display())))
+    }
+
+    /// Builds a set over buffers the caller lends (one per tensor: name,
+    /// dtype, shape, bytes), without copying them. Digests are not computed.
+    pub fn from_external<I>(items: I) -> Result<Self>
+    where
+        I: IntoIterator<Item = (String, Dtype, Vec<usize>, Box<dyn ExternalBuffer>)>,
+    {
+        let mut items: Vec<_> = items.into_iter().collect();
+        items.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut bufs = Vec::with_capacity(items.len());
+        let mut tensors = Vec::with_capacity(items.len());
+        for (name, dtype, shape, data) in items {
+            if tensors.last().is_some_and(|t: &TensorInfo| t.name == name) {
+                return Err(Error::tensor(&name, "duplicate tensor name"));
+            }
+            let expect = byte_len(dtype, &shape)
+                .ok_or_else(|| Error::tensor(&name, "shape overflows or is not byte-aligned"))?;
+            let len = data.bytes().len();
+            if expect != len {
+                return Err(Error::tensor(
+                    &name,
+                    format!("{len} bytes given, dtype {dtype} and shape {shape:?} need {expect}"),
+                ));
+            }
+            tensors.push(TensorInfo {
+                seed: TensorSeed::new(&name, dtype, &shape),
+                name,
+                dtype,
+                shape,
+                range: 0..len,
+                buf: bufs.len(),
+                digest: Digest::default(),
+            });
+            bufs.push(Buffer::External(data));
+        }
+        let mut set = TensorSet {
+            bufs,
+            tensors,
+            index: HashMap::new(),
+            metadata: BTreeMap::new(),
+            digests_valid: false,
+        };
+        set.reindex();
+        Ok(set)
+    }
+
+    /// Sets every tensor's digest from a trusted record (the caller's own
+    /// state, verified earlier), without a pass over the data. `digests` is in
+    /// the order of [`TensorSet::tensors`].
+    pub fn assume_digests(&mut self, digests: &[Digest]) -> Result<()> {
+        if digests.len() != self.tensors.len() {
+            return Err(Error::metadata(
+                "digests",
+                format!("{} given for {} tensors", digests.len(), self.tensors.len()),
+            ));
+        }
+        for (t, d) in self.tensors.iter_mut().zip(digests) {
+            t.digest = *d;
+        }
+        self.digests_valid = true;
+        Ok(())
+    }
+
+    /// Replaces the `__metadata__` carried with the set.
+    pub fn set_metadata(&mut self, metadata: BTreeMap<String, String>) {
+        self.metadata = metadata;
+    }
+
+    /// Whether the set's bytes live in a mapping or caller memory that writes
+    /// reach (rather than private memory).
+    pub fn is_shared(&self) -> bool {
+        self.bufs.iter().any(Buffer::is_shared)
+    }
+
+    /// Flushes writes to mapped files (no-op for memory).
+    pub fn flush(&self) -> Result<()> {
+        for b in &self.bufs {
+            if let Buffer::MappedMut(m) = b {
+                m.flush()
+                    .map_err(|e| Error::io("flushing a mapped file", e))?;
+            }
+        }
+        Ok(())
     }
 
     /// Builds a set from owned tensors (name, dtype, shape, little-endian bytes)
@@ -153,10 +385,11 @@ impl TensorSet {
                 dtype,
                 shape,
                 range: start..buf.len(),
+                buf: 0,
                 digest: Digest::default(),
             });
         }
-        Ok(TensorSet::assemble(buf, tensors, BTreeMap::new()))
+        Ok(TensorSet::assemble(vec![buf], tensors, BTreeMap::new()))
     }
 
     /// A zero-filled set with these tensors (digests not computed): for writers
@@ -184,34 +417,41 @@ impl TensorSet {
                 dtype,
                 shape,
                 range: total..end,
+                buf: 0,
                 digest: Digest::default(),
             });
             total = end;
         }
         Ok(TensorSet::assemble(
-            vec![0u8; total],
+            vec![vec![0u8; total]],
             tensors,
             BTreeMap::new(),
         ))
     }
 
     fn assemble(
-        buf: Vec<u8>,
+        bufs: Vec<Vec<u8>>,
         tensors: Vec<TensorInfo>,
         metadata: BTreeMap<String, String>,
     ) -> Self {
-        let index = tensors
+        let mut set = TensorSet {
+            bufs: bufs.into_iter().map(Buffer::Owned).collect(),
+            tensors,
+            index: HashMap::new(),
+            metadata,
+            digests_valid: false,
+        };
+        set.reindex();
+        set
+    }
+
+    fn reindex(&mut self) {
+        self.index = self
+            .tensors
             .iter()
             .enumerate()
             .map(|(i, t)| (t.name.clone(), i))
             .collect();
-        TensorSet {
-            buf,
-            tensors,
-            index,
-            metadata,
-            digests_valid: false,
-        }
     }
 
     /// Every tensor's digest of its current bytes (a full pass, parallel),
@@ -219,7 +459,7 @@ impl TensorSet {
     pub fn full_digests(&self) -> Vec<Digest> {
         self.tensors
             .par_iter()
-            .map(|t| tensor_digest(t.seed, t.dtype, &self.buf[t.range.clone()]))
+            .map(|t| tensor_digest(t.seed, t.dtype, &self.bufs[t.buf][t.range.clone()]))
             .collect()
     }
 
@@ -257,34 +497,42 @@ impl TensorSet {
 
     /// Bytes of tensor `i`.
     pub fn data(&self, i: usize) -> &[u8] {
-        &self.buf[self.tensors[i].range.clone()]
+        let t = &self.tensors[i];
+        &self.bufs[t.buf][t.range.clone()]
     }
 
     /// Mutable bytes of tensor `i`. Callers that change bytes are responsible for
     /// keeping the digest right (the codec does); others should call
     /// [`TensorSet::compute_digests`] afterwards.
     pub fn data_mut(&mut self, i: usize) -> &mut [u8] {
-        let r = self.tensors[i].range.clone();
-        &mut self.buf[r]
+        let t = &self.tensors[i];
+        let r = t.range.clone();
+        &mut self.bufs[t.buf].writable()[r]
     }
 
     /// Mutable bytes of every tensor at once, in the order of [`TensorSet::tensors`].
     pub fn all_data_mut(&mut self) -> Vec<&mut [u8]> {
-        // Ranges are disjoint; walk them in buffer order and split.
+        // Within a buffer ranges are disjoint; walk each buffer in offset
+        // order and split. Empty tensors may share their start with the next
+        // tensor: order by end too.
         let mut order: Vec<usize> = (0..self.tensors.len()).collect();
-        // Empty tensors may share their start with the next tensor: order by end too.
-        order.sort_by_key(|&i| (self.tensors[i].range.start, self.tensors[i].range.end));
+        let key = |t: &TensorInfo| (t.buf, t.range.start, t.range.end);
+        order.sort_by_key(|&i| key(&self.tensors[i]));
         let mut out: Vec<Option<&mut [u8]>> = (0..self.tensors.len()).map(|_| None).collect();
-        let mut rest: &mut [u8] = &mut self.buf;
-        let mut consumed = 0usize;
+        let mut rests: Vec<(&mut [u8], usize)> = self
+            .bufs
+            .iter_mut()
+            .map(|b| (b.writable(), 0usize))
+            .collect();
         for i in order {
-            let r = self.tensors[i].range.clone();
-            let tail = std::mem::take(&mut rest);
-            let (_, tail) = tail.split_at_mut(r.start - consumed);
-            let (mine, tail) = tail.split_at_mut(r.len());
+            let t = &self.tensors[i];
+            let (rest, consumed) = &mut rests[t.buf];
+            let tail = std::mem::take(rest);
+            let (_, tail) = tail.split_at_mut(t.range.start - *consumed);
+            let (mine, tail) = tail.split_at_mut(t.range.len());
             out[i] = Some(mine);
-            rest = tail;
-            consumed = r.end;
+            *rest = tail;
+            *consumed = t.range.end;
         }
         out.into_iter()
             .map(|s| s.expect("every tensor visited"))
@@ -360,7 +608,7 @@ impl TensorSet {
                     t.name.as_str(),
                     t.dtype,
                     t.shape.as_slice(),
-                    &self.buf[t.range.clone()],
+                    &self.bufs[t.buf][t.range.clone()],
                 )
             })
             .collect();
@@ -508,5 +756,95 @@ mod tests {
         assert_eq!(parts.len(), 2);
         assert_eq!(&*parts[0], &[1, 2]);
         assert_eq!(&*parts[1], &[3]);
+    }
+
+    #[test]
+    fn a_writable_mapping_patches_the_file_in_place() {
+        let set = TensorSet::from_tensors(vec![
+            ("a".to_string(), Dtype::U8, vec![3], vec![1, 2, 3]),
+            ("b".to_string(), Dtype::U8, vec![2], vec![4, 5]),
+        ])
+        .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.safetensors");
+        let mut f = std::fs::File::create(&path).unwrap();
+        set.write_to(&BTreeMap::new(), &mut f).unwrap();
+        drop(f);
+        let before = std::fs::read(&path).unwrap();
+        {
+            let mut mapped = TensorSet::map(&path, true, Digests::Compute).unwrap();
+            assert!(mapped.is_shared());
+            assert_eq!(mapped.digest(), set.digest());
+            let i = mapped.position("b").unwrap();
+            mapped.data_mut(i)[1] = 9;
+            mapped.flush().unwrap();
+        }
+        let after = std::fs::read(&path).unwrap();
+        let changed: Vec<usize> = (0..after.len())
+            .filter(|&k| after[k] != before[k])
+            .collect();
+        assert_eq!(
+            changed,
+            vec![after.len() - 1],
+            "only that byte of the file changed"
+        );
+        // A read-only mapping copies on write: the file stays as it is.
+        let mut ro = TensorSet::map(&path, false, Digests::Skip).unwrap();
+        let i = ro.position("a").unwrap();
+        ro.data_mut(i)[0] = 7;
+        assert_eq!(std::fs::read(&path).unwrap(), after);
+        assert!(!ro.is_shared(), "the written buffer is now a private copy");
+    }
+
+    struct Lent(Vec<u8>, bool);
+
+    impl ExternalBuffer for Lent {
+        fn bytes(&self) -> &[u8] {
+            &self.0
+        }
+        fn bytes_mut(&mut self) -> Option<&mut [u8]> {
+            self.1.then_some(&mut self.0[..])
+        }
+    }
+
+    #[test]
+    fn external_buffers_are_used_in_place() {
+        let mut set = TensorSet::from_external(vec![
+            (
+                "y".to_string(),
+                Dtype::U8,
+                vec![1],
+                Box::new(Lent(vec![3], true)) as Box<dyn ExternalBuffer>,
+            ),
+            (
+                "x".to_string(),
+                Dtype::U16,
+                vec![2],
+                Box::new(Lent(vec![1, 2, 3, 4], true)),
+            ),
+        ])
+        .unwrap();
+        assert_eq!(set.tensors()[0].name, "x");
+        assert_eq!(set.data(0), &[1, 2, 3, 4]);
+        let mut parts = set.all_data_mut();
+        parts[1][0] = 8;
+        assert_eq!(set.data(1), &[8]);
+        set.compute_digests();
+        let owned = TensorSet::from_tensors(vec![
+            ("x".to_string(), Dtype::U16, vec![2], vec![1, 2, 3, 4]),
+            ("y".to_string(), Dtype::U8, vec![1], vec![8]),
+        ])
+        .unwrap();
+        assert_eq!(set.digest(), owned.digest());
+        // Sizes are checked against dtype and shape.
+        assert!(
+            TensorSet::from_external(vec![(
+                "z".to_string(),
+                Dtype::U16,
+                vec![3],
+                Box::new(Lent(vec![0; 4], false)) as Box<dyn ExternalBuffer>,
+            )])
+            .is_err()
+        );
     }
 }

@@ -339,7 +339,10 @@ async fn round_trip(store: Store) {
         }
         let dir = work.path().join(format!("ckpt-{v}"));
         write_checkpoint(&dir, &g);
-        let published = publisher.publish(&dir).await.unwrap();
+        let published = publisher
+            .publish_path(&dir, &Default::default())
+            .await
+            .unwrap();
         assert_eq!(published.version, v);
         let anchor = v % 3 == 0;
         assert_eq!(

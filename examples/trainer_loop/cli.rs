@@ -1,5 +1,5 @@
 //! The trainer loop's flags. Kept in a file of their own so that
-//! `tests/deploy_files.rs` parses `docker-compose.yml`'s trainer command with
+//! `tests/it/deploy_files.rs` parses `docker-compose.yml`'s trainer command with
 //! this very parser.
 
 use std::path::PathBuf;

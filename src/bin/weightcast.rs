@@ -37,8 +37,23 @@ impl MemProbe for AllocProbe {
     about = "Ship RL policy weights through object storage as anchors plus exact sparse deltas"
 )]
 struct Cli {
+    /// Log format on stderr: text, or json (one JSON object per event, for
+    /// log pipelines). Levels from RUST_LOG (default: info for weightcast).
+    #[arg(
+        long,
+        global = true,
+        env = "WEIGHTCAST_LOG_FORMAT",
+        default_value = "text"
+    )]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -106,6 +121,10 @@ enum Command {
         /// The checkpoint.
         #[arg(long)]
         checkpoint: PathBuf,
+        /// The trainer's step: must be newer than the last committed
+        /// version's; recorded in the manifest.
+        #[arg(long)]
+        step: Option<u64>,
         /// No upload progress bar (it is drawn only when stderr is a terminal).
         #[arg(long, short)]
         quiet: bool,
@@ -252,6 +271,15 @@ struct PublishOpts {
     /// nothing (0: ignore registrations).
     #[arg(long, default_value_t = 86400)]
     registration_max_age: u64,
+    /// Publish only the checkpoint files matching this glob (repeatable;
+    /// relative to the checkpoint directory, `**` allowed).
+    #[arg(long = "include")]
+    include: Vec<String>,
+    /// Skip the checkpoint files matching this glob (repeatable). Replaces the
+    /// default, which skips optimizer, scheduler and RNG state
+    /// (optimizer*.pt, scheduler*.pt, rng_state*.pth, global_step*/, *.distcp).
+    #[arg(long = "exclude")]
+    exclude: Vec<String>,
 }
 
 /// Upload progress bars on stderr (drawn only when stderr is a terminal): one
@@ -321,6 +349,11 @@ impl PublishOpts {
                 .keep_anchors
                 .map(|k| retention(k, self.registration_max_age))
                 .transpose()?,
+            checkpoint: weightcast::publisher::CheckpointOptions {
+                include: self.include,
+                exclude: (!self.exclude.is_empty()).then_some(self.exclude),
+                root: None,
+            },
         };
         Ok(weightcast::publisher::Publisher::open(store, cfg).await?)
     }
@@ -410,12 +443,46 @@ fn set_threads(threads: Option<usize>) -> Result<()> {
     Ok(())
 }
 
-fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .init();
-    match Cli::parse().command {
+/// Prints one line on stdout. A closed stdout (the reader went away, EPIPE)
+/// is not an error: the work the line reports is done (a commit stands), and
+/// a panic or a failure exit would misreport it.
+fn emit(line: impl std::fmt::Display) {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    match writeln!(stdout, "{line}").and_then(|()| stdout.flush()) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+        Err(e) => tracing::warn!(error = %e, "cannot write to stdout"),
+    }
+}
+
+/// The exit code for a failure: the library's error kind decides (see
+/// `weightcast::error::ErrorKind::exit_code`), 1 for anything else.
+fn exit_code(e: &anyhow::Error) -> i32 {
+    e.chain()
+        .find_map(|c| c.downcast_ref::<weightcast::Error>())
+        .map_or(1, |w| w.kind().exit_code())
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("weightcast=info"));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().init(),
+    }
+    if let Err(e) = run(cli) {
+        eprintln!("Error: {e:#}");
+        std::process::exit(exit_code(&e));
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
         Command::Demo {
             dir,
             steps,
@@ -441,22 +508,22 @@ fn main() -> Result<()> {
                 encoding,
                 model: GeneratorConfig::small(7),
             };
-            let report = demo::run(&cfg, |line| println!("{line}"))?;
+            let report = demo::run(&cfg, |line| emit(line))?;
             let deltas: Vec<_> = report.steps.iter().filter(|s| s.kind == "delta").collect();
             let delta_bytes: u64 = deltas.iter().map(|s| s.bytes).sum();
             let changed: u64 = deltas.iter().map(|s| s.changed).sum();
-            println!(
+            emit(format!(
                 "deltas: {:.3} bytes per changed element, {:.0}x smaller than full weights on average",
                 delta_bytes as f64 / changed.max(1) as f64,
                 (report.full_bytes * deltas.len() as u64) as f64 / delta_bytes.max(1) as f64
-            );
+            ));
             if json {
-                println!("{}", serde_json::to_string(&report)?);
+                emit(serde_json::to_string(&report)?);
             }
             if !report.bit_identical {
                 bail!("verdict: FAILED, a replica diverged from the trainer");
             }
-            println!("verdict: OK, every replica is bit-identical to the trainer at every version");
+            emit("verdict: OK, every replica is bit-identical to the trainer at every version");
         }
         Command::Bench {
             what:
@@ -480,7 +547,7 @@ fn main() -> Result<()> {
                 seed,
                 reps,
             };
-            let report = weightcast::bench::run(&cfg, &AllocProbe, |l| println!("{l}"))?;
+            let report = weightcast::bench::run(&cfg, &AllocProbe, |l| emit(l))?;
             if let Some(p) = json {
                 std::fs::write(&p, serde_json::to_vec_pretty(&report)?)
                     .with_context(|| format!("writing {}", p.display()))?;
@@ -506,7 +573,7 @@ fn main() -> Result<()> {
                 ))
                 .snapshot(),
             };
-            println!(
+            emit(format!(
                 "{}: {} tensors, {} bytes, {} threads",
                 input
                     .as_ref()
@@ -514,13 +581,13 @@ fn main() -> Result<()> {
                 set.len(),
                 set.total_bytes(),
                 rayon::current_num_threads()
-            );
+            ));
             let cfg = weightcast::bench::AnchorBenchConfig {
                 chunk_words,
                 levels,
                 reps,
             };
-            let rows = weightcast::bench::run_anchors(&set, &cfg, |l| println!("{l}"))?;
+            let rows = weightcast::bench::run_anchors(&set, &cfg, |l| emit(l))?;
             if let Some(p) = json {
                 std::fs::write(&p, serde_json::to_vec_pretty(&rows)?)
                     .with_context(|| format!("writing {}", p.display()))?;
@@ -543,7 +610,7 @@ fn main() -> Result<()> {
             };
             let (bytes, summary) = codec::encode_delta(&base_set, &mut new_set, &opts)?;
             std::fs::write(&out, bytes).with_context(|| format!("writing {}", out.display()))?;
-            println!("{}", serde_json::to_string(&summary)?);
+            emit(serde_json::to_string(&summary)?);
         }
         Command::Apply { base, delta, out } => {
             let mut set = TensorSet::read(&base, Digests::Compute)?;
@@ -557,19 +624,21 @@ fn main() -> Result<()> {
             );
             codec::write_anchor(&set, version, &mut f)?;
             f.flush()?;
-            println!("{}", serde_json::to_string(&report)?);
+            emit(serde_json::to_string(&report)?);
         }
         Command::Publish {
             checkpoint,
+            step,
             quiet,
             opts,
         } => {
             let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             let published = rt.block_on(async {
                 let mut p = opts.open(!quiet).await?;
-                anyhow::Ok(p.publish(&checkpoint).await?)
+                let opts = weightcast::publisher::PublishOptions { step };
+                anyhow::Ok(p.publish_path(&checkpoint, &opts).await?)
             })?;
-            println!("{}", serde_json::to_string(&published)?);
+            emit(serde_json::to_string(&published)?);
         }
         Command::Subscribe {
             store,
@@ -619,13 +688,13 @@ fn main() -> Result<()> {
                                     );
                                 }
                             }
-                            println!("{}", serde_json::to_string(&c)?);
+                            emit(serde_json::to_string(&c)?);
                             Ok(())
                         }
                         None => bail!("the bucket has no committed version yet"),
                     };
                 }
-                let shared = weightcast::server::Shared::new(store.url(), key);
+                let shared = weightcast::subscriber::status::Shared::new(store.url(), key);
                 let mut notify_url = advertise;
                 let (stop, stop_server) = stops.expect("installed for the daemon");
                 if let Some(addr) = listen {
@@ -637,7 +706,9 @@ fn main() -> Result<()> {
                     tracing::info!(%bound, "serving /v1/notify, /v1/status, /healthz, /metrics");
                     let s = shared.clone();
                     tokio::spawn(async move {
-                        if let Err(e) = weightcast::server::run(listener, s, stop_server).await {
+                        if let Err(e) =
+                            weightcast::http::subscriber::serve(listener, s, stop_server).await
+                        {
                             tracing::error!(error = %e, "HTTP server stopped");
                         }
                     });
@@ -672,13 +743,18 @@ fn main() -> Result<()> {
                 // instead of killing the process half-way through opening.
                 let stop = shutdown()?;
                 let publisher = opts.open(false).await?;
-                let shared =
-                    weightcast::server::PublisherShared::new(publisher, &token, &checkpoint_root)?;
+                let filters = publisher.checkpoint_options().clone();
+                let shared = weightcast::http::publisher::PublisherShared::new(
+                    publisher,
+                    &token,
+                    &checkpoint_root,
+                    filters,
+                )?;
                 let listener = tokio::net::TcpListener::bind(listen)
                     .await
                     .with_context(|| format!("binding {listen}"))?;
                 tracing::info!(addr = %listener.local_addr()?, "serving POST /v1/publish");
-                weightcast::server::run_publisher(listener, shared, stop).await?;
+                weightcast::http::publisher::serve(listener, shared, stop).await?;
                 anyhow::Ok(())
             })?;
         }
@@ -686,9 +762,9 @@ fn main() -> Result<()> {
             let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             let view = rt.block_on(async {
                 let store = weightcast::store::Store::open(&store)?;
-                weightcast::notify::fleet(&store).await
+                weightcast::protocol::fleet(&store).await
             })?;
-            println!("{}", serde_json::to_string_pretty(&view)?);
+            emit(serde_json::to_string_pretty(&view)?);
         }
         Command::Gc {
             store,
@@ -701,7 +777,7 @@ fn main() -> Result<()> {
                 let store = weightcast::store::Store::open(&store)?;
                 weightcast::protocol::collect_garbage(&store, &retention, dry_run).await
             })?;
-            println!("{}", serde_json::to_string(&collected)?);
+            emit(serde_json::to_string(&collected)?);
         }
         Command::Inspect { path } => {
             let bytes =
@@ -722,7 +798,7 @@ fn main() -> Result<()> {
                 let table: serde_json::Value = serde_json::from_str(p)?;
                 meta.insert("weightcast.planes".into(), table);
             }
-            println!("{}", serde_json::to_string_pretty(&meta)?);
+            emit(serde_json::to_string_pretty(&meta)?);
         }
     }
     Ok(())

@@ -179,6 +179,7 @@ pub fn publisher_config(
         notify_urls: Vec::new(),
         notify_key,
         retention: None,
+        checkpoint: Default::default(),
     }
 }
 
@@ -395,4 +396,53 @@ pub fn fake_gcs_options() -> Vec<(String, String)> {
         // does not look for metadata-server credentials.
         ("google_bearer_token".into(), "emulator".into()),
     ]
+}
+
+/// The Python the suite's helpers run with: `WEIGHTCAST_PYTHON`, or the test
+/// venv that `scripts/test.sh` installs (`.ci-work/venv`).
+pub fn python() -> String {
+    let p = std::env::var("WEIGHTCAST_PYTHON")
+        .unwrap_or_else(|_| format!("{}/.ci-work/venv/bin/python", env!("CARGO_MANIFEST_DIR")));
+    if !exists(&p) {
+        panic!(
+            "no Python for the test helpers at `{p}`: run ./scripts/test.sh once (it creates \
+             .ci-work/venv), or set WEIGHTCAST_PYTHON to a Python with scripts/test-requirements.txt"
+        );
+    }
+    p
+}
+
+/// Parses Prometheus text with Prometheus' own Python parser
+/// (`prometheus_client`); returns the metric family names, or panics with the
+/// parser's complaint.
+pub fn parse_prometheus(text: &str) -> Vec<String> {
+    let mut child = Command::new(python())
+        .arg("-c")
+        .arg(
+            "import sys\nfrom prometheus_client.parser import text_string_to_metric_families as f\n\
+             for fam in f(sys.stdin.read()):\n    print(fam.name)",
+        )
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("running the Prometheus parser");
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "Prometheus' parser refused the metrics: {}\n{text}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect()
 }

@@ -7,9 +7,7 @@ use std::collections::BTreeMap;
 
 use bytes::Bytes;
 use weightcast::generator::{Generator, GeneratorConfig};
-use weightcast::protocol::{
-    ObjectRole, Retention, collect_garbage, upload_object, versions_after, writer_token,
-};
+use weightcast::protocol::{ObjectRole, Retention, Staging, collect_garbage, versions_after};
 use weightcast::publisher::Publisher;
 use weightcast::store::Store;
 use weightcast::subscriber::catch_up;
@@ -36,7 +34,7 @@ async fn gc_suite(store: Store) {
         let f = dir.join("model.safetensors");
         let mut file = std::fs::File::create(&f).unwrap();
         g.snapshot().write_to(&BTreeMap::new(), &mut file).unwrap();
-        p.publish(&f).await.unwrap();
+        p.publish_path(&f, &Default::default()).await.unwrap();
         if v == 1 {
             // A subscriber that will fall behind the retained range.
             catch_up(&store, &sub).await.unwrap().unwrap();
@@ -44,26 +42,26 @@ async fn gc_suite(store: Store) {
     }
     // A losing writer's upload for a committed version, and an upload in
     // flight for the next version.
-    let loser = upload_object(
-        &store,
-        9,
-        &writer_token(),
-        "x.safetensors",
-        ObjectRole::Delta,
-        Bytes::from_static(b"lost"),
-    )
-    .await
-    .unwrap();
-    let in_flight = upload_object(
-        &store,
-        10,
-        &writer_token(),
-        "x.safetensors",
-        ObjectRole::Delta,
-        Bytes::from_static(b"soon"),
-    )
-    .await
-    .unwrap();
+    let loser = Staging::new(9)
+        .upload(
+            &store,
+            "x.safetensors",
+            ObjectRole::Delta,
+            Bytes::from_static(b"lost"),
+        )
+        .await
+        .unwrap()
+        .clone();
+    let in_flight = Staging::new(10)
+        .upload(
+            &store,
+            "x.safetensors",
+            ObjectRole::Delta,
+            Bytes::from_static(b"soon"),
+        )
+        .await
+        .unwrap()
+        .clone();
 
     // Anchors at 0, 4, 8. Keeping two keeps 4..=9.
     let dry = collect_garbage(&store, &keep(2), true).await.unwrap();
@@ -151,7 +149,10 @@ async fn registered_lag_suite(store: Store) {
         if v > 0 {
             g.step();
         }
-        let out = p.publish(&checkpoint(&g, work.path(), v)).await.unwrap();
+        let out = p
+            .publish_path(&checkpoint(&g, work.path(), v), &Default::default())
+            .await
+            .unwrap();
         if v % 3 == 0 {
             assert_eq!(out.kind, weightcast::protocol::VersionKind::Anchor);
             // Every anchor after the first carries bridges from the version before.
@@ -162,9 +163,9 @@ async fn registered_lag_suite(store: Store) {
             let c = catch_up(&store, &lagging).await.unwrap().unwrap();
             assert_eq!(c.version, 1);
             for (id, updated_at) in [("lagging", now()), ("gone", 0)] {
-                weightcast::notify::register(
+                weightcast::protocol::register(
                     &store,
-                    &weightcast::notify::Registration {
+                    &weightcast::protocol::Registration {
                         id: id.into(),
                         notify_url: None,
                         version: Some(1),

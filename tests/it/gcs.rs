@@ -70,7 +70,9 @@ async fn subscribers_read_and_verify_a_gcs_bucket() {
         std::fs::create_dir_all(&dir).unwrap();
         let mut f = std::fs::File::create(dir.join("model.safetensors")).unwrap();
         g.snapshot().write_to(&BTreeMap::new(), &mut f).unwrap();
-        p.publish(&dir.join("model.safetensors")).await.unwrap();
+        p.publish_path(&dir.join("model.safetensors"), &Default::default())
+            .await
+            .unwrap();
         if v == 1 {
             mirror(&local, "weights", "run").await;
             let c = catch_up(&gcs, &early).await.unwrap().unwrap();
@@ -114,7 +116,9 @@ async fn subscribers_read_and_verify_a_gcs_bucket() {
     std::fs::create_dir_all(&dir).unwrap();
     let mut f = std::fs::File::create(dir.join("model.safetensors")).unwrap();
     g.snapshot().write_to(&BTreeMap::new(), &mut f).unwrap();
-    p.publish(&dir.join("model.safetensors")).await.unwrap();
+    p.publish_path(&dir.join("model.safetensors"), &Default::default())
+        .await
+        .unwrap();
     mirror(&local, "weights", "run").await;
     let m5 = weightcast::protocol::read_manifest(&gcs, 5)
         .await

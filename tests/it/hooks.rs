@@ -17,7 +17,7 @@ use axum::routing::post;
 use weightcast::generator::{Generator, GeneratorConfig};
 use weightcast::hooks::Hook;
 use weightcast::publisher::Publisher;
-use weightcast::server::Shared;
+use weightcast::subscriber::status::Shared;
 use weightcast::subscriber::{DaemonConfig, run_daemon};
 
 type Log = Arc<Mutex<Vec<(String, String)>>>;
@@ -85,7 +85,10 @@ async fn hooks_run_after_each_verified_version() {
         g.snapshot().write_to(&BTreeMap::new(), &mut f).unwrap();
         dir
     };
-    publisher.publish(&publish(&g, 0)).await.unwrap();
+    publisher
+        .publish_path(&publish(&g, 0), &Default::default())
+        .await
+        .unwrap();
 
     let out = work.path().join("sub");
     let shared = Shared::new(store.url(), None);
@@ -119,7 +122,10 @@ async fn hooks_run_after_each_verified_version() {
     };
     wait(0).await;
     g.step();
-    publisher.publish(&publish(&g, 1)).await.unwrap();
+    publisher
+        .publish_path(&publish(&g, 1), &Default::default())
+        .await
+        .unwrap();
     wait(1).await;
 
     let current = out.join("current").to_string_lossy().to_string();

@@ -15,6 +15,7 @@ mod malformed;
 mod notify;
 mod protocol;
 mod publisher;
+mod publisher_crash;
 mod publisher_daemon;
 mod roundtrip;
 mod store;

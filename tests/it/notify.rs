@@ -9,10 +9,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use weightcast::generator::{Generator, GeneratorConfig};
-use weightcast::notify::{Key, SIGNATURE_HEADER, TIMESTAMP_HEADER, registrations, unix_now};
+use weightcast::notify::{Key, SIGNATURE_HEADER, TIMESTAMP_HEADER, unix_now};
+use weightcast::protocol::registrations;
 use weightcast::publisher::Publisher;
-use weightcast::server::Shared;
 use weightcast::store::Store;
+use weightcast::subscriber::status::Shared;
 use weightcast::subscriber::{DaemonConfig, run_daemon};
 
 const SECRET: &str = "a-test-secret-of-enough-length";
@@ -22,7 +23,11 @@ async fn start_subscriber(store: &Store, out: &std::path::Path) -> (Arc<Shared>,
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let s = shared.clone();
-    tokio::spawn(weightcast::server::run(listener, s, std::future::pending()));
+    tokio::spawn(weightcast::http::subscriber::serve(
+        listener,
+        s,
+        std::future::pending(),
+    ));
     let cfg = DaemonConfig {
         out: out.to_path_buf(),
         // Far longer than the test: only a notification can make it catch up.
@@ -75,7 +80,10 @@ async fn notifications_wake_subscribers_and_bad_ones_are_refused() {
     )
     .await
     .unwrap();
-    publisher.publish(&write(&g, 0)).await.unwrap();
+    publisher
+        .publish_path(&write(&g, 0), &Default::default())
+        .await
+        .unwrap();
 
     let (shared, base) = start_subscriber(&store, &work.path().join("sub")).await;
     wait_for_version(&shared, 0).await; // the first catch-up runs at start
@@ -88,7 +96,10 @@ async fn notifications_wake_subscribers_and_bad_ones_are_refused() {
 
     // Publish: the signed POST wakes the subscriber long before its poll.
     g.step();
-    let out = publisher.publish(&write(&g, 1)).await.unwrap();
+    let out = publisher
+        .publish_path(&write(&g, 1), &Default::default())
+        .await
+        .unwrap();
     assert_eq!(out.notified, 1);
     wait_for_version(&shared, 1).await;
     assert_eq!(shared.status.lock().unwrap().notifications, 1);
@@ -103,7 +114,14 @@ async fn notifications_wake_subscribers_and_bad_ones_are_refused() {
     .await
     .unwrap();
     drop(publisher);
-    assert_eq!(quiet.publish(&write(&g, 2)).await.unwrap().notified, 0);
+    assert_eq!(
+        quiet
+            .publish_path(&write(&g, 2), &Default::default())
+            .await
+            .unwrap()
+            .notified,
+        0
+    );
     let client = reqwest::Client::new();
     let body = format!(
         r#"{{"store":"{}","version":2,"anchor_version":0}}"#,

@@ -5,64 +5,54 @@ use crate::common;
 
 use bytes::Bytes;
 use weightcast::protocol::{
-    Commit, Latest, MANIFEST_FORMAT, Manifest, ObjectRole, VersionKind, commit, read_latest,
-    read_manifest, repair_latest, upload_object, versions_after, write_latest, writer_token,
+    Commit, Latest, Manifest, ObjectRole, Staging, VersionKind, commit, read_latest, read_manifest,
+    repair_latest, versions_after, write_latest,
 };
 use weightcast::store::Store;
 
 async fn publish(store: &Store, version: u64, payload: &[u8]) -> (Manifest, Commit) {
-    let writer = writer_token();
     let (kind, role) = if version == 0 {
         (VersionKind::Anchor, ObjectRole::Anchor)
     } else {
         (VersionKind::Delta, ObjectRole::Delta)
     };
-    let obj = upload_object(
-        store,
-        version,
-        &writer,
-        "model.safetensors",
-        role,
-        Bytes::copy_from_slice(payload),
-    )
-    .await
-    .unwrap();
-    let cfg = upload_object(
-        store,
-        version,
-        &writer,
-        "config.json",
-        ObjectRole::File,
-        Bytes::from_static(b"{}"),
-    )
-    .await
-    .unwrap();
-    let m = Manifest {
-        format: MANIFEST_FORMAT.into(),
-        version,
-        kind,
-        base_version: version.checked_sub(1),
-        anchor_version: 0,
-        writer,
-        objects: vec![obj, cfg],
-    };
+    let mut staging = Staging::new(version);
+    staging
+        .upload(
+            store,
+            "model.safetensors",
+            role,
+            Bytes::copy_from_slice(payload),
+        )
+        .await
+        .unwrap();
+    let cfg = staging
+        .upload(
+            store,
+            "config.json",
+            ObjectRole::File,
+            Bytes::from_static(b"{}"),
+        )
+        .await
+        .unwrap()
+        .clone();
+    staging.list_file(&cfg.name, cfg.size, cfg.blake3);
+    let m = staging.manifest(kind, version.checked_sub(1), 0, None);
     let outcome = commit(store, &m).await.unwrap();
     (m, outcome)
 }
 
 async fn protocol_suite(store: &Store) {
     // Nothing is visible before the manifest exists, even with objects uploaded.
-    let writer = writer_token();
-    upload_object(
-        store,
-        0,
-        &writer,
-        "model.safetensors",
-        ObjectRole::Anchor,
-        Bytes::from_static(b"x"),
-    )
-    .await
-    .unwrap();
+    Staging::new(0)
+        .upload(
+            store,
+            "model.safetensors",
+            ObjectRole::Anchor,
+            Bytes::from_static(b"x"),
+        )
+        .await
+        .unwrap();
     assert_eq!(
         versions_after(store, None).await.unwrap(),
         Vec::<u64>::new()

@@ -96,6 +96,53 @@ fn same_tensors(a: &TensorSet, b: &TensorSet) -> bool {
         })
 }
 
+/// The mission's bucket layout (issue 12): every anchor object under
+/// `anchors/`, every delta object (bridges included) under `deltas/`, the
+/// other files under `files/`, and nothing else but the protocol's own keys.
+/// Each anchor and delta object describes itself: at least three metadata
+/// keys, among them its kind and version, agreeing with its place.
+async fn check_layout(store: &Store) {
+    let listed = store.list("").await.unwrap();
+    let (mut anchors, mut deltas) = (0, 0);
+    for l in &listed {
+        let top = l.key.split('/').next().unwrap();
+        match top {
+            "anchors" | "deltas" => {
+                let k =
+                    weightcast::protocol::layout::parse_object_key(&l.key).unwrap_or_else(|| {
+                        panic!("{} is not <prefix>/<version>-<writer>/<file>", l.key)
+                    });
+                assert!(k.name.ends_with(".safetensors"), "{}", l.key);
+                let bytes = store.get(&l.key).await.unwrap().unwrap();
+                let (meta, header) = weightcast::codec::inspect(&bytes).unwrap();
+                assert!(meta.len() >= 3, "{}: {} metadata keys", l.key, meta.len());
+                let h = header.unwrap_or_else(|| panic!("{} has no weightcast header", l.key));
+                assert_eq!(h.model_version, k.version, "{}", l.key);
+                let want = if top == "anchors" {
+                    anchors += 1;
+                    weightcast::format::Kind::Anchor
+                } else {
+                    deltas += 1;
+                    weightcast::format::Kind::Delta
+                };
+                assert_eq!(h.kind, want, "{}", l.key);
+                assert_eq!(
+                    meta.get("weightcast.kind").map(String::as_str),
+                    Some(top.trim_end_matches('s'))
+                );
+            }
+            "files" => assert!(!l.key.ends_with(".safetensors"), "{}", l.key),
+            "versions" | "subscribers" | "_weightcast" => {}
+            "latest.json" => {}
+            other => panic!("unexpected key {} (top-level `{other}`)", l.key),
+        }
+    }
+    assert!(
+        anchors >= 2 && deltas >= 2,
+        "{anchors} anchors, {deltas} deltas"
+    );
+}
+
 async fn publisher_suite(store: Store) {
     let work = tempfile::tempdir().unwrap();
     let state = work.path().join("state");
@@ -112,7 +159,7 @@ async fn publisher_suite(store: Store) {
         let set = g.snapshot();
         let dir = work.path().join(format!("ckpt-{v}"));
         write_checkpoint(&dir, &set, if v < 2 { "{\"a\":1}" } else { "{\"a\":2}" });
-        let out = p.publish(&dir).await.unwrap();
+        let out = p.publish_path(&dir, &Default::default()).await.unwrap();
         assert_eq!(out.version, v);
         assert_eq!(
             out.kind,
@@ -146,7 +193,7 @@ async fn publisher_suite(store: Store) {
     let set3 = g.snapshot();
     let dir3 = work.path().join("ckpt-3");
     write_checkpoint(&dir3, &set3, "{\"a\":2}");
-    let out = p.publish(&dir3).await.unwrap();
+    let out = p.publish_path(&dir3, &Default::default()).await.unwrap();
     assert_eq!((out.version, out.kind), (3, VersionKind::Delta));
     truth.push((dir3, set3));
 
@@ -155,10 +202,12 @@ async fn publisher_suite(store: Store) {
     let set4 = g.snapshot();
     let dir4 = work.path().join("ckpt-4");
     write_checkpoint(&dir4, &set4, "{\"a\":2}");
-    let out = p.publish(&dir4).await.unwrap();
+    let out = p.publish_path(&dir4, &Default::default()).await.unwrap();
     assert_eq!((out.version, out.kind), (4, VersionKind::Anchor));
     assert!(out.anchor_reason.unwrap().contains("every 4"));
     truth.push((dir4, set4));
+
+    check_layout(&store).await;
 
     // Every version replays bit-identically, shards, index and config included.
     for (v, (dir, set)) in truth.iter().enumerate() {
@@ -196,7 +245,7 @@ async fn publisher_suite(store: Store) {
     let set5 = g.snapshot();
     let dir5 = work.path().join("ckpt-5");
     write_checkpoint(&dir5, &set5, "{\"a\":2}");
-    let out = p.publish(&dir5).await.unwrap();
+    let out = p.publish_path(&dir5, &Default::default()).await.unwrap();
     assert_eq!((out.version, out.kind), (5, VersionKind::Anchor));
 
     // A second publisher with its own (stale) state continues after the
@@ -205,16 +254,35 @@ async fn publisher_suite(store: Store) {
     let mut q = Publisher::open(store.clone(), cfg(&other_state, 100))
         .await
         .unwrap();
-    let out = q.publish(&dir5).await.unwrap();
+    let out = q.publish_path(&dir5, &Default::default()).await.unwrap();
     assert_eq!((out.version, out.kind), (6, VersionKind::Anchor));
-    // p's snapshot is now behind the bucket: its next publish fails cleanly
-    // (version 6 is taken) rather than overwriting anything.
-    let err = p.publish(&dir5).await.unwrap_err().to_string();
-    assert!(err.contains("committed by another publisher"), "{err}");
+    // p's snapshot is now behind the bucket (a foreign commit): p notices,
+    // resyncs, and continues after the bucket's newest version with an
+    // anchor, then with deltas again — it never writes a delta onto a
+    // version it did not make.
+    g.step();
+    let set7 = g.snapshot();
+    let dir7 = work.path().join("ckpt-7");
+    write_checkpoint(&dir7, &set7, "{\"a\":2}");
+    let out = p.publish_path(&dir7, &Default::default()).await.unwrap();
+    assert_eq!((out.version, out.kind), (7, VersionKind::Anchor));
+    assert!(out.anchor_reason.unwrap().contains("no trusted snapshot"));
+    g.step();
+    let set8 = g.snapshot();
+    let dir8 = work.path().join("ckpt-8");
+    write_checkpoint(&dir8, &set8, "{\"a\":2}");
+    let out = p.publish_path(&dir8, &Default::default()).await.unwrap();
+    assert_eq!((out.version, out.kind), (8, VersionKind::Delta));
     assert_eq!(
         versions_after(&store, None).await.unwrap(),
-        (0..=6).collect::<Vec<_>>()
+        (0..=8).collect::<Vec<_>>()
     );
+    let (sets, _) = replay(&store, 8).await;
+    for (name, replayed) in &sets {
+        let original =
+            TensorSet::read(&dir8.join(name), weightcast::tensors::Digests::Compute).unwrap();
+        assert!(same_tensors(replayed, &original), "v8 {name} differs");
+    }
 }
 
 #[tokio::test]
@@ -261,7 +329,13 @@ async fn publisher_refuses_garage_unless_single_writer() {
         let set = gen_.snapshot();
         let dir = work.path().join(format!("ckpt-{v}"));
         write_checkpoint(&dir, &set, "{}");
-        assert_eq!(p.publish(&dir).await.unwrap().version, v);
+        assert_eq!(
+            p.publish_path(&dir, &Default::default())
+                .await
+                .unwrap()
+                .version,
+            v
+        );
         last = Some((dir, set));
     }
     let (dir, _) = last.unwrap();

@@ -47,7 +47,10 @@ impl Trainer {
             .write_to(&BTreeMap::new(), &mut f)
             .unwrap();
         std::fs::write(dir.join("config.json"), format!("{{\"step\": {}}}", v / 3)).unwrap();
-        self.publisher.publish(&dir).await.unwrap();
+        self.publisher
+            .publish_path(&dir, &Default::default())
+            .await
+            .unwrap();
         self.published.push(dir.clone());
         dir
     }

@@ -71,7 +71,11 @@ impl Trainer {
             &self.g.snapshot_without_digests(),
             n / 4,
         );
-        let p = self.publisher.publish(&dir).await.unwrap();
+        let p = self
+            .publisher
+            .publish_path(&dir, &Default::default())
+            .await
+            .unwrap();
         self.published.insert(p.version, dir);
         p.version
     }

@@ -156,7 +156,10 @@ async fn unchanged_files_are_linked_and_changed_tensors_patched() {
             )
         });
         write_checkpoint(&ckpt(v), &frozen, &g.snapshot(), extra);
-        let published = publisher.publish(&ckpt(v)).await.unwrap();
+        let published = publisher
+            .publish_path(&ckpt(v), &Default::default())
+            .await
+            .unwrap();
         assert_eq!(published.version, v);
 
         let c = catch_up(&store, &out).await.unwrap().unwrap();
@@ -234,7 +237,10 @@ async fn damaged_local_files_are_not_reused() {
         }
         let dir = work.path().join(format!("ckpt-{v}"));
         write_checkpoint(&dir, &frozen, &g.snapshot(), None);
-        publisher.publish(&dir).await.unwrap();
+        publisher
+            .publish_path(&dir, &Default::default())
+            .await
+            .unwrap();
         catch_up(&store, &out).await.unwrap().unwrap();
     }
     // Damage the frozen shard (a hard link of every earlier version's) and the
@@ -249,7 +255,10 @@ async fn damaged_local_files_are_not_reused() {
     g.step();
     let dir = work.path().join("ckpt-2");
     write_checkpoint(&dir, &frozen, &g.snapshot(), None);
-    publisher.publish(&dir).await.unwrap();
+    publisher
+        .publish_path(&dir, &Default::default())
+        .await
+        .unwrap();
     let c = catch_up(&store, &out).await.unwrap().unwrap();
     assert!(c.from_anchor && c.version == 2, "{c:?}");
     assert_eq!(c.reused_bytes, 0, "{c:?}");

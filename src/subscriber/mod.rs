@@ -22,6 +22,8 @@
 //! repaired by starting again from the anchor; a failure there is an error, and
 //! nothing unverified is ever materialized.
 
+pub mod status;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -788,7 +790,7 @@ pub const REGISTRATION_REFRESH: std::time::Duration = std::time::Duration::from_
 /// poll interval, whichever comes first (bursts of notifications coalesce).
 /// Updates the shared status and, with an id, the bucket registration (on each
 /// new version, and every [`REGISTRATION_REFRESH`]).
-pub async fn run_daemon(store: &Store, cfg: &DaemonConfig, shared: &crate::server::Shared) -> ! {
+pub async fn run_daemon(store: &Store, cfg: &DaemonConfig, shared: &status::Shared) -> ! {
     // (version, when) of the last registration written.
     let mut registered: Option<(u64, std::time::Instant)> = None;
     loop {
@@ -833,13 +835,13 @@ pub async fn run_daemon(store: &Store, cfg: &DaemonConfig, shared: &crate::serve
                 let due = registered
                     .is_none_or(|(v, at)| v != c.version || at.elapsed() >= REGISTRATION_REFRESH);
                 if let (Some(id), true) = (&cfg.id, due) {
-                    let reg = crate::notify::Registration {
+                    let reg = crate::protocol::Registration {
                         id: id.clone(),
                         notify_url: cfg.notify_url.clone(),
                         version: Some(c.version),
                         updated_at: crate::notify::unix_now(),
                     };
-                    match crate::notify::register(store, &reg).await {
+                    match crate::protocol::register(store, &reg).await {
                         Ok(()) => registered = Some((c.version, std::time::Instant::now())),
                         Err(e) => tracing::warn!(error = %e, "registration failed"),
                     }

@@ -1,0 +1,362 @@
+//! The publisher daemon's HTTP endpoint (`weightcast publisher`):
+//!
+//! - `POST /v1/publish {"checkpoint": PATH, "step": N}` with
+//!   `Authorization: Bearer <token>` publishes PATH (under the checkpoint
+//!   root) as the next version and answers what `weightcast publish` prints;
+//!   errors answer `{"error", "kind"}` with the status of their kind.
+//! - `GET /healthz`: 200, or 503 with the reason when the last publish failed
+//!   for a reason the daemon cannot fix alone (the store unreachable, bad
+//!   configuration, local I/O); a lost race or a foreign commit is not one —
+//!   the publisher resyncs and goes on.
+//! - `GET /metrics`: Prometheus text, `weightcast_publisher_*` series.
+//! - `GET /v1/status`: version, step and health; with the bearer token also
+//!   the store URL, counters and the last error (never to anonymous callers).
+//!
+//! [`serve`] takes a bound listener and a shutdown future, so tests bind port 0.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use tokio::net::TcpListener;
+
+use crate::error::ErrorKind;
+use crate::notify::MAX_BODY;
+
+/// What the publisher daemon reports about itself.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct PublisherStats {
+    /// The last committed version.
+    pub version: Option<u64>,
+    /// Its trainer step.
+    pub step: Option<u64>,
+    /// Versions committed, by kind.
+    pub anchors: u64,
+    /// Versions committed as deltas.
+    pub deltas: u64,
+    /// Publishes of content identical to the last version (no-ops).
+    pub unchanged: u64,
+    /// Bytes written to the bucket.
+    pub bytes: u64,
+    /// Changed elements published.
+    pub changed_elements: u64,
+    /// Seconds the last successful publish took.
+    pub last_publish_seconds: f64,
+    /// Failed publishes, by error kind.
+    pub errors: std::collections::BTreeMap<&'static str, u64>,
+    /// The last error.
+    pub last_error: Option<String>,
+    /// Why the daemon is unhealthy, if it is.
+    pub unhealthy: Option<String>,
+}
+
+/// State of the publisher daemon (`weightcast publisher`).
+pub struct PublisherShared {
+    /// Counters and health.
+    pub stats: std::sync::Mutex<PublisherStats>,
+    /// The publisher; publishes are serialized.
+    pub publisher: tokio::sync::Mutex<crate::publisher::Publisher>,
+    /// BLAKE3 of the bearer token clients must present.
+    pub token_hash: blake3::Hash,
+    /// Checkpoints must lie under this directory (canonical).
+    pub root: std::path::PathBuf,
+    /// How checkpoint directories are read (links must stay under `root`).
+    pub checkpoint: crate::publisher::CheckpointOptions,
+}
+
+impl PublisherShared {
+    /// Daemon state: requests need `Authorization: Bearer <token>` and may only
+    /// name checkpoints under `root`.
+    pub fn new(
+        publisher: crate::publisher::Publisher,
+        token: &str,
+        root: &std::path::Path,
+        checkpoint: crate::publisher::CheckpointOptions,
+    ) -> crate::Result<Arc<PublisherShared>> {
+        if token.len() < 16 {
+            return Err(crate::Error::Config(
+                "the API token must be at least 16 characters".into(),
+            ));
+        }
+        let root = root
+            .canonicalize()
+            .map_err(|e| crate::Error::io(format!("checkpoint root {}", root.display()), e))?;
+        let checkpoint = crate::publisher::CheckpointOptions {
+            root: Some(root.clone()),
+            ..checkpoint
+        };
+        let stats = PublisherStats {
+            version: publisher.version(),
+            ..Default::default()
+        };
+        Ok(Arc::new(PublisherShared {
+            stats: std::sync::Mutex::new(stats),
+            publisher: tokio::sync::Mutex::new(publisher),
+            token_hash: blake3::hash(token.as_bytes()),
+            root,
+            checkpoint,
+        }))
+    }
+}
+
+/// Body of `POST /v1/publish`.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PublishRequest {
+    checkpoint: std::path::PathBuf,
+    #[serde(default)]
+    step: Option<u64>,
+}
+
+/// Resolves a requested checkpoint path under `root` without touching the
+/// filesystem first: absolute paths must lie under the root, relative ones
+/// are taken from it, and `..`/`.` components are refused outright (so the
+/// answer never depends on what exists outside the root).
+fn resolve(
+    root: &std::path::Path,
+    requested: &std::path::Path,
+) -> Result<std::path::PathBuf, String> {
+    use std::path::Component;
+    let rel = if requested.is_absolute() {
+        requested
+            .strip_prefix(root)
+            .map_err(|_| format!("checkpoint must be under {}", root.display()))?
+    } else {
+        requested
+    };
+    if rel.components().any(|c| !matches!(c, Component::Normal(_))) {
+        return Err(format!(
+            "checkpoint path `{}` must be a plain path under {} (no `..` or `.`)",
+            requested.display(),
+            root.display()
+        ));
+    }
+    Ok(root.join(rel))
+}
+
+/// The publisher daemon's routes: `POST /v1/publish`, `GET /healthz`.
+pub fn router(shared: Arc<PublisherShared>) -> Router {
+    Router::new()
+        .route("/v1/publish", post(publish))
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics))
+        .route("/v1/status", get(status))
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .with_state(shared)
+}
+
+/// Serves the publisher daemon until `shutdown` completes.
+pub async fn serve(
+    listener: TcpListener,
+    shared: Arc<PublisherShared>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(shared))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+async fn publish(
+    State(shared): State<Arc<PublisherShared>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> axum::response::Response {
+    let error = |code: StatusCode, msg: String| {
+        (code, axum::Json(serde_json::json!({ "error": msg }))).into_response()
+    };
+    if !super::bearer_ok(&headers, &shared.token_hash) {
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong bearer token".into(),
+        );
+    }
+    let req: PublishRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("expected {{\"checkpoint\": PATH, \"step\": N (optional)}}: {e}"),
+            );
+        }
+    };
+    let path = match resolve(&shared.root, &req.checkpoint) {
+        Ok(p) => p,
+        Err(why) => return error(StatusCode::FORBIDDEN, why),
+    };
+    let mut p = shared.publisher.lock().await;
+    let opts = crate::publisher::PublishOptions { step: req.step };
+    let started = std::time::Instant::now();
+    let published = match crate::publisher::Checkpoint::open(&path, &shared.checkpoint) {
+        Ok(cp) => p.publish(cp, &opts).await,
+        Err(e) => Err(e),
+    };
+    let mut stats = shared.stats.lock().unwrap_or_else(|e| e.into_inner());
+    match published {
+        Ok(out) => {
+            tracing::info!(
+                checkpoint = %path.display(),
+                version = out.version,
+                kind = ?out.kind,
+                step = ?out.step,
+                bytes = out.bytes,
+                changed = out.changed,
+                unchanged = out.unchanged,
+                anchor_reason = ?out.anchor_reason,
+                "published"
+            );
+            stats.version = Some(out.version);
+            stats.step = out.step;
+            if out.unchanged {
+                stats.unchanged += 1;
+            } else if out.kind == crate::protocol::VersionKind::Anchor {
+                stats.anchors += 1;
+            } else {
+                stats.deltas += 1;
+            }
+            stats.bytes += out.bytes;
+            stats.changed_elements += out.changed;
+            stats.last_publish_seconds = started.elapsed().as_secs_f64();
+            stats.unhealthy = None;
+            (StatusCode::OK, axum::Json(out)).into_response()
+        }
+        Err(e) => {
+            let kind = e.kind();
+            tracing::warn!(checkpoint = %path.display(), error = %e, kind = %kind, "publish failed");
+            *stats.errors.entry(kind.as_str()).or_default() += 1;
+            stats.last_error = Some(e.to_string());
+            // The caller's mistakes and races do not make the daemon sick;
+            // an unreachable store, bad configuration or local I/O do.
+            if matches!(
+                kind,
+                ErrorKind::Unavailable | ErrorKind::Config | ErrorKind::Io | ErrorKind::Corrupt
+            ) {
+                stats.unhealthy = Some(format!("last publish failed ({kind}): {e}"));
+            }
+            super::error_response(&e)
+        }
+    }
+}
+
+async fn healthz(State(shared): State<Arc<PublisherShared>>) -> axum::response::Response {
+    let stats = shared.stats.lock().unwrap_or_else(|e| e.into_inner());
+    match &stats.unhealthy {
+        None => (StatusCode::OK, "ok\n").into_response(),
+        Some(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response(),
+    }
+}
+
+async fn status(
+    State(shared): State<Arc<PublisherShared>>,
+    headers: HeaderMap,
+) -> axum::response::Response {
+    let stats = shared
+        .stats
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    if super::bearer_ok(&headers, &shared.token_hash) {
+        let store = shared.publisher.lock().await.store().url().to_string();
+        axum::Json(serde_json::json!({ "store": store, "healthy": stats.unhealthy.is_none(), "stats": stats }))
+            .into_response()
+    } else {
+        // Anonymous callers learn no store, endpoint or error text.
+        axum::Json(serde_json::json!({
+            "version": stats.version,
+            "step": stats.step,
+            "healthy": stats.unhealthy.is_none(),
+        }))
+        .into_response()
+    }
+}
+
+async fn metrics(State(shared): State<Arc<PublisherShared>>) -> axum::response::Response {
+    let s = shared
+        .stats
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    let mut m = super::Prometheus::default();
+    m.single(
+        "weightcast_publisher_version",
+        "gauge",
+        "The last committed version (-1: none yet).",
+        s.version.map_or(-1.0, |v| v as f64),
+    );
+    m.single(
+        "weightcast_publisher_step",
+        "gauge",
+        "The trainer step of the last version (-1: unknown).",
+        s.step.map_or(-1.0, |v| v as f64),
+    );
+    m.family(
+        "weightcast_publisher_versions_total",
+        "counter",
+        "Versions committed, by kind (unchanged: identical content, nothing written).",
+    )
+    .sample(
+        "weightcast_publisher_versions_total",
+        &[("kind", "anchor")],
+        s.anchors as f64,
+    )
+    .sample(
+        "weightcast_publisher_versions_total",
+        &[("kind", "delta")],
+        s.deltas as f64,
+    )
+    .sample(
+        "weightcast_publisher_versions_total",
+        &[("kind", "unchanged")],
+        s.unchanged as f64,
+    );
+    m.single(
+        "weightcast_publisher_bytes_total",
+        "counter",
+        "Bytes written to the bucket.",
+        s.bytes as f64,
+    );
+    m.single(
+        "weightcast_publisher_changed_elements_total",
+        "counter",
+        "Changed elements published.",
+        s.changed_elements as f64,
+    );
+    m.single(
+        "weightcast_publisher_publish_seconds",
+        "gauge",
+        "Duration of the last successful publish.",
+        s.last_publish_seconds,
+    );
+    m.family(
+        "weightcast_publisher_errors_total",
+        "counter",
+        "Failed publishes, by error kind.",
+    );
+    for kind in [
+        ErrorKind::NotFound,
+        ErrorKind::Precondition,
+        ErrorKind::Corrupt,
+        ErrorKind::BadRequest,
+        ErrorKind::Unavailable,
+        ErrorKind::Config,
+        ErrorKind::Io,
+    ] {
+        let n = s.errors.get(kind.as_str()).copied().unwrap_or(0);
+        m.sample(
+            "weightcast_publisher_errors_total",
+            &[("kind", kind.as_str())],
+            n as f64,
+        );
+    }
+    m.single(
+        "weightcast_publisher_healthy",
+        "gauge",
+        "1 when healthy, 0 when /healthz answers 503.",
+        if s.unhealthy.is_none() { 1.0 } else { 0.0 },
+    );
+    m.response()
+}

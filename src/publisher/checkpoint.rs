@@ -1,0 +1,462 @@
+//! What a publisher publishes: a checkpoint, read from a directory or a file
+//! as trainers write them, or handed over from memory.
+//!
+//! From disk ([`Checkpoint::open`]): a `.safetensors` file, or a directory
+//! walked recursively — every `*.safetensors` file is a tensor file, every
+//! other file is copied as is (config, tokenizer, index). Symbolic links are
+//! followed (the Hugging Face cache layout is all links into `blobs/`), within
+//! an optional root that every target must stay under (the daemon's
+//! `--checkpoint-root`). Hidden files (a component starting with `.`) are
+//! skipped, and so are the files the exclude globs match: by default the
+//! optimizer, scheduler and RNG state trainers save beside the weights
+//! ([`DEFAULT_EXCLUDES`]). Tensor files are memory-mapped read-only: nothing
+//! is copied into the heap. The trainer must not rewrite a file while it is
+//! being published (the daemon answers a publish request only when it is
+//! done); a rewrite that is noticed (size, mtime or inode changed) fails the
+//! publish.
+//!
+//! From memory ([`Checkpoint::from_sets`]): named [`TensorSet`]s, e.g. over
+//! buffers the caller lends ([`TensorSet::from_external`]), plus file bytes.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use bytes::Bytes;
+
+use crate::error::{Error, Result};
+use crate::protocol::is_safe_file_name;
+use crate::tensors::{Digests, TensorSet};
+
+/// Files skipped by default: optimizer, scheduler and RNG state (large, not
+/// needed by an inference engine), DeepSpeed's per-rank optimizer shards.
+pub const DEFAULT_EXCLUDES: &[&str] = &[
+    "**/optimizer*.pt",
+    "**/optimizer*.bin",
+    "**/optimizer*.safetensors",
+    "**/scheduler*.pt",
+    "**/rng_state*.pth",
+    "**/global_step*/**",
+    "**/*.distcp",
+];
+
+/// Which files of a checkpoint directory are published.
+#[derive(Clone, Debug, Default)]
+pub struct CheckpointOptions {
+    /// Only files matching one of these globs (relative to the checkpoint
+    /// root, `**` allowed) are published; empty: every file.
+    pub include: Vec<String>,
+    /// Files matching one of these are skipped (after `include`). `None`:
+    /// [`DEFAULT_EXCLUDES`].
+    pub exclude: Option<Vec<String>>,
+    /// Every file (after following links) must lie under this directory.
+    pub root: Option<PathBuf>,
+}
+
+/// A non-tensor file of a checkpoint.
+#[derive(Debug)]
+pub enum FileSource {
+    /// A file on disk (streamed when uploaded; hashed before).
+    Path {
+        /// Where it is.
+        path: PathBuf,
+        /// Its size when listed.
+        size: u64,
+    },
+    /// Bytes in memory.
+    Bytes(Bytes),
+}
+
+/// Identity of a file on disk, to notice a rewrite during a publish.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Stamp {
+    len: u64,
+    modified: Option<std::time::SystemTime>,
+    ino: u64,
+}
+
+fn stamp(path: &Path) -> Result<Stamp> {
+    use std::os::unix::fs::MetadataExt;
+    let m =
+        std::fs::metadata(path).map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+    Ok(Stamp {
+        len: m.len(),
+        modified: m.modified().ok(),
+        ino: m.ino(),
+    })
+}
+
+/// A checkpoint to publish.
+#[derive(Debug)]
+pub struct Checkpoint {
+    pub(crate) tensors: BTreeMap<String, TensorSet>,
+    pub(crate) files: BTreeMap<String, FileSource>,
+    /// Where it was read from (for messages), if from disk.
+    pub(crate) origin: Option<PathBuf>,
+    stamps: Vec<(PathBuf, Stamp)>,
+}
+
+impl Checkpoint {
+    /// Opens a checkpoint on disk (see the module documentation).
+    pub fn open(path: &Path, opts: &CheckpointOptions) -> Result<Checkpoint> {
+        let filter = Filter::new(opts)?;
+        let root = match &opts.root {
+            Some(r) => Some(
+                r.canonicalize()
+                    .map_err(|e| Error::Config(format!("checkpoint root {}: {e}", r.display())))?,
+            ),
+            None => None,
+        };
+        let meta = std::fs::metadata(path)
+            .map_err(|e| Error::BadRequest(format!("checkpoint {}: {e}", path.display())))?;
+        let mut entries = Vec::new();
+        if meta.is_dir() {
+            walk(path, "", &filter, &mut entries, 0)?;
+        } else {
+            let name = path.file_name().and_then(|n| n.to_str()).ok_or_else(|| {
+                Error::BadRequest(format!("checkpoint {}: not a file name", path.display()))
+            })?;
+            entries.push((name.to_string(), path.to_path_buf()));
+        }
+        let mut cp = Checkpoint {
+            tensors: BTreeMap::new(),
+            files: BTreeMap::new(),
+            origin: Some(path.to_path_buf()),
+            stamps: Vec::new(),
+        };
+        for (name, p) in entries {
+            let real = p
+                .canonicalize()
+                .map_err(|e| Error::BadRequest(format!("checkpoint file {}: {e}", p.display())))?;
+            if let Some(root) = &root
+                && !real.starts_with(root)
+            {
+                return Err(Error::BadRequest(format!(
+                    "checkpoint file {} resolves to {}, outside the checkpoint root {}",
+                    p.display(),
+                    real.display(),
+                    root.display()
+                )));
+            }
+            let st = stamp(&real)?;
+            if name.ends_with(".safetensors") {
+                let set = TensorSet::map(&real, false, Digests::Skip)
+                    .map_err(|e| e.in_input(format!("checkpoint file {}", p.display())))?;
+                cp.tensors.insert(name, set);
+            } else {
+                cp.files.insert(
+                    name,
+                    FileSource::Path {
+                        path: real.clone(),
+                        size: st.len,
+                    },
+                );
+            }
+            cp.stamps.push((real, st));
+        }
+        if cp.tensors.is_empty() {
+            return Err(Error::BadRequest(format!(
+                "checkpoint {}: no .safetensors file (after the include/exclude filters)",
+                path.display()
+            )));
+        }
+        Ok(cp)
+    }
+
+    /// A checkpoint from memory: tensor files by name (each a [`TensorSet`])
+    /// and other files' bytes.
+    pub fn from_sets(
+        tensors: BTreeMap<String, TensorSet>,
+        files: BTreeMap<String, Bytes>,
+    ) -> Result<Checkpoint> {
+        for name in tensors.keys().chain(files.keys()) {
+            if !is_safe_file_name(name) {
+                return Err(Error::BadRequest(format!(
+                    "file name `{name}` is not a plain relative path"
+                )));
+            }
+        }
+        if let Some(n) = tensors.keys().find(|n| !n.ends_with(".safetensors")) {
+            return Err(Error::BadRequest(format!(
+                "tensor file `{n}` must be named *.safetensors"
+            )));
+        }
+        if let Some(n) = files.keys().find(|n| n.ends_with(".safetensors")) {
+            return Err(Error::BadRequest(format!(
+                "file `{n}` is named like a tensor file; pass it as tensors"
+            )));
+        }
+        if tensors.is_empty() || tensors.values().all(|s| s.is_empty()) {
+            return Err(Error::BadRequest("no tensors to publish".into()));
+        }
+        Ok(Checkpoint {
+            tensors,
+            files: files
+                .into_iter()
+                .map(|(k, v)| (k, FileSource::Bytes(v)))
+                .collect(),
+            origin: None,
+            stamps: Vec::new(),
+        })
+    }
+
+    /// The tensor files, by name.
+    pub fn tensor_files(&self) -> &BTreeMap<String, TensorSet> {
+        &self.tensors
+    }
+
+    /// Elements over every tensor file.
+    pub fn total_elements(&self) -> u64 {
+        self.tensors.values().map(|t| t.total_elements()).sum()
+    }
+
+    /// Fails if a file read from disk changed since it was opened.
+    pub(crate) fn check_unchanged(&self) -> Result<()> {
+        for (p, st) in &self.stamps {
+            if stamp(p).ok().as_ref() != Some(st) {
+                return Err(Error::Conflict(format!(
+                    "checkpoint file {} changed while it was being published; publish it \
+                     again once the trainer has finished writing it",
+                    p.display()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Where the checkpoint came from, for messages.
+    pub(crate) fn describe(&self) -> String {
+        self.origin.as_ref().map_or_else(
+            || "in-memory checkpoint".into(),
+            |p| p.display().to_string(),
+        )
+    }
+}
+
+/// Size and BLAKE3 of a non-tensor file, streamed (a large file is never
+/// read into memory whole).
+pub(crate) fn hash_file(src: &FileSource) -> Result<(u64, String)> {
+    match src {
+        FileSource::Bytes(b) => Ok((b.len() as u64, blake3::hash(b).to_hex().to_string())),
+        FileSource::Path { path, .. } => {
+            let io = |e| Error::io(format!("reading {}", path.display()), e);
+            let file = std::fs::File::open(path).map_err(io)?;
+            let size = file.metadata().map_err(io)?.len();
+            let mut h = blake3::Hasher::new();
+            h.update_reader(file).map_err(io)?;
+            Ok((size, h.finalize().to_hex().to_string()))
+        }
+    }
+}
+
+struct Filter {
+    include: Option<globset::GlobSet>,
+    exclude: globset::GlobSet,
+}
+
+fn globs(patterns: &[impl AsRef<str>], what: &str) -> Result<globset::GlobSet> {
+    let mut b = globset::GlobSetBuilder::new();
+    for p in patterns {
+        let p = p.as_ref();
+        let g = globset::GlobBuilder::new(p)
+            .literal_separator(true)
+            .build()
+            .map_err(|e| Error::Config(format!("{what} glob `{p}`: {e}")))?;
+        b.add(g);
+        // `**/x` also matches `x` at the root.
+        if let Some(rest) = p.strip_prefix("**/") {
+            b.add(
+                globset::GlobBuilder::new(rest)
+                    .literal_separator(true)
+                    .build()
+                    .map_err(|e| Error::Config(format!("{what} glob `{p}`: {e}")))?,
+            );
+        }
+    }
+    b.build()
+        .map_err(|e| Error::Config(format!("{what} globs: {e}")))
+}
+
+impl Filter {
+    fn new(opts: &CheckpointOptions) -> Result<Filter> {
+        let include = (!opts.include.is_empty())
+            .then(|| globs(&opts.include, "include"))
+            .transpose()?;
+        let exclude = match &opts.exclude {
+            Some(e) => globs(e, "exclude")?,
+            None => globs(DEFAULT_EXCLUDES, "exclude")?,
+        };
+        Ok(Filter { include, exclude })
+    }
+
+    fn wants(&self, rel: &str) -> bool {
+        self.include.as_ref().is_none_or(|i| i.is_match(rel)) && !self.exclude.is_match(rel)
+    }
+
+    /// Whether a directory may hold wanted files (an excluded directory
+    /// pattern like `global_step*/**` prunes it).
+    fn enters(&self, rel: &str) -> bool {
+        !self.exclude.is_match(format!("{rel}/x"))
+    }
+}
+
+/// Directory depth beyond which a walk refuses (a link cycle, or a mistake).
+const MAX_DEPTH: usize = 16;
+
+fn walk(
+    dir: &Path,
+    rel: &str,
+    filter: &Filter,
+    out: &mut Vec<(String, PathBuf)>,
+    depth: usize,
+) -> Result<()> {
+    if depth > MAX_DEPTH {
+        return Err(Error::BadRequest(format!(
+            "checkpoint directory {} is nested more than {MAX_DEPTH} levels deep (a link cycle?)",
+            dir.display()
+        )));
+    }
+    let io = |e| Error::io(format!("listing {}", dir.display()), e);
+    let mut entries: Vec<_> = std::fs::read_dir(dir)
+        .map_err(io)?
+        .collect::<std::io::Result<_>>()
+        .map_err(io)?;
+    entries.sort_by_key(|e| e.file_name());
+    for e in entries {
+        let Some(name) = e.file_name().to_str().map(str::to_string) else {
+            tracing::warn!(path = %e.path().display(), "skipping a file whose name is not UTF-8");
+            continue;
+        };
+        if name.starts_with('.') {
+            continue;
+        }
+        let rel = if rel.is_empty() {
+            name.clone()
+        } else {
+            format!("{rel}/{name}")
+        };
+        // `metadata` follows links: a link to a file is a file.
+        let meta = std::fs::metadata(e.path()).map_err(|err| {
+            Error::BadRequest(format!("checkpoint file {}: {err}", e.path().display()))
+        })?;
+        if meta.is_dir() {
+            if filter.enters(&rel) {
+                walk(&e.path(), &rel, filter, out, depth + 1)?;
+            }
+        } else if meta.is_file() && filter.wants(&rel) {
+            if !is_safe_file_name(&rel) {
+                return Err(Error::BadRequest(format!(
+                    "checkpoint file name `{rel}` is not a plain relative path"
+                )));
+            }
+            out.push((rel, e.path()));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::Dtype;
+
+    fn write_tensors(p: &Path) {
+        let set = TensorSet::from_tensors(vec![("w".to_string(), Dtype::U8, vec![2], vec![1, 2])])
+            .unwrap();
+        let mut f = std::fs::File::create(p).unwrap();
+        set.write_to(&BTreeMap::new(), &mut f).unwrap();
+    }
+
+    fn names(cp: &Checkpoint) -> Vec<String> {
+        cp.tensors.keys().chain(cp.files.keys()).cloned().collect()
+    }
+
+    #[test]
+    fn directories_are_walked_with_links_subdirectories_and_filters() {
+        let d = tempfile::tempdir().unwrap();
+        let blobs = d.path().join("blobs");
+        let snap = d.path().join("snapshot");
+        std::fs::create_dir_all(&blobs).unwrap();
+        std::fs::create_dir_all(snap.join("tokenizer")).unwrap();
+        std::fs::create_dir_all(snap.join("global_step7")).unwrap();
+        write_tensors(&blobs.join("abc"));
+        std::os::unix::fs::symlink("../blobs/abc", snap.join("model.safetensors")).unwrap();
+        std::fs::write(snap.join("config.json"), b"{}").unwrap();
+        std::fs::write(snap.join("tokenizer/vocab.json"), b"[]").unwrap();
+        std::fs::write(snap.join("optimizer.pt"), b"big").unwrap();
+        std::fs::write(snap.join("rng_state_0.pth"), b"rng").unwrap();
+        std::fs::write(snap.join("global_step7/zero.pt"), b"z").unwrap();
+        std::fs::write(snap.join(".hidden"), b"h").unwrap();
+
+        let cp = Checkpoint::open(&snap, &CheckpointOptions::default()).unwrap();
+        assert_eq!(
+            names(&cp),
+            ["model.safetensors", "config.json", "tokenizer/vocab.json"]
+        );
+
+        // Excludes replaced: the optimizer comes along.
+        let opts = CheckpointOptions {
+            exclude: Some(vec!["**/rng_state*".into(), "**/global_step*/**".into()]),
+            ..Default::default()
+        };
+        let cp = Checkpoint::open(&snap, &opts).unwrap();
+        assert!(cp.files.contains_key("optimizer.pt"));
+        assert!(!cp.files.contains_key("rng_state_0.pth"));
+
+        // Includes narrow it down.
+        let opts = CheckpointOptions {
+            include: vec!["*.safetensors".into(), "*.json".into()],
+            ..Default::default()
+        };
+        assert_eq!(
+            names(&Checkpoint::open(&snap, &opts).unwrap()),
+            ["model.safetensors", "config.json"]
+        );
+
+        // A root the link leaves is refused, naming the file.
+        let opts = CheckpointOptions {
+            root: Some(snap.clone()),
+            ..Default::default()
+        };
+        let e = Checkpoint::open(&snap, &opts).unwrap_err().to_string();
+        assert!(e.contains("outside the checkpoint root"), "{e}");
+        let opts = CheckpointOptions {
+            root: Some(d.path().to_path_buf()),
+            ..Default::default()
+        };
+        Checkpoint::open(&snap, &opts).unwrap();
+    }
+
+    #[test]
+    fn bad_checkpoints_are_bad_requests_naming_the_file() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("model.safetensors"), b"not safetensors").unwrap();
+        let e = Checkpoint::open(d.path(), &CheckpointOptions::default()).unwrap_err();
+        assert_eq!(e.kind(), crate::error::ErrorKind::BadRequest, "{e}");
+        assert!(e.to_string().contains("model.safetensors"), "{e}");
+        let empty = tempfile::tempdir().unwrap();
+        std::fs::write(empty.path().join("config.json"), b"{}").unwrap();
+        let e = Checkpoint::open(empty.path(), &CheckpointOptions::default()).unwrap_err();
+        assert!(e.to_string().contains("no .safetensors"), "{e}");
+        let bad = CheckpointOptions {
+            exclude: Some(vec!["a[".into()]),
+            ..Default::default()
+        };
+        assert!(Checkpoint::open(d.path(), &bad).is_err());
+    }
+
+    #[test]
+    fn a_rewritten_file_is_noticed() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("model.safetensors");
+        write_tensors(&p);
+        let cp = Checkpoint::open(&p, &CheckpointOptions::default()).unwrap();
+        cp.check_unchanged().unwrap();
+        // The trainer writes the next step into the same path.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let tmp = d.path().join("next");
+        write_tensors(&tmp);
+        std::fs::rename(&tmp, &p).unwrap();
+        let e = cp.check_unchanged().unwrap_err();
+        assert_eq!(e.kind(), crate::error::ErrorKind::Precondition);
+    }
+}

@@ -1,0 +1,754 @@
+//! The publisher: turns checkpoints into committed versions.
+//!
+//! [`Publisher::publish`] takes a [`Checkpoint`] — opened from disk (one
+//! `.safetensors` file, or a Hugging Face directory of shards, index, config
+//! and tokenizer files, subdirectories and links included) or handed over from
+//! memory — and commits it as the next version: an anchor (every safetensors
+//! file in full) or a delta (per safetensors file, only the changed elements),
+//! plus every non-tensor file that is new or changed.
+//!
+//! The cost of a delta version is one read of the checkpoint (memory-mapped,
+//! compared against the memory-mapped snapshot of the last committed version)
+//! plus the changes: the snapshot is updated in place from the version's own
+//! delta objects (see [`state`]). An anchor writes the new snapshot once and
+//! uploads its objects from it in parallel parts.
+//!
+//! The publisher keeps its numbering and its snapshot honest against the
+//! bucket: before each version it checks that its last commit is still the
+//! bucket's newest (a bucket wiped or reset, or another writer's commit,
+//! makes the next version an anchor numbered after everything the bucket and
+//! the state have seen), and a commit lost to another writer is followed by a
+//! resync and one retry as an anchor.
+
+pub mod checkpoint;
+pub mod state;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use bytes::Bytes;
+use serde::Serialize;
+
+use crate::codec::{DeltaOptions, anchor_prefix, encode_delta};
+use crate::error::{Error, Result};
+use crate::format::Encoding;
+use crate::protocol::{
+    Commit, Latest, Manifest, ObjectRole, Staging, VersionKind, commit, newest_version,
+    read_manifest, write_latest,
+};
+use crate::store::{ConditionalWrites, Source, Store};
+
+pub use checkpoint::{Checkpoint, CheckpointOptions, DEFAULT_EXCLUDES, FileSource};
+use state::{Committed, FileDigests, Snapshot, State};
+
+/// When to write an anchor instead of a delta.
+#[derive(Clone, Debug)]
+pub struct AnchorPolicy {
+    /// An anchor at least every this many versions.
+    pub every: u64,
+    /// An anchor when the deltas since the last anchor, plus this one, would
+    /// exceed this fraction of an anchor's size (what a newcomer replays).
+    pub max_replay_fraction: f64,
+    /// An anchor when a delta would exceed this fraction of the anchor's size
+    /// (e.g. after re-quantization nearly everything changed).
+    pub max_delta_fraction: f64,
+}
+
+impl Default for AnchorPolicy {
+    fn default() -> Self {
+        AnchorPolicy {
+            every: 10,
+            max_replay_fraction: 0.5,
+            max_delta_fraction: 0.3,
+        }
+    }
+}
+
+/// Publisher settings.
+#[derive(Clone, Debug)]
+pub struct PublisherConfig {
+    /// Where the snapshot and `state.json` live.
+    pub state_dir: std::path::PathBuf,
+    /// Delta encoding.
+    pub encoding: Encoding,
+    /// Anchor policy.
+    pub anchors: AnchorPolicy,
+    /// Publish even if the store ignores conditional writes (the operator
+    /// guarantees a single writer per prefix).
+    pub single_writer: bool,
+    /// Subscribers to notify besides those registered in the bucket.
+    pub notify_urls: Vec<String>,
+    /// The notify secret; without it no notification is sent.
+    pub notify_key: Option<crate::notify::Key>,
+    /// Automatic retention, run after each anchor commit (`None`: keep
+    /// everything; `weightcast gc` can still collect).
+    pub retention: Option<crate::protocol::Retention>,
+    /// Which files of a checkpoint directory are published
+    /// ([`Publisher::publish_path`] and the daemon).
+    pub checkpoint: CheckpointOptions,
+}
+
+/// Per-publish options.
+#[derive(Clone, Debug, Default)]
+pub struct PublishOptions {
+    /// The trainer's step. When given it must be newer than the step of the
+    /// last committed version (else [`Error::Conflict`]); it is recorded in
+    /// the manifest.
+    pub step: Option<u64>,
+}
+
+/// What one publish did (the CLI prints it as one JSON line).
+#[derive(Clone, Debug, Serialize)]
+pub struct Published {
+    /// The committed version (for an unchanged checkpoint: the last one).
+    pub version: u64,
+    /// `anchor` or `delta`.
+    pub kind: VersionKind,
+    /// Bytes written to the bucket for this version (objects and manifest).
+    pub bytes: u64,
+    /// Changed elements (anchors: all).
+    pub changed: u64,
+    /// Elements of the checkpoint.
+    pub total: u64,
+    /// The trainer step recorded with the version.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step: Option<u64>,
+    /// True when the checkpoint was identical to the last version: nothing
+    /// was written and `version` is that version.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub unchanged: bool,
+    /// Why an anchor was written, when it was.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub anchor_reason: Option<String>,
+    /// Bytes of an anchor's bridge deltas (included in `bytes`).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub bridge_bytes: u64,
+    /// Subscribers notified successfully.
+    pub notified: usize,
+    /// What automatic retention removed after this version, when it ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub collected: Option<crate::protocol::Collected>,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
+/// What the publisher knows of the bucket before a version.
+struct Position {
+    /// The last version the state or the bucket has seen (the next is one more).
+    last: Option<u64>,
+    /// The step of the newest committed version, when recorded.
+    last_step: Option<u64>,
+}
+
+/// Publishes checkpoints to one store prefix.
+pub struct Publisher {
+    store: Store,
+    cfg: PublisherConfig,
+    /// The trusted snapshot of the bucket's newest version, if any.
+    snapshot: Option<Snapshot>,
+    /// The last state read (numbering, even when the snapshot is not trusted).
+    state: Option<State>,
+}
+
+impl Publisher {
+    /// Opens a publisher: probes the store's conditional writes (refusing a
+    /// store that ignores them unless `single_writer`), loads and verifies the
+    /// snapshot, resolving a commit that was in flight when the previous
+    /// process stopped.
+    pub async fn open(store: Store, cfg: PublisherConfig) -> Result<Publisher> {
+        if store.probe_conditional_writes().await? == ConditionalWrites::Ignored
+            && !cfg.single_writer
+        {
+            return Err(Error::Config(format!(
+                "store `{}` accepts conditional writes but does not enforce them (a second \
+                 create-if-absent overwrote the first), so two publishers could both commit the \
+                 same version. Use a store that enforces them (AWS S3, MinIO, R2, GCS, Azure), or \
+                 pass --single-writer if exactly one publisher ever writes this prefix.",
+                store.url()
+            )));
+        }
+        std::fs::create_dir_all(&cfg.state_dir)
+            .map_err(|e| Error::io(format!("creating {}", cfg.state_dir.display()), e))?;
+        let s = store.clone();
+        let (snapshot, state) = Snapshot::load(&cfg.state_dir, |version, writer| async move {
+            Ok(match read_manifest(&s, version).await? {
+                Some(m) if m.writer == writer => Committed::Ours,
+                _ => Committed::NotOurs,
+            })
+        })
+        .await;
+        Ok(Publisher {
+            store,
+            cfg,
+            snapshot,
+            state,
+        })
+    }
+
+    /// The last committed version this publisher knows of, if any.
+    pub fn version(&self) -> Option<u64> {
+        self.state.as_ref().map(|s| s.version)
+    }
+
+    /// How it reads checkpoint directories.
+    pub fn checkpoint_options(&self) -> &CheckpointOptions {
+        &self.cfg.checkpoint
+    }
+
+    /// The store it publishes to.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Opens the checkpoint at `path` with the configured filters and
+    /// publishes it.
+    pub async fn publish_path(&mut self, path: &Path, opts: &PublishOptions) -> Result<Published> {
+        let cp = Checkpoint::open(path, &self.cfg.checkpoint)?;
+        self.publish(cp, opts).await
+    }
+
+    /// Publishes `cp` as the next version.
+    pub async fn publish(&mut self, cp: Checkpoint, opts: &PublishOptions) -> Result<Published> {
+        let mut cp = cp;
+        let pos = self.position().await?;
+        if let (Some(step), Some(last)) = (opts.step, pos.last_step)
+            && step <= last
+        {
+            return Err(Error::Conflict(format!(
+                "step {step} is not newer than step {last} of the last committed version {}; \
+                 steps must increase",
+                pos.last.unwrap_or_default()
+            )));
+        }
+        let next = pos.last.map_or(0, |v| v + 1);
+        match self.publish_at(&mut cp, next, opts).await {
+            Err(Error::Conflict(why)) if why.starts_with(LOST_RACE) => {
+                // Another writer took the version: resync and try once more,
+                // as an anchor after the bucket's newest version.
+                tracing::warn!(version = next, "lost the commit race; resyncing");
+                self.snapshot = None;
+                let pos = self.position().await?;
+                let next = pos.last.map_or(0, |v| v + 1);
+                self.publish_at(&mut cp, next, opts).await
+            }
+            other => other,
+        }
+    }
+
+    /// Checks the state against the bucket and says where the next version
+    /// goes. A snapshot that is not the bucket's newest version (a wiped or
+    /// reset bucket, another writer's commit) stops being trusted.
+    async fn position(&mut self) -> Result<Position> {
+        let newest = newest_version(&self.store).await?;
+        // A state records a commit only with its writer token (a state
+        // written before any commit has none).
+        let recorded = self
+            .state
+            .as_ref()
+            .filter(|s| !s.writer.is_empty())
+            .map(|s| s.version);
+        if let Some(snap) = &self.snapshot {
+            let v = snap.state.version;
+            let ours = match newest {
+                Some(n) if n == v => read_manifest(&self.store, v)
+                    .await?
+                    .is_some_and(|m| m.writer == snap.state.writer),
+                _ => false,
+            };
+            if ours {
+                return Ok(Position {
+                    last: Some(v),
+                    last_step: snap.state.step,
+                });
+            }
+            tracing::warn!(
+                snapshot = v,
+                bucket = ?newest,
+                "the bucket's newest version is not this publisher's last commit; the next version will be an anchor"
+            );
+            self.snapshot = None;
+        }
+        let last = match (newest, recorded) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+        let last_step = match newest {
+            Some(n) => read_manifest(&self.store, n).await?.and_then(|m| m.step),
+            None => None,
+        };
+        Ok(Position { last, last_step })
+    }
+
+    async fn publish_at(
+        &mut self,
+        cp: &mut Checkpoint,
+        next: u64,
+        opts: &PublishOptions,
+    ) -> Result<Published> {
+        let total = cp.total_elements();
+        let mut anchor_reason = self.anchor_reason(cp, next);
+
+        // Deltas against the snapshot whenever the files are the same: this
+        // version's deltas, or an anchor's bridges. All are encoded before
+        // anything is uploaded, so a tensor whose structure changed turns the
+        // version into an anchor without bridges.
+        let mut deltas: Vec<(String, Vec<u8>)> = Vec::new();
+        let mut changed = 0u64;
+        if let Some(snap) = &self.snapshot
+            && same_files(snap, cp)
+        {
+            let mut structure = None;
+            for (name, set) in cp.tensors.iter_mut() {
+                let opts = DeltaOptions {
+                    encoding: self.cfg.encoding,
+                    model_version: next,
+                    base_version: next - 1,
+                };
+                match encode_delta(&snap.sets[name], set, &opts) {
+                    Ok((d, s)) => {
+                        changed += s.changed;
+                        deltas.push((name.clone(), d));
+                    }
+                    Err(Error::StructureChanged(why)) => {
+                        structure = Some(format!("{name}: {why}"));
+                        break;
+                    }
+                    Err(e) => return Err(e.in_input(format!("checkpoint {}", cp.describe()))),
+                }
+            }
+            let st = &snap.state;
+            let anchor = st.anchor_bytes.max(1) as f64;
+            let delta_bytes: u64 = deltas.iter().map(|d| d.1.len() as u64).sum();
+            if let Some(why) = structure {
+                deltas.clear();
+                anchor_reason = Some(why);
+            } else if changed == 0 && self.files_unchanged(cp)? {
+                // The same content as the last version: nothing to publish.
+                cp.check_unchanged()?;
+                return Ok(Published {
+                    version: st.version,
+                    kind: if st.anchor_version == st.version {
+                        VersionKind::Anchor
+                    } else {
+                        VersionKind::Delta
+                    },
+                    bytes: 0,
+                    changed: 0,
+                    total,
+                    step: st.step,
+                    unchanged: true,
+                    anchor_reason: None,
+                    bridge_bytes: 0,
+                    notified: 0,
+                    collected: None,
+                });
+            } else if delta_bytes as f64 > self.cfg.anchors.max_delta_fraction * anchor {
+                // Nearly the model: not worth keeping even as a bridge.
+                deltas.clear();
+                anchor_reason = Some(format!(
+                    "delta would be {:.0}% of an anchor",
+                    100.0 * delta_bytes as f64 / anchor
+                ));
+            } else if anchor_reason.is_none()
+                && (st.bytes_since_anchor + delta_bytes) as f64
+                    > self.cfg.anchors.max_replay_fraction * anchor
+            {
+                anchor_reason =
+                    Some("a newcomer's replay since the last anchor would exceed the limit".into());
+            }
+        }
+        match anchor_reason {
+            Some(reason) => self.publish_anchor(cp, next, reason, deltas, opts).await,
+            None => self.publish_delta(cp, next, deltas, changed, opts).await,
+        }
+    }
+
+    fn anchor_reason(&self, cp: &Checkpoint, next: u64) -> Option<String> {
+        let Some(snap) = &self.snapshot else {
+            return Some(
+                "no trusted snapshot (first version, or the snapshot or the bucket changed)".into(),
+            );
+        };
+        if next - snap.state.anchor_version >= self.cfg.anchors.every {
+            return Some(format!("every {} versions", self.cfg.anchors.every));
+        }
+        if !same_files(snap, cp) {
+            return Some("the set of safetensors files changed".into());
+        }
+        None
+    }
+
+    /// Whether every non-tensor file is the same as in the last version.
+    fn files_unchanged(&self, cp: &Checkpoint) -> Result<bool> {
+        let Some(snap) = &self.snapshot else {
+            return Ok(false);
+        };
+        if cp.files.len() != snap.state.files.len() {
+            return Ok(false);
+        }
+        for (name, src) in &cp.files {
+            if snap.state.files.get(name) != Some(&checkpoint::hash_file(src)?) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    async fn publish_delta(
+        &mut self,
+        cp: &mut Checkpoint,
+        next: u64,
+        deltas: Vec<(String, Vec<u8>)>,
+        changed: u64,
+        opts: &PublishOptions,
+    ) -> Result<Published> {
+        let snap = self.snapshot.as_ref().expect("a delta implies a snapshot");
+        let base = snap.state.clone();
+        let mut staging = Staging::new(next);
+        let mut bytes = 0u64;
+        for (name, d) in &deltas {
+            bytes += d.len() as u64;
+            staging
+                .upload(&self.store, name, ObjectRole::Delta, Bytes::from(d.clone()))
+                .await?;
+        }
+        let files = self.upload_files(cp, &mut staging, &base.files).await?;
+        bytes += files.1;
+        cp.check_unchanged()?;
+        let writer = staging.writer().to_string();
+        let manifest = staging.manifest(
+            VersionKind::Delta,
+            Some(next - 1),
+            base.anchor_version,
+            opts.step,
+        );
+        let manifest_bytes = manifest_size(&manifest);
+        let after = State {
+            version: next,
+            writer: writer.clone(),
+            anchor_version: base.anchor_version,
+            anchor_bytes: base.anchor_bytes,
+            bytes_since_anchor: base.bytes_since_anchor + bytes + manifest_bytes,
+            step: opts.step,
+            files: files.0,
+            tensor_files: cp
+                .tensors
+                .iter()
+                .map(|(n, s)| (n.clone(), FileDigests::of(s)))
+                .collect(),
+            pending: None,
+        };
+        let snap = self.snapshot.as_mut().expect("checked above");
+        snap.prepare_delta(next, &writer, &deltas, after.clone())?;
+        crate::failpoint::hit("publisher.before_commit");
+        if let Err(e) = self.commit(&manifest).await {
+            if let Some(s) = self.snapshot.as_mut() {
+                s.abandon()?;
+            }
+            return Err(e);
+        }
+        crate::failpoint::hit("publisher.after_latest");
+        let snap = self.snapshot.as_mut().expect("checked above");
+        snap.finish_delta(&deltas, after.clone())?;
+        self.state = Some(after);
+        let notified = self.notify(next, base.anchor_version).await;
+        Ok(Published {
+            version: next,
+            kind: VersionKind::Delta,
+            bytes: bytes + manifest_bytes,
+            changed,
+            total: cp.total_elements(),
+            step: opts.step,
+            unchanged: false,
+            anchor_reason: None,
+            bridge_bytes: 0,
+            notified,
+            collected: None,
+        })
+    }
+
+    /// Publishes an anchor; `bridges` (deltas from the previous version, one per
+    /// safetensors file, or none) go into the same version so that subscribers
+    /// behind it can replay across it.
+    async fn publish_anchor(
+        &mut self,
+        cp: &mut Checkpoint,
+        next: u64,
+        reason: String,
+        bridges: Vec<(String, Vec<u8>)>,
+        opts: &PublishOptions,
+    ) -> Result<Published> {
+        let dir = self.cfg.state_dir.clone();
+        let total = cp.total_elements();
+        // Bridged: `encode_delta` derived the new digests. Otherwise a full pass.
+        for set in cp.tensors.values_mut() {
+            if !set.has_digests() {
+                set.compute_digests();
+            }
+        }
+        // The new snapshot's files, written once; the anchor objects are
+        // uploaded from them (the checkpoint may be rewritten by the trainer
+        // once this publish returns; the snapshot is ours).
+        let next_dir = Snapshot::next_dir(&dir);
+        let _ = std::fs::remove_dir_all(&next_dir);
+        let mut staging = Staging::new(next);
+        let mut anchor_bytes = 0u64;
+        for (name, set) in &cp.tensors {
+            let path = next_dir.join(name);
+            let data_start = write_snapshot_file(&path, set)?;
+            let prefix = anchor_prefix(set, next)?;
+            let sources = [
+                Source::Bytes(Bytes::from(prefix)),
+                Source::File {
+                    path: path.clone(),
+                    offset: data_start,
+                    len: set.total_bytes(),
+                },
+            ];
+            let key = staging.key(ObjectRole::Anchor, name)?;
+            let (size, blake3) = self.store.put_sources(&key, &sources).await?;
+            anchor_bytes += size;
+            staging.record(crate::protocol::ObjectEntry {
+                name: name.clone(),
+                role: ObjectRole::Anchor,
+                key,
+                size,
+                blake3,
+            });
+        }
+        state::sync_dir(&next_dir)?;
+        let bridged = !bridges.is_empty();
+        let mut bridge_bytes = 0u64;
+        for (name, d) in bridges {
+            bridge_bytes += d.len() as u64;
+            staging
+                .upload(&self.store, &name, ObjectRole::Delta, Bytes::from(d))
+                .await?;
+        }
+        let (files, file_bytes) = self
+            .upload_files(cp, &mut staging, &BTreeMap::new())
+            .await?;
+        cp.check_unchanged()?;
+        let writer = staging.writer().to_string();
+        let manifest = staging.manifest(
+            VersionKind::Anchor,
+            bridged.then(|| next - 1),
+            next,
+            opts.step,
+        );
+        let bytes = anchor_bytes + bridge_bytes + file_bytes + manifest_size(&manifest);
+        let after = State {
+            version: next,
+            writer: writer.clone(),
+            anchor_version: next,
+            anchor_bytes,
+            bytes_since_anchor: 0,
+            step: opts.step,
+            files,
+            tensor_files: cp
+                .tensors
+                .iter()
+                .map(|(n, s)| (n.clone(), FileDigests::of(s)))
+                .collect(),
+            pending: None,
+        };
+        // Record the commit in flight (in the old state, which stays valid if
+        // it does not happen).
+        let mut pending = self.state.clone().unwrap_or_default();
+        pending.pending = Some(state::Pending {
+            version: next,
+            writer,
+            kind: VersionKind::Anchor,
+            after: Box::new(after.clone()),
+        });
+        state::write_state(&dir, &pending)?;
+        crate::failpoint::hit("publisher.before_commit");
+        if let Err(e) = self.commit(&manifest).await {
+            let _ = std::fs::remove_dir_all(&next_dir);
+            let mut back = pending;
+            back.pending = None;
+            state::write_state(&dir, &back)?;
+            return Err(e);
+        }
+        crate::failpoint::hit("publisher.after_latest");
+        // The old snapshot's mappings go before its files are replaced.
+        self.snapshot = None;
+        self.snapshot = Some(state::install_anchor(&dir, after.clone())?);
+        self.state = Some(after);
+        let notified = self.notify(next, next).await;
+        let collected = self.collect().await;
+        Ok(Published {
+            version: next,
+            kind: VersionKind::Anchor,
+            bytes,
+            changed: total,
+            total,
+            step: opts.step,
+            unchanged: false,
+            anchor_reason: Some(reason),
+            bridge_bytes,
+            notified,
+            collected,
+        })
+    }
+
+    /// Lists every non-tensor file in the version and uploads those that
+    /// differ from `previous` (name → (size, BLAKE3)), streaming each.
+    /// Returns the new file table and the bytes uploaded.
+    async fn upload_files(
+        &self,
+        cp: &Checkpoint,
+        staging: &mut Staging,
+        previous: &BTreeMap<String, (u64, String)>,
+    ) -> Result<(BTreeMap<String, (u64, String)>, u64)> {
+        let mut table = BTreeMap::new();
+        let mut bytes = 0;
+        for (name, src) in &cp.files {
+            let (size, hash) = checkpoint::hash_file(src)?;
+            staging.list_file(name, size, hash.clone());
+            table.insert(name.clone(), (size, hash.clone()));
+            if previous.get(name) == Some(&(size, hash.clone())) {
+                continue;
+            }
+            let source = match src {
+                FileSource::Bytes(b) => Source::Bytes(b.clone()),
+                FileSource::Path { path, .. } => Source::File {
+                    path: path.clone(),
+                    offset: 0,
+                    len: size,
+                },
+            };
+            let key = staging.key(ObjectRole::File, name)?;
+            let (sent, blake3) = self.store.put_sources(&key, &[source]).await?;
+            if blake3 != hash {
+                return Err(Error::Conflict(format!(
+                    "checkpoint file `{name}` changed while it was being published; publish it \
+                     again once the trainer has finished writing it"
+                )));
+            }
+            bytes += sent;
+            staging.record(crate::protocol::ObjectEntry {
+                name: name.clone(),
+                role: ObjectRole::File,
+                key,
+                size: sent,
+                blake3,
+            });
+        }
+        Ok((table, bytes))
+    }
+
+    /// Commits a manifest and updates the hint.
+    async fn commit(&self, manifest: &Manifest) -> Result<()> {
+        match commit(&self.store, manifest).await? {
+            Commit::Committed => crate::failpoint::hit("publisher.after_commit"),
+            Commit::VersionTaken => {
+                return Err(Error::Conflict(format!(
+                    "{LOST_RACE}: version {} was committed by another publisher first",
+                    manifest.version
+                )));
+            }
+        }
+        write_latest(
+            &self.store,
+            &Latest {
+                version: manifest.version,
+                anchor_version: manifest.anchor_version,
+            },
+        )
+        .await
+    }
+
+    /// Automatic retention after an anchor; never fails the publish.
+    async fn collect(&self) -> Option<crate::protocol::Collected> {
+        let retention = self.cfg.retention.as_ref()?;
+        match crate::protocol::collect_garbage(&self.store, retention, false).await {
+            Ok(c) => {
+                tracing::info!(
+                    keep_from = ?c.keep_from,
+                    versions = c.versions.len(),
+                    objects = c.objects,
+                    bytes = c.bytes,
+                    "retention"
+                );
+                Some(c)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "automatic retention failed; the publish stands");
+                None
+            }
+        }
+    }
+
+    /// Notifies the static and registered subscribers; never fails the publish.
+    async fn notify(&self, version: u64, anchor_version: u64) -> usize {
+        let Some(key) = &self.cfg.notify_key else {
+            return 0;
+        };
+        let mut urls = self.cfg.notify_urls.clone();
+        // A registration not refreshed within the retention's horizon (a day by
+        // default) belongs to a subscriber that went away: not worth a POST.
+        let max_age = self
+            .cfg
+            .retention
+            .as_ref()
+            .and_then(|r| r.registration_max_age_s)
+            .unwrap_or(
+                crate::protocol::Retention::default()
+                    .registration_max_age_s
+                    .unwrap_or(u64::MAX),
+            );
+        let now = crate::notify::unix_now();
+        match crate::protocol::registrations(&self.store).await {
+            Ok(regs) => urls.extend(
+                regs.into_iter()
+                    .filter(|r| now.saturating_sub(r.updated_at) <= max_age)
+                    .filter_map(|r| r.notify_url),
+            ),
+            Err(e) => tracing::warn!(error = %e, "cannot list subscriber registrations"),
+        }
+        urls.sort();
+        urls.dedup();
+        let n = crate::notify::Notification {
+            store: self.store.url().to_string(),
+            version,
+            anchor_version,
+        };
+        crate::notify::send(&urls, key, &n)
+            .await
+            .iter()
+            .filter(|d| d.ok)
+            .count()
+    }
+}
+
+/// How a lost commit race is worded (the retry recognizes it).
+const LOST_RACE: &str = "lost the commit race";
+
+/// Whether the checkpoint has exactly the snapshot's tensor files.
+fn same_files(snap: &Snapshot, cp: &Checkpoint) -> bool {
+    cp.tensors.len() == snap.sets.len() && cp.tensors.keys().all(|k| snap.sets.contains_key(k))
+}
+
+fn manifest_size(m: &Manifest) -> u64 {
+    serde_json::to_vec_pretty(m).map_or(0, |v| v.len() as u64)
+}
+
+/// Writes `set` as a plain safetensors file (its own metadata kept) at
+/// `path`, streaming from wherever its bytes are; returns where the tensor
+/// data starts in the file.
+fn write_snapshot_file(path: &Path, set: &crate::tensors::TensorSet) -> Result<u64> {
+    use std::io::Write;
+    let io = |what: &str, e| Error::io(format!("{what} {}", path.display()), e);
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| io("creating", e))?;
+    }
+    let file = std::fs::File::create(path).map_err(|e| io("creating", e))?;
+    let mut w = std::io::BufWriter::with_capacity(8 << 20, file);
+    set.write_to(set.metadata(), &mut w)?;
+    w.flush().map_err(|e| io("writing", e))?;
+    let len = w.get_ref().metadata().map_err(|e| io("writing", e))?.len();
+    Ok(len - set.total_bytes())
+}

@@ -1,0 +1,68 @@
+//! The subscriber daemon's shared state: its status (what `/v1/status` and
+//! `/metrics` report) and the wake-up the notify endpoint pulls.
+
+use std::sync::{Arc, Mutex};
+
+use serde::Serialize;
+use tokio::sync::Notify;
+
+use crate::notify::Key;
+
+/// What `/v1/status` reports.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Status {
+    /// The verified version materialized in the output directory.
+    pub version: Option<u64>,
+    /// The newest committed version seen in the bucket.
+    pub newest: Option<u64>,
+    /// `newest - version`.
+    pub lag: Option<u64>,
+    /// The last catch-up error, cleared by the next success.
+    pub last_error: Option<String>,
+    /// Versions applied since start.
+    pub versions_applied: u64,
+    /// Bytes downloaded since start.
+    pub bytes_downloaded: u64,
+    /// Bytes written into new version directories since start.
+    pub bytes_written: u64,
+    /// Bytes of new versions taken from the previous one (links, clones) since start.
+    pub bytes_reused: u64,
+    /// Re-bootstraps after a failed replay.
+    pub repairs: u64,
+    /// Catch-ups that failed.
+    pub failures: u64,
+    /// Accepted notifications.
+    pub notifications: u64,
+    /// Refused notifications (authentication, size, format).
+    pub refused: u64,
+    /// Seconds spent in the last catch-up that changed the version.
+    pub last_apply_seconds: f64,
+    /// The engine's pause window for the last version (pause answered → resume answered).
+    pub last_pause_seconds: f64,
+    /// Hooks that failed.
+    pub hook_failures: u64,
+}
+
+/// State shared by the HTTP handlers and the catch-up loop.
+pub struct Shared {
+    /// The status.
+    pub status: Mutex<Status>,
+    /// Wakes the catch-up loop.
+    pub wake: Notify,
+    /// The notify secret; without one every notification is refused.
+    pub key: Option<Key>,
+    /// The store URL this subscriber follows (notifications for others are refused).
+    pub store_url: String,
+}
+
+impl Shared {
+    /// Shared state for a subscriber of `store_url`.
+    pub fn new(store_url: impl Into<String>, key: Option<Key>) -> Arc<Shared> {
+        Arc::new(Shared {
+            status: Mutex::new(Status::default()),
+            wake: Notify::new(),
+            key,
+            store_url: store_url.into(),
+        })
+    }
+}
