@@ -361,3 +361,260 @@ fn digest_pass(base: &TensorSet, new: &TensorSet, reps: u32) -> DigestPass {
         vector: crate::digest::full_pass_vector(),
     }
 }
+
+// ---------------------------------------------------------------------------
+// Compressed anchors (`weightcast bench anchors`).
+
+/// What `weightcast bench anchors` runs.
+#[derive(Clone, Debug)]
+pub struct AnchorBenchConfig {
+    /// Words per chunk to try.
+    pub chunk_words: Vec<u64>,
+    /// zstd levels to try.
+    pub levels: Vec<i32>,
+    /// Timed repetitions per operation (the median is reported).
+    pub reps: u32,
+}
+
+/// One (chunk size, level) measurement of `planes` anchors.
+#[derive(Clone, Debug, Serialize)]
+pub struct AnchorBenchRow {
+    /// Words per chunk.
+    pub chunk_words: u64,
+    /// zstd level.
+    pub level: i32,
+    /// Tensor bytes (the `full` anchor's data section).
+    pub raw_bytes: u64,
+    /// Compressed chunk bytes (the `planes` anchor's data section).
+    pub stored_bytes: u64,
+    /// The whole `planes` object.
+    pub object_bytes: u64,
+    /// raw_bytes / stored_bytes.
+    pub ratio: f64,
+    /// Planes stored raw / all planes.
+    pub raw_planes: f64,
+    /// Median seconds of the parallel memcpy of the tensor bytes.
+    pub memcpy_s: f64,
+    /// Median seconds of the encode (writer into memory).
+    pub encode_s: f64,
+    /// Median seconds of the decode with every digest checked.
+    pub decode_s: f64,
+    /// Median seconds of the decode alone (no digests).
+    pub decode_only_s: f64,
+    /// Tensor bytes per second, encode (GB/s).
+    pub encode_gbps: f64,
+    /// Tensor bytes per second, decode with every digest checked (GB/s).
+    pub decode_gbps: f64,
+    /// Tensor bytes per second, decode alone (GB/s).
+    pub decode_only_gbps: f64,
+    /// Tensor bytes per second, memcpy (GB/s).
+    pub memcpy_gbps: f64,
+    /// Median of per-repetition memcpy_s / encode_s.
+    pub encode_vs_memcpy: f64,
+    /// Median of per-repetition memcpy_s / decode_s.
+    pub decode_vs_memcpy: f64,
+    /// Median of per-repetition memcpy_s / decode_only_s.
+    pub decode_only_vs_memcpy: f64,
+    /// CPU seconds (all threads) of the median encode, decode alone, decode
+    /// with digests and memcpy (Linux; 0 elsewhere). On a machine shared with
+    /// other work, `raw_bytes / cpu_s × threads` is the throughput the
+    /// threads would reach with the cores to themselves.
+    pub cpu_s: CpuSeconds,
+}
+
+/// CPU seconds per operation (see [`AnchorBenchRow::cpu_s`]).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct CpuSeconds {
+    /// Encode.
+    pub encode: f64,
+    /// Decode alone.
+    pub decode_only: f64,
+    /// Decode with every digest checked.
+    pub decode: f64,
+    /// The memcpy.
+    pub memcpy: f64,
+}
+
+/// CPU time used so far by every thread of this process, in seconds (Linux:
+/// the sum of `/proc/self/task/*/schedstat`; 0 elsewhere).
+fn cpu_seconds() -> f64 {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return 0.0;
+    };
+    dir.filter_map(|e| e.ok())
+        .filter_map(|e| std::fs::read_to_string(e.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum::<u64>() as f64
+        * 1e-9
+}
+
+/// Parallel copy of every tensor of `set` into `dst` (the baseline).
+fn memcpy_set(set: &TensorSet, dst: &mut [u8]) {
+    let mut rest = dst;
+    let mut parts = Vec::with_capacity(set.len());
+    for i in 0..set.len() {
+        let (mine, tail) = rest.split_at_mut(set.data(i).len());
+        parts.push((i, mine));
+        rest = tail;
+    }
+    parts.into_par_iter().for_each(|(i, d)| {
+        d.par_chunks_mut(1 << 21)
+            .zip(set.data(i).par_chunks(1 << 21))
+            .for_each(|(d, s)| d.copy_from_slice(s))
+    });
+}
+
+/// Measures `planes` anchors of `set`: size, and encode and decode time
+/// against a parallel memcpy of the same bytes timed around each operation.
+/// Every decode is checked bit-identical to `set`.
+pub fn run_anchors(
+    set: &TensorSet,
+    cfg: &AnchorBenchConfig,
+    mut progress: impl FnMut(&str),
+) -> Result<Vec<AnchorBenchRow>> {
+    use crate::codec::planes::{PlanesLayout, PlanesOptions};
+    use crate::codec::write_anchor_planes;
+    let raw_bytes = set.total_bytes();
+    let threads = rayon::current_num_threads();
+    let mut copy = vec![0u8; raw_bytes as usize];
+    let mut sink: Vec<u8> = Vec::with_capacity(raw_bytes as usize + (1 << 20));
+    let mut decoded = vec![0u8; raw_bytes as usize];
+    let cpu = std::cell::RefCell::new(Vec::<f64>::new());
+    let time = |f: &mut dyn FnMut()| {
+        let c = cpu_seconds();
+        let t = Instant::now();
+        f();
+        let s = t.elapsed().as_secs_f64();
+        cpu.borrow_mut().push(cpu_seconds() - c);
+        s
+    };
+    // CPU seconds of the last `k`-th timed operation.
+    let last_cpu = |k: usize| {
+        let c = cpu.borrow();
+        c[c.len() - k]
+    };
+    let mut rows = Vec::new();
+    for &chunk_words in &cfg.chunk_words {
+        for &level in &cfg.levels {
+            let opts = PlanesOptions {
+                chunk_words,
+                level,
+                ..PlanesOptions::default()
+            };
+            let (mut enc, mut dec, mut copies) = (Vec::new(), Vec::new(), Vec::new());
+            let (mut enc_r, mut dec_r) = (Vec::new(), Vec::new());
+            let (mut only, mut only_r) = (Vec::new(), Vec::new());
+            let mut cpus: Vec<[f64; 4]> = Vec::new();
+            let mut before = time(&mut || memcpy_set(set, &mut copy));
+            let mut object = Vec::new();
+            for _ in 0..cfg.reps.max(1) {
+                sink.clear();
+                let mut fin = None;
+                let e = time(&mut || {
+                    fin = Some(write_anchor_planes(set, 1, opts, &mut sink).map(|f| f.prefix))
+                });
+                let prefix = fin.expect("ran")?;
+                let mid = time(&mut || memcpy_set(set, &mut copy));
+                object.clear();
+                object.extend_from_slice(&prefix);
+                object.extend_from_slice(&sink);
+                let layout = PlanesLayout::parse(&object)?;
+                let mut r = Ok(());
+                let d = time(&mut || r = layout.decode_all(&object, &mut decoded));
+                r?;
+                let after = time(&mut || memcpy_set(set, &mut copy));
+                if decoded != copy {
+                    return Err(Error::metadata("bench", "decoded anchor differs"));
+                }
+                decoded.fill(0);
+                let mut r = Ok(());
+                let o = time(&mut || r = layout.decode_all_as(&object, &mut decoded, false));
+                r?;
+                let after2 = time(&mut || memcpy_set(set, &mut copy));
+                if decoded != copy {
+                    return Err(Error::metadata("bench", "decoded anchor differs"));
+                }
+                only.push(o);
+                only_r.push((after + after2) / 2.0 / o);
+                // encode, mid, decode, after, decode alone, after2
+                cpus.push([last_cpu(6), last_cpu(2), last_cpu(4), last_cpu(1)]);
+                enc.push(e);
+                dec.push(d);
+                copies.extend([before, mid, after]);
+                enc_r.push((before + mid) / 2.0 / e);
+                dec_r.push((mid + after) / 2.0 / d);
+                copies.push(after2);
+                before = after2;
+            }
+            let layout = PlanesLayout::parse(&object)?;
+            let (mut planes, mut raw) = (0usize, 0usize);
+            for t in &layout.tensors {
+                for c in &t.chunks {
+                    let words = (c.decoded.end - c.decoded.start) / c.planes.len() as u64;
+                    planes += c.planes.len();
+                    raw += c.planes.iter().filter(|&&l| l == words).count();
+                }
+            }
+            let stored_bytes = layout.object_len - prefix_len_of(&object);
+            let (encode_s, decode_s, memcpy_s) = (median(enc), median(dec), median(copies));
+            let decode_only_s = median(only);
+            let col = |i: usize| median(cpus.iter().map(|c| c[i]).collect());
+            let cpu_s = CpuSeconds {
+                encode: col(0),
+                decode_only: col(1),
+                decode: col(2),
+                memcpy: col(3),
+            };
+            let gb = raw_bytes as f64 * 1e-9;
+            let row = AnchorBenchRow {
+                chunk_words,
+                level,
+                raw_bytes,
+                stored_bytes,
+                object_bytes: object.len() as u64,
+                ratio: raw_bytes as f64 / stored_bytes.max(1) as f64,
+                raw_planes: raw as f64 / planes.max(1) as f64,
+                memcpy_s,
+                encode_s,
+                decode_s,
+                decode_only_s,
+                encode_gbps: gb / encode_s,
+                decode_gbps: gb / decode_s,
+                decode_only_gbps: gb / decode_only_s,
+                memcpy_gbps: gb / memcpy_s,
+                encode_vs_memcpy: median(enc_r),
+                decode_vs_memcpy: median(dec_r),
+                decode_only_vs_memcpy: median(only_r),
+                cpu_s,
+            };
+            progress(&format!(
+                "chunk {chunk_words:>8} words, level {level:>2}: {:.4}x smaller ({} -> {} B, {:.0}% planes raw)  encode {:.2} GB/s ({:.3}x memcpy)  decode {:.2} GB/s ({:.3}x memcpy)  decode+verify {:.2} GB/s ({:.3}x memcpy)  memcpy {:.2} GB/s\n    CPU time: encode {:.3}s, decode {:.3}s, decode+verify {:.3}s, memcpy {:.3}s: with the cores to themselves {threads} threads would encode {:.2} GB/s, decode {:.2} GB/s, decode+verify {:.2} GB/s, memcpy {:.2} GB/s",
+                row.ratio,
+                raw_bytes,
+                stored_bytes,
+                row.raw_planes * 100.0,
+                row.encode_gbps,
+                row.encode_vs_memcpy,
+                row.decode_only_gbps,
+                row.decode_only_vs_memcpy,
+                row.decode_gbps,
+                row.decode_vs_memcpy,
+                row.memcpy_gbps,
+                row.cpu_s.encode,
+                row.cpu_s.decode_only,
+                row.cpu_s.decode,
+                row.cpu_s.memcpy,
+                gb * threads as f64 / row.cpu_s.encode,
+                gb * threads as f64 / row.cpu_s.decode_only,
+                gb * threads as f64 / row.cpu_s.decode,
+                gb * threads as f64 / row.cpu_s.memcpy,
+            ));
+            rows.push(row);
+        }
+    }
+    Ok(rows)
+}
+
+fn prefix_len_of(object: &[u8]) -> u64 {
+    crate::codec::planes::prefix_len(object).unwrap_or(0)
+}

@@ -337,34 +337,45 @@ pub fn tensor_digest(seed: TensorSeed, dtype: Dtype, data: &[u8]) -> Digest {
     Digest(sum)
 }
 
+/// Digest contribution of `words` (whole words of `dtype`), the first of
+/// which is word number `first` of its tensor: summing the contributions of
+/// consecutive pieces gives [`tensor_digest`]. Sequential; callers that hold a
+/// piece anyway (a decoder writing chunk by chunk) add it up in parallel.
+pub fn words_digest(seed: TensorSeed, dtype: Dtype, words: &[u8], first: u64) -> Digest {
+    Digest(range_sum(seed, word_bytes(dtype), words, first))
+}
+
 fn chunk_sum(seed: TensorSeed, wb: usize, data: &[u8], lo: usize, hi: usize) -> u64 {
+    range_sum(seed, wb, &data[lo * wb..hi * wb], lo as u64)
+}
+
+fn range_sum(seed: TensorSeed, wb: usize, words: &[u8], first: u64) -> u64 {
     #[cfg(target_arch = "x86_64")]
     if wide512() {
-        let words = &data[lo * wb..hi * wb];
         // SAFETY: `wide512()` confirmed at run time every feature
         // `words_sum_avx512` is compiled with; it reads only `words`.
         // Exercised by `vector_and_scalar_full_passes_agree`.
         return crate::with_word_width!(wb, W => unsafe {
-            words_sum_avx512::<W>(seed, words, lo as u64)
+            words_sum_avx512::<W>(seed, words, first)
         });
     }
-    chunk_sum_scalar(seed, wb, data, lo, hi)
+    range_sum_scalar(seed, wb, words, first)
 }
 
-fn chunk_sum_scalar(seed: TensorSeed, wb: usize, data: &[u8], lo: usize, hi: usize) -> u64 {
+fn range_sum_scalar(seed: TensorSeed, wb: usize, words: &[u8], first: u64) -> u64 {
     let mut acc = 0u64;
     match wb {
         2 => {
             // The hot case (BF16/F16): a monomorphic loop over the value table.
-            for (k, c) in data[lo * 2..hi * 2].chunks_exact(2).enumerate() {
+            for (k, c) in words.chunks_exact(2).enumerate() {
                 let w = u16::from_le_bytes([c[0], c[1]]) as usize;
                 acc =
-                    acc.wrapping_add(SMALL_VALUES[w].wrapping_mul(seed.position((lo + k) as u64)));
+                    acc.wrapping_add(SMALL_VALUES[w].wrapping_mul(seed.position(first + k as u64)));
             }
         }
         _ => {
-            for i in lo..hi {
-                acc = acc.wrapping_add(seed.hash(i as u64, read_word(data, wb, i)));
+            for k in 0..words.len() / wb {
+                acc = acc.wrapping_add(seed.hash(first + k as u64, read_word(words, wb, k)));
             }
         }
     }
@@ -455,7 +466,7 @@ mod tests {
             // and from later words (the position lanes start at `lo`).
             for lo in [0, 1, 7, 8, 33] {
                 for hi in lo..=41 {
-                    let expect = chunk_sum_scalar(seed, wb, &data, lo, hi);
+                    let expect = range_sum_scalar(seed, wb, &data[lo * wb..hi * wb], lo as u64);
                     assert_eq!(
                         chunk_sum(seed, wb, &data, lo, hi),
                         expect,
@@ -469,6 +480,11 @@ mod tests {
             let expect = (0..16).fold(0u64, |a, k| {
                 a.wrapping_add(seed.hash(far + k as u64, read_word(words, wb, k)))
             });
+            assert_eq!(
+                range_sum_scalar(seed, wb, words, far),
+                expect,
+                "{wb} B scalar"
+            );
             #[cfg(target_arch = "x86_64")]
             if wide512() {
                 let got = crate::with_word_width!(wb, W => unsafe {

@@ -29,7 +29,7 @@ pub mod keys {
     pub const FORMAT_VERSION: &str = "weightcast.format_version";
     /// `"anchor"` or `"delta"`.
     pub const KIND: &str = "weightcast.kind";
-    /// `"full"` (anchors), `"compact"` or `"trl"` (deltas).
+    /// `"full"` or `"planes"` (anchors), `"compact"` or `"trl"` (deltas).
     pub const ENCODING: &str = "weightcast.encoding";
     /// Decimal u64: the version this object produces.
     pub const MODEL_VERSION: &str = "weightcast.model_version";
@@ -51,6 +51,8 @@ pub mod keys {
     pub const PAYLOAD_BLAKE3: &str = "weightcast.payload_blake3";
     /// JSON object: tensor name → [`super::TensorEntry`].
     pub const TENSORS: &str = "weightcast.tensors";
+    /// JSON object: the chunk table of a `planes` anchor (see `codec::planes`).
+    pub const PLANES: &str = "weightcast.planes";
 }
 
 /// Anchor (full weights) or delta (changed elements only).
@@ -73,6 +75,9 @@ pub enum Encoding {
     Compact,
     /// Deltas: the Hugging Face TRL `sparse_weight_patch` layout (I32 indices, absolute values).
     Trl,
+    /// Anchors: each tensor's byte planes, zstd-compressed in independent
+    /// chunks (see `codec::planes` and docs/format.md §5.1).
+    Planes,
 }
 
 impl Encoding {
@@ -82,6 +87,7 @@ impl Encoding {
             Encoding::Full => "full",
             Encoding::Compact => "compact",
             Encoding::Trl => "trl",
+            Encoding::Planes => "planes",
         }
     }
 }
@@ -99,9 +105,10 @@ impl FromStr for Encoding {
             "full" => Ok(Encoding::Full),
             "compact" => Ok(Encoding::Compact),
             "trl" => Ok(Encoding::Trl),
+            "planes" => Ok(Encoding::Planes),
             _ => Err(Error::metadata(
                 keys::ENCODING,
-                format!("unknown encoding `{s}` (expected full, compact or trl)"),
+                format!("unknown encoding `{s}` (expected full, planes, compact or trl)"),
             )),
         }
     }
@@ -189,7 +196,8 @@ pub struct Header {
 }
 
 impl Header {
-    /// Renders the header as `__metadata__` entries (anchors also get `format=pt`).
+    /// Renders the header as `__metadata__` entries (`full` anchors also get
+    /// `format=pt`: they load as checkpoints; `planes` anchors do not).
     pub fn to_metadata(&self) -> BTreeMap<String, String> {
         let mut m = BTreeMap::new();
         let mut put = |k: &str, v: String| {
@@ -225,7 +233,7 @@ impl Header {
             keys::TENSORS,
             serde_json::to_string(&self.tensors).expect("serializable"),
         );
-        if self.kind == Kind::Anchor {
+        if self.kind == Kind::Anchor && self.encoding == Encoding::Full {
             m.insert("format".into(), "pt".into());
         }
         m
@@ -264,7 +272,8 @@ impl Header {
         };
         let encoding: Encoding = req(m, keys::ENCODING)?.parse()?;
         match (kind, encoding) {
-            (Kind::Anchor, Encoding::Full) | (Kind::Delta, Encoding::Compact | Encoding::Trl) => {}
+            (Kind::Anchor, Encoding::Full | Encoding::Planes)
+            | (Kind::Delta, Encoding::Compact | Encoding::Trl) => {}
             _ => {
                 return Err(Error::metadata(
                     keys::ENCODING,

@@ -18,7 +18,8 @@
 //! - [`tensors`]: [`tensors::TensorSet`], named tensors in one buffer, read from
 //!   and written to safetensors.
 //! - [`format`](mod@format): the object header — metadata keys, their types, validation.
-//! - [`codec`]: diff, encode, decode, apply (`compact` and `trl`), anchors.
+//! - [`codec`]: diff, encode, decode, apply (`compact` and `trl`), anchors
+//!   (`full`, and `planes`: byte planes + zstd in independent chunks).
 //! - [`store`]: the bucket — any object store opened by URL (`hf://` included),
 //!   with multipart and streamed uploads, size-bounded and conditional reads,
 //!   conditional creates and a probe for stores that ignore conditions.

@@ -643,6 +643,19 @@ pub fn safetensors_header(
     tensors: &[(&str, Dtype, &[usize], &[u8])],
     metadata: &BTreeMap<String, String>,
 ) -> Result<Vec<u8>> {
+    let lens: Vec<(&str, Dtype, &[usize], usize)> = tensors
+        .iter()
+        .map(|&(n, d, s, data)| (n, d, s, data.len()))
+        .collect();
+    safetensors_header_lens(&lens, metadata)
+}
+
+/// [`safetensors_header`] from the tensors' byte lengths alone, for writers
+/// that produce the data after the header is known (or before it, spilled).
+pub fn safetensors_header_lens(
+    tensors: &[(&str, Dtype, &[usize], usize)],
+    metadata: &BTreeMap<String, String>,
+) -> Result<Vec<u8>> {
     let mut map = serde_json::Map::new();
     if !metadata.is_empty() {
         map.insert(
@@ -651,31 +664,28 @@ pub fn safetensors_header(
         );
     }
     let mut offset = 0usize;
-    for (name, dtype, shape, data) in tensors {
-        if *name == "__metadata__" || map.contains_key(*name) {
-            return Err(Error::tensor(*name, "duplicate or reserved tensor name"));
+    for &(name, dtype, shape, len) in tensors {
+        if name == "__metadata__" || map.contains_key(name) {
+            return Err(Error::tensor(name, "duplicate or reserved tensor name"));
         }
-        match byte_len(*dtype, shape) {
-            Some(n) if n == data.len() => {}
+        match byte_len(dtype, shape) {
+            Some(n) if n == len => {}
             _ => {
                 return Err(Error::tensor(
-                    *name,
-                    format!(
-                        "{} bytes do not match dtype {dtype} and shape {shape:?}",
-                        data.len()
-                    ),
+                    name,
+                    format!("{len} bytes do not match dtype {dtype} and shape {shape:?}"),
                 ));
             }
         }
         map.insert(
-            (*name).to_string(),
+            name.to_string(),
             serde_json::json!({
                 "dtype": dtype.to_string(),
                 "shape": shape,
-                "data_offsets": [offset, offset + data.len()],
+                "data_offsets": [offset, offset + len],
             }),
         );
-        offset += data.len();
+        offset += len;
     }
     let mut header = serde_json::to_vec(&map).expect("json");
     while !header.len().is_multiple_of(8) {

@@ -388,6 +388,31 @@ enum BenchWhat {
         #[arg(long, default_value_t = 3)]
         reps: u32,
     },
+    /// Compressed (`planes`) anchors: size and encode/decode speed against a
+    /// memcpy of the same bytes, on a checkpoint or the synthetic generator.
+    Anchors {
+        /// A .safetensors checkpoint (default: the synthetic generator).
+        #[arg(long)]
+        input: Option<PathBuf>,
+        /// Generator model size in elements (without --input).
+        #[arg(long, default_value_t = 100_000_000)]
+        elements: u64,
+        /// Words per chunk, comma separated (each is measured).
+        #[arg(long, default_value = "1048576", value_delimiter = ',')]
+        chunk_words: Vec<u64>,
+        /// zstd levels, comma separated (each is measured).
+        #[arg(long, default_value = "1", value_delimiter = ',')]
+        levels: Vec<i32>,
+        /// Worker threads (default: all cores).
+        #[arg(long)]
+        threads: Option<usize>,
+        /// Timed repetitions per operation (the median is reported).
+        #[arg(long, default_value_t = 5)]
+        reps: u32,
+        /// Write the rows as JSON here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
 }
 
 /// Installs the SIGINT (Ctrl-C) and SIGTERM (what compose and Kubernetes
@@ -405,6 +430,17 @@ fn shutdown() -> Result<impl std::future::Future<Output = ()>> {
             _ = int.recv() => {}
         }
     })
+}
+
+/// Sizes rayon's global pool (`--threads`; default: all cores).
+fn set_threads(threads: Option<usize>) -> Result<()> {
+    if let Some(t) = threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(t)
+            .build_global()
+            .context("configuring worker threads")?;
+    }
+    Ok(())
 }
 
 /// Prints one line on stdout. A closed stdout (the reader went away, EPIPE)
@@ -517,12 +553,7 @@ fn run(cli: Cli) -> Result<()> {
                     reps,
                 },
         } => {
-            if let Some(t) = threads {
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(t)
-                    .build_global()
-                    .context("configuring worker threads")?;
-            }
+            set_threads(threads)?;
             let cfg = BenchConfig {
                 elements,
                 steps,
@@ -534,6 +565,46 @@ fn run(cli: Cli) -> Result<()> {
             let report = weightcast::bench::run(&cfg, &AllocProbe, |l| emit(l))?;
             if let Some(p) = json {
                 std::fs::write(&p, serde_json::to_vec_pretty(&report)?)
+                    .with_context(|| format!("writing {}", p.display()))?;
+            }
+        }
+        Command::Bench {
+            what:
+                BenchWhat::Anchors {
+                    input,
+                    elements,
+                    chunk_words,
+                    levels,
+                    threads,
+                    reps,
+                    json,
+                },
+        } => {
+            set_threads(threads)?;
+            let set = match &input {
+                Some(p) => TensorSet::read(p, Digests::Compute)?,
+                None => weightcast::generator::Generator::new(GeneratorConfig::with_elements(
+                    42, elements,
+                ))
+                .snapshot(),
+            };
+            emit(format!(
+                "{}: {} tensors, {} bytes, {} threads",
+                input
+                    .as_ref()
+                    .map_or("generator".to_string(), |p| p.display().to_string()),
+                set.len(),
+                set.total_bytes(),
+                rayon::current_num_threads()
+            ));
+            let cfg = weightcast::bench::AnchorBenchConfig {
+                chunk_words,
+                levels,
+                reps,
+            };
+            let rows = weightcast::bench::run_anchors(&set, &cfg, |l| emit(l))?;
+            if let Some(p) = json {
+                std::fs::write(&p, serde_json::to_vec_pretty(&rows)?)
                     .with_context(|| format!("writing {}", p.display()))?;
             }
         }
@@ -737,6 +808,10 @@ fn run(cli: Cli) -> Result<()> {
                 .collect();
             if let Some(t) = tensors {
                 meta.insert("weightcast.tensors".into(), t);
+            }
+            if let Some(serde_json::Value::String(p)) = meta.get("weightcast.planes") {
+                let table: serde_json::Value = serde_json::from_str(p)?;
+                meta.insert("weightcast.planes".into(), table);
             }
             emit(serde_json::to_string_pretty(&meta)?);
         }

@@ -9,6 +9,7 @@
 pub mod bits;
 pub mod compact;
 pub mod cpu;
+pub mod planes;
 pub mod scan;
 pub mod trl;
 pub mod vector;
@@ -21,10 +22,12 @@ use safetensors::SafeTensors;
 use serde::Serialize;
 
 use crate::digest::{Digest, TensorSeed};
-use crate::dtype::{Dtype, key_kind, word_bytes};
+use crate::dtype::{Dtype, element_count, key_kind, word_bytes};
 use crate::error::{Error, Result};
 use crate::format::{BlockEntry, Encoding, Header, Kind, TensorEntry, entry_digest, keys};
-use crate::tensors::{Digests, TensorInfo, TensorSet, safetensors_header, write_safetensors};
+use crate::tensors::{
+    Digests, TensorInfo, TensorSet, safetensors_header, safetensors_header_lens, write_safetensors,
+};
 
 /// What a delta is and where it sits in the version chain.
 #[derive(Clone, Copy, Debug)]
@@ -79,10 +82,13 @@ pub fn encode_delta(
     if !base.has_digests() {
         return Err(Error::metadata("base", "base tensor set has no digests"));
     }
-    if opts.encoding == Encoding::Full {
+    if matches!(opts.encoding, Encoding::Full | Encoding::Planes) {
         return Err(Error::metadata(
             keys::ENCODING,
-            "`full` is the anchor encoding, not a delta encoding",
+            format!(
+                "`{}` is an anchor encoding, not a delta encoding",
+                opts.encoding
+            ),
         ));
     }
     base.same_structure(new)?;
@@ -730,36 +736,58 @@ pub struct AnchorSummary {
 }
 
 fn anchor_header(set: &TensorSet, model_version: u64) -> Header {
-    let tensors = set
-        .tensors()
-        .iter()
-        .map(|t| {
+    let items = set.tensors().iter().map(|t| {
+        (
+            t.name.as_str(),
+            t.dtype,
+            t.shape.as_slice(),
+            t.words() as u64,
+            t.digest,
+        )
+    });
+    anchor_header_of(items, model_version, Encoding::Full)
+}
+
+/// The header of an anchor holding these tensors (name, dtype, shape, words,
+/// digest); the same for every anchor encoding but `encoding` itself.
+pub(crate) fn anchor_header_of<'a>(
+    items: impl IntoIterator<Item = (&'a str, Dtype, &'a [usize], u64, Digest)>,
+    model_version: u64,
+    encoding: Encoding,
+) -> Header {
+    let (mut words, mut elements, mut digest) = (0u64, 0u64, Digest::default());
+    let tensors = items
+        .into_iter()
+        .map(|(name, dtype, shape, w, d)| {
+            let e = element_count(shape).unwrap_or(0);
+            words += w;
+            elements += e;
+            digest = digest.wrapping_add(d);
             (
-                t.name.clone(),
+                name.to_string(),
                 TensorEntry {
-                    dtype: t.dtype.to_string(),
-                    shape: t.shape.iter().map(|&d| d as u64).collect(),
-                    elements: t.elements(),
-                    changed: t.words() as u64,
+                    dtype: dtype.to_string(),
+                    shape: shape.iter().map(|&d| d as u64).collect(),
+                    elements: e,
+                    changed: w,
                     density: 1.0,
-                    digest: t.digest.to_string(),
+                    digest: d.to_string(),
                     base_digest: None,
                     block_words: None,
                     blocks: None,
                 },
             )
         })
-        .collect();
-    let words: u64 = set.tensors().iter().map(|t| t.words() as u64).sum();
+        .collect::<BTreeMap<_, _>>();
     Header {
         kind: Kind::Anchor,
-        encoding: Encoding::Full,
+        encoding,
         model_version,
         base_version: None,
         base_digest: None,
-        digest: set.digest(),
-        tensor_count: set.len() as u64,
-        total_elements: set.total_elements(),
+        digest,
+        tensor_count: tensors.len() as u64,
+        total_elements: elements,
         changed_elements: words,
         density: 1.0,
         payload_blake3: None,
@@ -805,13 +833,21 @@ pub fn anchor_prefix(set: &TensorSet, model_version: u64) -> Result<Vec<u8>> {
         return Err(Error::metadata("anchor", "tensor set has no digests"));
     }
     let meta = anchor_header(set, model_version).to_metadata();
-    let views: Vec<(&str, Dtype, &[usize], &[u8])> = set
+    let lens: Vec<(&str, Dtype, &[usize], usize)> = set
         .tensors()
         .iter()
-        .enumerate()
-        .map(|(i, t)| (t.name.as_str(), t.dtype, t.shape.as_slice(), set.data(i)))
+        .map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice(), t.range.len()))
         .collect();
-    let head = safetensors_header(&views, &meta)?;
+    object_prefix(&lens, &meta)
+}
+
+/// An object's first bytes: the 8-byte header length and the padded header
+/// of tensors with these byte lengths, in this order.
+pub(crate) fn object_prefix(
+    lens: &[(&str, Dtype, &[usize], usize)],
+    meta: &BTreeMap<String, String>,
+) -> Result<Vec<u8>> {
+    let head = safetensors_header_lens(lens, meta)?;
     let mut out = Vec::with_capacity(8 + head.len());
     out.extend_from_slice(&(head.len() as u64).to_le_bytes());
     out.extend_from_slice(&head);
@@ -825,10 +861,123 @@ pub fn encode_anchor(set: &TensorSet, model_version: u64) -> Result<(Vec<u8>, An
     Ok((out, s))
 }
 
+/// Compresses `set` as a `planes` anchor (docs/format.md §5.1) whose chunks go
+/// to `sink` (a spill file, or memory): the object is the returned prefix
+/// followed by what was written to `sink`.
+pub fn write_anchor_planes<W: Write>(
+    set: &TensorSet,
+    model_version: u64,
+    opts: planes::PlanesOptions,
+    sink: W,
+) -> Result<planes::Finished<W>> {
+    if !set.has_digests() {
+        return Err(Error::metadata("anchor", "tensor set has no digests"));
+    }
+    let mut w = planes::PlanesWriter::new(sink, opts)?;
+    for (i, t) in set.tensors().iter().enumerate() {
+        w.tensor(&t.name, t.dtype, &t.shape, set.data(i))?;
+    }
+    let digests = set
+        .tensors()
+        .iter()
+        .map(|t| (t.name.clone(), t.digest))
+        .collect();
+    w.finish(model_version, &digests)
+}
+
+/// Streams `set` as a `planes` anchor into `w`, spilling the compressed chunks
+/// to an anonymous temporary file first (the header, which comes first, needs
+/// their sizes).
+pub fn write_anchor_compressed(
+    set: &TensorSet,
+    model_version: u64,
+    w: &mut impl Write,
+) -> Result<AnchorSummary> {
+    let spill = tempfile::tempfile().map_err(|e| Error::io("creating a spill file", e))?;
+    let spill = std::io::BufWriter::with_capacity(1 << 20, spill);
+    let f = write_anchor_planes(set, model_version, planes::PlanesOptions::default(), spill)?;
+    let io = |e| Error::io("writing the compressed anchor", e);
+    let mut spill = f
+        .sink
+        .into_inner()
+        .map_err(|e| Error::io("writing a spill file", e.into_error()))?;
+    use std::io::Seek;
+    spill
+        .rewind()
+        .map_err(|e| Error::io("rewinding a spill file", e))?;
+    w.write_all(&f.prefix).map_err(io)?;
+    let copied = std::io::copy(&mut spill, w).map_err(io)?;
+    if copied != f.data_bytes {
+        return Err(Error::Container(format!(
+            "spill file holds {copied} bytes, {} were written",
+            f.data_bytes
+        )));
+    }
+    Ok(AnchorSummary {
+        model_version,
+        tensors: set.len(),
+        total: set.total_elements(),
+        bytes: f.prefix.len() as u64 + f.data_bytes,
+        digest: f.header.digest.to_string(),
+    })
+}
+
+/// [`write_anchor_compressed`] into a new vector (no spill file).
+pub fn encode_anchor_compressed(
+    set: &TensorSet,
+    model_version: u64,
+) -> Result<(Vec<u8>, AnchorSummary)> {
+    let f = write_anchor_planes(
+        set,
+        model_version,
+        planes::PlanesOptions::default(),
+        Vec::new(),
+    )?;
+    let mut out = f.prefix;
+    out.extend_from_slice(&f.sink);
+    let summary = AnchorSummary {
+        model_version,
+        tensors: set.len(),
+        total: set.total_elements(),
+        bytes: out.len() as u64,
+        digest: f.header.digest.to_string(),
+    };
+    Ok((out, summary))
+}
+
+/// Writes the plain (`full`) anchor that an anchor object stands for into
+/// `w`: a `planes` anchor decoded (bounded memory, every digest checked), a
+/// `full` anchor or plain checkpoint copied as is. Returns the bytes written.
+pub fn materialize_anchor(object: &[u8], w: &mut impl Write) -> Result<u64> {
+    let (_, header) = inspect(object)?;
+    if header.as_ref().is_some_and(planes::is_planes) {
+        return planes::materialize(object, w);
+    }
+    w.write_all(object)
+        .map_err(|e| Error::io("writing the materialized anchor", e))?;
+    Ok(object.len() as u64)
+}
+
 /// Parses an anchor (or any safetensors checkpoint), computes every digest and,
 /// when it carries a weightcast header, verifies them all. Returns the header
 /// (`None` for a plain checkpoint, which is loaded unverified).
+///
+/// A `planes` anchor is decoded (chunks in parallel, each chunk's digest
+/// taken while it is in cache) into the tensors of the `full` anchor it
+/// stands for; the header returned is its own (`encoding = planes`).
 pub fn read_anchor(buf: Vec<u8>) -> Result<(Option<Header>, TensorSet)> {
+    let (_, header) = inspect(&buf)?;
+    if header.as_ref().is_some_and(planes::is_planes) {
+        let (layout, raw) = planes::decode_object(&buf)?;
+        drop(buf);
+        let mut set = TensorSet::from_safetensors(raw, Digests::Skip)?;
+        for (i, t) in layout.tensors.iter().enumerate() {
+            debug_assert_eq!(set.tensors()[i].name, t.name);
+            set.set_digest(i, t.digest);
+        }
+        set.mark_digests_valid();
+        return Ok((Some(layout.header), set));
+    }
     let set = TensorSet::from_safetensors(buf, Digests::Compute)?;
     let header = Header::from_metadata(set.metadata())?;
     let Some(h) = header else {
@@ -906,9 +1055,13 @@ fn metadata_map(bytes: &[u8]) -> Result<(usize, BTreeMap<String, String>)> {
     Ok((n, map))
 }
 
-/// Reads just the header of an anchor or delta object.
+/// Reads just the header of an anchor or delta object. For a `planes` anchor
+/// it also validates the chunk table (see [`planes::PlanesLayout::parse`]).
 pub fn inspect(bytes: &[u8]) -> Result<(BTreeMap<String, String>, Option<Header>)> {
     let (_, map) = metadata_map(bytes)?;
     let h = Header::from_metadata(&map)?;
+    if h.as_ref().is_some_and(planes::is_planes) {
+        planes::PlanesLayout::parse(bytes)?;
+    }
     Ok((map, h))
 }

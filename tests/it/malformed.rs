@@ -1980,3 +1980,93 @@ fn upper_case_payload_blake3_is_accepted() {
         assert!(snapshot(&s) == snapshot(&fx.sets[2]));
     }
 }
+
+// ---------------------------------------------------------------------------
+// Compressed (`planes`) anchors: accepted exactly when intact, refused with a
+// named reason otherwise, and read to the same state as the raw anchor.
+
+fn planes_anchor(set: &TensorSet, version: u64) -> Vec<u8> {
+    weightcast::codec::encode_anchor_compressed(set, version)
+        .unwrap()
+        .0
+}
+
+#[test]
+fn planes_anchor_reads_as_the_raw_anchor() {
+    let fx = Fixture::new();
+    for (v, s) in fx.sets.iter().enumerate() {
+        let raw = encode_anchor(s, v as u64).unwrap().0;
+        let packed = planes_anchor(s, v as u64);
+        let (hr, a) = read_anchor(raw.clone()).unwrap();
+        let (hp, b) = read_anchor(packed.clone()).unwrap();
+        assert_eq!(hp.as_ref().unwrap().encoding, Encoding::Planes);
+        assert_eq!(hr.unwrap().digest, hp.unwrap().digest);
+        assert!(snapshot(&a) == snapshot(&b));
+        let mut m = Vec::new();
+        weightcast::codec::materialize_anchor(&packed, &mut m).unwrap();
+        assert!(
+            m == raw,
+            "materialized planes anchor differs from the raw anchor"
+        );
+    }
+}
+
+#[test]
+fn planes_anchor_with_a_bad_table_or_payload_is_refused() {
+    let fx = Fixture::new();
+    let a = planes_anchor(&fx.sets[1], 1);
+    let table: Value = serde_json::from_str(&parse(&a).meta["weightcast.planes"]).unwrap();
+
+    // Missing table, not JSON, a chunk size beyond the limit.
+    anchor_err(
+        &with_meta(&a, "weightcast.planes", None),
+        &["weightcast.planes", "missing"],
+    );
+    anchor_err(
+        &with_meta(&a, "weightcast.planes", Some("{")),
+        &["weightcast.planes"],
+    );
+    let mut t = table.clone();
+    t["chunk_words"] = json!(1u64 << 40);
+    anchor_err(
+        &with_meta(&a, "weightcast.planes", Some(&t.to_string())),
+        &["chunk_words"],
+    );
+    // A plane claiming more bytes than its chunk has words.
+    let mut t = table.clone();
+    let (name, chunks) = t["tensors"]
+        .as_object_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|(_, c)| !c.as_array().unwrap().is_empty())
+        .unwrap();
+    let name = name.clone();
+    chunks[0][0] = json!(u64::MAX);
+    anchor_err(
+        &with_meta(&a, "weightcast.planes", Some(&t.to_string())),
+        &["weightcast.planes", &name, "impossible"],
+    );
+    // Encoding `planes` on a delta, `full` with a table: not a planes anchor.
+    let raw = encode_anchor(&fx.sets[1], 1).unwrap().0;
+    assert!(
+        read_anchor(with_meta(
+            &raw,
+            "weightcast.planes",
+            Some(&table.to_string())
+        ))
+        .is_ok()
+    );
+    anchor_err(
+        &with_meta(&a, "weightcast.kind", Some("delta")),
+        &["weightcast.encoding"],
+    );
+    // Every data byte flipped in turn: refused (never a panic, never a wrong state).
+    let start = a.len() - parse(&a).tensors.iter().map(|t| t.3.len()).sum::<usize>();
+    for i in (start..a.len()).step_by(7) {
+        let mut bad = a.clone();
+        bad[i] ^= 0x10;
+        anchor_err(&bad, &[]);
+    }
+    // Truncated.
+    anchor_err(&a[..a.len() - 1], &[]);
+}
