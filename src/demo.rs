@@ -114,6 +114,7 @@ async fn run_async(cfg: &DemoConfig, mut progress: impl FnMut(&str)) -> Result<D
             notify_key: None,
             retention: None,
             checkpoint: Default::default(),
+            anchor_encoding: Default::default(),
         },
     )
     .await?;

@@ -64,6 +64,30 @@ impl Default for AnchorPolicy {
     }
 }
 
+/// How anchor objects are stored.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AnchorEncoding {
+    /// Byte planes + zstd in independent chunks (docs/format.md §5.1):
+    /// about 1.5x smaller on bf16 weights, decoded to the same bytes.
+    #[default]
+    Planes,
+    /// The tensors as they are (a loadable safetensors file).
+    Raw,
+}
+
+impl std::str::FromStr for AnchorEncoding {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "planes" => Ok(AnchorEncoding::Planes),
+            "raw" => Ok(AnchorEncoding::Raw),
+            other => Err(Error::Config(format!(
+                "anchor encoding `{other}`: expected planes or raw"
+            ))),
+        }
+    }
+}
+
 /// Publisher settings.
 #[derive(Clone, Debug)]
 pub struct PublisherConfig {
@@ -86,6 +110,8 @@ pub struct PublisherConfig {
     /// Which files of a checkpoint directory are published
     /// ([`Publisher::publish_path`] and the daemon).
     pub checkpoint: CheckpointOptions,
+    /// How anchor objects are stored.
+    pub anchor_encoding: AnchorEncoding,
 }
 
 /// Per-publish options.
@@ -495,20 +521,61 @@ impl Publisher {
         let _ = std::fs::remove_dir_all(&next_dir);
         let mut staging = Staging::new(next);
         let mut anchor_bytes = 0u64;
+        let spill_dir = dir.join("spill");
         for (name, set) in &cp.tensors {
             let path = next_dir.join(name);
             let data_start = write_snapshot_file(&path, set)?;
-            let prefix = anchor_prefix(set, next)?;
-            let sources = [
-                Source::Bytes(Bytes::from(prefix)),
-                Source::File {
-                    path: path.clone(),
-                    offset: data_start,
-                    len: set.total_bytes(),
-                },
-            ];
+            let mut spill = None;
+            let sources = match self.cfg.anchor_encoding {
+                AnchorEncoding::Raw => vec![
+                    Source::Bytes(Bytes::from(anchor_prefix(set, next)?)),
+                    Source::File {
+                        path: path.clone(),
+                        offset: data_start,
+                        len: set.total_bytes(),
+                    },
+                ],
+                AnchorEncoding::Planes => {
+                    // The compressed chunks go to a spill file (the header,
+                    // which comes first, needs their sizes), bounded memory.
+                    std::fs::create_dir_all(&spill_dir)
+                        .map_err(|e| Error::io(format!("creating {}", spill_dir.display()), e))?;
+                    let file = tempfile::NamedTempFile::new_in(&spill_dir).map_err(|e| {
+                        Error::io(
+                            format!("creating a spill file in {}", spill_dir.display()),
+                            e,
+                        )
+                    })?;
+                    let sink = std::io::BufWriter::with_capacity(
+                        1 << 20,
+                        file.reopen().map_err(|e| {
+                            Error::io(format!("opening {}", file.path().display()), e)
+                        })?,
+                    );
+                    let done = crate::codec::write_anchor_planes(
+                        set,
+                        next,
+                        crate::codec::planes::PlanesOptions::default(),
+                        sink,
+                    )?;
+                    done.sink
+                        .into_inner()
+                        .map_err(|e| Error::io("writing a spill file", e.into_error()))?;
+                    let sources = vec![
+                        Source::Bytes(Bytes::from(done.prefix)),
+                        Source::File {
+                            path: file.path().to_path_buf(),
+                            offset: 0,
+                            len: done.data_bytes,
+                        },
+                    ];
+                    spill = Some(file);
+                    sources
+                }
+            };
             let key = staging.key(ObjectRole::Anchor, name)?;
             let (size, blake3) = self.store.put_sources(&key, &sources).await?;
+            drop(spill);
             anchor_bytes += size;
             staging.record(crate::protocol::ObjectEntry {
                 name: name.clone(),

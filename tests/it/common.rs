@@ -180,6 +180,7 @@ pub fn publisher_config(
         notify_key,
         retention: None,
         checkpoint: Default::default(),
+        anchor_encoding: Default::default(),
     }
 }
 

@@ -17,6 +17,7 @@ mod protocol;
 mod publisher;
 mod publisher_crash;
 mod publisher_daemon;
+mod real_model;
 mod roundtrip;
 mod store;
 mod subscriber;
