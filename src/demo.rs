@@ -139,6 +139,7 @@ pub fn run(cfg: &DemoConfig, mut progress: impl FnMut(&str)) -> Result<DemoRepor
                 encoding: cfg.encoding,
                 model_version: v,
                 base_version: v - 1,
+                trl: Default::default(),
             };
             let (bytes, summary) = encode_delta(&published, &mut next, &opts)?;
             let encode_s = t.elapsed().as_secs_f64();

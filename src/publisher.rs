@@ -301,6 +301,7 @@ impl Publisher {
                     encoding: self.cfg.encoding,
                     model_version: next,
                     base_version: next - 1,
+                    trl: Default::default(),
                 };
                 match encode_delta(&self.snapshot[name], set, &opts) {
                     Ok((d, s)) => {
