@@ -9,7 +9,7 @@ use peak_alloc::PeakAlloc;
 use weightcast::bench::{BenchConfig, MemProbe};
 use weightcast::codec::{self, DeltaOptions};
 use weightcast::demo::{self, DemoConfig};
-use weightcast::format::Encoding;
+use weightcast::format::{Encoding, TrlGeneration, TrlIndexEncoding, TrlOptions};
 use weightcast::generator::GeneratorConfig;
 use weightcast::tensors::{Digests, TensorSet};
 
@@ -81,7 +81,14 @@ enum Command {
         /// compact (default) or trl.
         #[arg(long, default_value = "compact")]
         encoding: Encoding,
-        /// Version the delta produces.
+        /// With --encoding trl: TRL's layout generation, v1 (.indices/.values,
+        /// changed_params) or v3 (.idx/.val).
+        #[arg(long, default_value = "v3")]
+        trl_generation: TrlGeneration,
+        /// With --encoding trl and v3: how indices are coded, gap_delta or raw.
+        #[arg(long, default_value = "gap_delta")]
+        trl_index: TrlIndexEncoding,
+        /// Version the delta produces (TRL's model_version key is one more).
         #[arg(long, default_value_t = 1)]
         model_version: u64,
         /// Version it applies to.
@@ -460,6 +467,8 @@ fn main() -> Result<()> {
             new,
             out,
             encoding,
+            trl_generation,
+            trl_index,
             model_version,
             base_version,
         } => {
@@ -469,6 +478,10 @@ fn main() -> Result<()> {
                 encoding,
                 model_version,
                 base_version,
+                trl: TrlOptions {
+                    generation: trl_generation,
+                    index: trl_index,
+                },
             };
             let (bytes, summary) = codec::encode_delta(&base_set, &mut new_set, &opts)?;
             std::fs::write(&out, bytes).with_context(|| format!("writing {}", out.display()))?;
