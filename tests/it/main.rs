@@ -21,3 +21,4 @@ mod store;
 mod subscriber;
 mod subscriber_crash;
 mod subscriber_reuse;
+mod trl;
