@@ -40,6 +40,7 @@ fn encode_phase(a: &TensorSet, b: &mut TensorSet) -> Vec<u8> {
         encoding: Encoding::Compact,
         model_version: 2,
         base_version: 1,
+        ..Default::default()
     };
     encode_delta(a, b, &opts).expect("encode").0
 }

@@ -45,6 +45,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         encoding: Encoding::Compact,
         model_version: 8,
         base_version: 7,
+        ..Default::default()
     };
     let (bytes, _) = encode_delta(&base, &mut new, &opts)?;
     let (meta, _) = inspect(&bytes)?;

@@ -55,6 +55,7 @@ fn main() -> Result<(), Error> {
                 encoding: enc,
                 model_version: 1,
                 base_version: 0,
+                ..Default::default()
             };
             let (bytes, _) = encode_delta(&v0, &mut new, &opts)?;
             check_applies(&v0, &bytes, &new)?;
@@ -126,6 +127,7 @@ fn main() -> Result<(), Error> {
             encoding: Encoding::Compact,
             model_version: 2,
             base_version: 1,
+            ..Default::default()
         },
     )?;
     seeds.write("read_anchor", "delta-one", &d)?;

@@ -233,6 +233,8 @@ pub fn run(
                     encoding,
                     model_version: step as u64,
                     base_version: step as u64 - 1,
+                    // v1: the layout docs/benchmarks.md's `trl` rows measure.
+                    trl: crate::format::TrlOptions::V1,
                 };
                 let (encoded, encode_s, peak) =
                     measured(probe, || encode_delta(&base, &mut new, &opts));

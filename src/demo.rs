@@ -115,6 +115,8 @@ async fn run_async(cfg: &DemoConfig, mut progress: impl FnMut(&str)) -> Result<D
             retention: None,
             checkpoint: Default::default(),
             anchor_encoding: Default::default(),
+            layout: Default::default(),
+            trl: Default::default(),
         },
     )
     .await?;

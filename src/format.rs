@@ -114,6 +114,122 @@ impl FromStr for Encoding {
     }
 }
 
+/// Which generation of TRL's `sparse_weight_patch` layout a `trl` delta uses
+/// (docs/format.md §6.2 and §11). Both are read; this picks what is written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TrlGeneration {
+    /// TRL PR #5417 (the one the blog describes): `<name>.indices` (I32) and
+    /// `<name>.values`, a `changed_params` JSON list in the header.
+    V1,
+    /// TRL PRs #5932/#5937: `<name>.idx` (coded as the header's `encoding`
+    /// says) and `<name>.val`, no `changed_params`.
+    #[default]
+    V3,
+}
+
+impl TrlGeneration {
+    /// The name used on the command line (`v1`, `v3`).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            TrlGeneration::V1 => "v1",
+            TrlGeneration::V3 => "v3",
+        }
+    }
+}
+
+impl fmt::Display for TrlGeneration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for TrlGeneration {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "v1" => Ok(TrlGeneration::V1),
+            "v3" => Ok(TrlGeneration::V3),
+            _ => Err(Error::Config(format!(
+                "unknown TRL generation `{s}` (expected v1 or v3)"
+            ))),
+        }
+    }
+}
+
+/// How a TRL v3 delta codes its `<name>.idx` tensors: the value of TRL's
+/// `encoding` header key.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TrlIndexEncoding {
+    /// I32 absolute flat positions.
+    Raw,
+    /// Gaps `idx[k] - idx[k-1] - 1` (with `idx[-1] = -1`) as U16, or U32 for a
+    /// parameter whose largest gap exceeds 0xFFFF; decoded as `cumsum(gaps + 1) - 1`.
+    #[default]
+    GapDelta,
+    /// nvCOMP "Cascaded" over I32 positions (a U8 byte stream): needs nvCOMP on
+    /// a GPU, neither read nor written by weightcast.
+    NvcompCascaded,
+}
+
+impl TrlIndexEncoding {
+    /// The value of TRL's `encoding` key (`raw`, `gap_delta`, `nvcomp_cascaded`).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            TrlIndexEncoding::Raw => "raw",
+            TrlIndexEncoding::GapDelta => "gap_delta",
+            TrlIndexEncoding::NvcompCascaded => "nvcomp_cascaded",
+        }
+    }
+}
+
+impl fmt::Display for TrlIndexEncoding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for TrlIndexEncoding {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "raw" => Ok(TrlIndexEncoding::Raw),
+            "gap_delta" => Ok(TrlIndexEncoding::GapDelta),
+            "nvcomp_cascaded" => Ok(TrlIndexEncoding::NvcompCascaded),
+            _ => Err(Error::metadata(
+                "encoding",
+                format!(
+                    "unknown TRL index encoding `{s}` (expected raw, gap_delta or nvcomp_cascaded)"
+                ),
+            )),
+        }
+    }
+}
+
+/// What a `trl` delta or a TRL anchor looks like when weightcast writes one.
+/// The default is TRL's newest layout: v3 with `gap_delta` indices.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TrlOptions {
+    /// The layout generation.
+    pub generation: TrlGeneration,
+    /// v3's index coding (ignored for v1, whose indices are always I32).
+    pub index: TrlIndexEncoding,
+}
+
+impl TrlOptions {
+    /// TRL v1 (PR #5417): I32 `.indices`, `.values`, `changed_params`.
+    pub const V1: TrlOptions = TrlOptions {
+        generation: TrlGeneration::V1,
+        index: TrlIndexEncoding::Raw,
+    };
+    /// TRL v3 with `gap_delta` indices (the default).
+    pub const V3: TrlOptions = TrlOptions {
+        generation: TrlGeneration::V3,
+        index: TrlIndexEncoding::GapDelta,
+    };
+}
+
 /// How a compact block codes its values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -57,7 +57,7 @@
 //! let v0 = g.snapshot();
 //! g.step();
 //! let mut v1 = g.snapshot_without_digests();
-//! let opts = DeltaOptions { encoding: Encoding::Compact, model_version: 1, base_version: 0 };
+//! let opts = DeltaOptions::new(Encoding::Compact, 1, 0);
 //! let (delta, summary) = encode_delta(&v0, &mut v1, &opts).unwrap();
 //! assert!(summary.changed > 0);
 //!

@@ -303,6 +303,40 @@ impl TensorSet {
         Ok(set)
     }
 
+    /// One set holding every tensor of `sets` (no copy: each keeps its
+    /// buffer). Names must be unique across them; the metadata is the first
+    /// set's. Digests stay valid if they were valid in every set.
+    pub fn merge(sets: Vec<TensorSet>) -> Result<TensorSet> {
+        let valid = sets.iter().all(|s| s.digests_valid);
+        let metadata = sets.first().map(|s| s.metadata.clone()).unwrap_or_default();
+        let mut bufs = Vec::new();
+        let mut tensors = Vec::new();
+        for set in sets {
+            let base = bufs.len();
+            bufs.extend(set.bufs);
+            tensors.extend(set.tensors.into_iter().map(|mut t| {
+                t.buf += base;
+                t
+            }));
+        }
+        tensors.sort_by(|a, b| a.name.cmp(&b.name));
+        if let Some(w) = tensors.windows(2).find(|w| w[0].name == w[1].name) {
+            return Err(Error::tensor(
+                &w[0].name,
+                "appears in two tensor files; a single-file layout cannot hold both",
+            ));
+        }
+        let mut set = TensorSet {
+            bufs,
+            tensors,
+            index: HashMap::new(),
+            metadata,
+            digests_valid: valid,
+        };
+        set.reindex();
+        Ok(set)
+    }
+
     /// Sets every tensor's digest from a trusted record (the caller's own
     /// state, verified earlier), without a pass over the data. `digests` is in
     /// the order of [`TensorSet::tensors`].
@@ -794,6 +828,33 @@ mod tests {
         ro.data_mut(i)[0] = 7;
         assert_eq!(std::fs::read(&path).unwrap(), after);
         assert!(!ro.is_shared(), "the written buffer is now a private copy");
+    }
+
+    #[test]
+    fn merged_sets_keep_their_buffers() {
+        let a =
+            TensorSet::from_tensors(vec![("b".to_string(), Dtype::U8, vec![1], vec![2])]).unwrap();
+        let b = TensorSet::from_tensors(vec![
+            ("a".to_string(), Dtype::U8, vec![1], vec![1]),
+            ("c".to_string(), Dtype::U8, vec![2], vec![3, 4]),
+        ])
+        .unwrap();
+        let digest = a.digest().wrapping_add(b.digest());
+        let m = TensorSet::merge(vec![a.clone(), b.clone()]).unwrap();
+        assert_eq!(
+            m.tensors()
+                .iter()
+                .map(|t| t.name.as_str())
+                .collect::<Vec<_>>(),
+            ["a", "b", "c"]
+        );
+        assert_eq!(
+            (m.data(0), m.data(1), m.data(2)),
+            (&[1u8][..], &[2u8][..], &[3u8, 4][..])
+        );
+        assert!(m.has_digests());
+        assert_eq!(m.digest(), digest);
+        assert!(TensorSet::merge(vec![a.clone(), a]).is_err());
     }
 
     struct Lent(Vec<u8>, bool);

@@ -9,7 +9,7 @@ use peak_alloc::PeakAlloc;
 use weightcast::bench::{BenchConfig, MemProbe};
 use weightcast::codec::{self, DeltaOptions};
 use weightcast::demo::{self, DemoConfig};
-use weightcast::format::Encoding;
+use weightcast::format::{Encoding, TrlGeneration, TrlIndexEncoding, TrlOptions};
 use weightcast::generator::GeneratorConfig;
 use weightcast::tensors::{Digests, TensorSet};
 
@@ -96,7 +96,14 @@ enum Command {
         /// compact (default) or trl.
         #[arg(long, default_value = "compact")]
         encoding: Encoding,
-        /// Version the delta produces.
+        /// With --encoding trl: TRL's layout generation, v1 (.indices/.values,
+        /// changed_params) or v3 (.idx/.val).
+        #[arg(long, default_value = "v3")]
+        trl_generation: TrlGeneration,
+        /// With --encoding trl and v3: how indices are coded, gap_delta or raw.
+        #[arg(long, default_value = "gap_delta")]
+        trl_index: TrlIndexEncoding,
+        /// Version the delta produces (TRL's model_version key is one more).
         #[arg(long, default_value_t = 1)]
         model_version: u64,
         /// Version it applies to.
@@ -254,6 +261,19 @@ struct PublishOpts {
     /// bf16) or raw (a loadable safetensors file).
     #[arg(long, default_value = "planes")]
     anchor_encoding: weightcast::publisher::AnchorEncoding,
+    /// Bucket layout: weightcast (anchors/, deltas/, files/, commit
+    /// manifests) or trl (TRL's anchors/step_NNNNNN.safetensors and
+    /// deltas/step_NNNNNN.safetensors at the prefix root, TRL-encoded; one
+    /// writer; tensors only).
+    #[arg(long, default_value = "weightcast")]
+    layout: weightcast::protocol::Layout,
+    /// TRL generation of trl-encoded deltas and of the trl layout: v1
+    /// (.indices/.values) or v3 (.idx/.val).
+    #[arg(long, default_value = "v3")]
+    trl_generation: TrlGeneration,
+    /// With v3: positions as raw (I32) or gap_delta (U16/U32 gaps).
+    #[arg(long, default_value = "gap_delta")]
+    trl_index: TrlIndexEncoding,
     /// An anchor at least every N versions.
     #[arg(long, default_value_t = 10)]
     anchor_every: u64,
@@ -331,6 +351,10 @@ impl PublishOpts {
         if self.anchor_every == 0 {
             bail!("--anchor-every must be at least 1");
         }
+        if self.layout == weightcast::protocol::Layout::Trl && self.encoding != Encoding::Trl {
+            // TRL's layout holds TRL deltas: --layout trl implies the encoding.
+            tracing::debug!("--layout trl: deltas are TRL-encoded");
+        }
         let mut store = weightcast::store::Store::open(&self.store)?;
         if progress {
             store = store.with_progress(std::sync::Arc::new(UploadBars::new()));
@@ -359,6 +383,11 @@ impl PublishOpts {
                 root: None,
             },
             anchor_encoding: self.anchor_encoding,
+            layout: self.layout,
+            trl: TrlOptions {
+                generation: self.trl_generation,
+                index: self.trl_index,
+            },
         };
         Ok(weightcast::publisher::Publisher::open(store, cfg).await?)
     }
@@ -618,6 +647,8 @@ fn run(cli: Cli) -> Result<()> {
             new,
             out,
             encoding,
+            trl_generation,
+            trl_index,
             model_version,
             base_version,
         } => {
@@ -627,6 +658,10 @@ fn run(cli: Cli) -> Result<()> {
                 encoding,
                 model_version,
                 base_version,
+                trl: TrlOptions {
+                    generation: trl_generation,
+                    index: trl_index,
+                },
             };
             let (bytes, summary) = codec::encode_delta(&base_set, &mut new_set, &opts)?;
             std::fs::write(&out, bytes).with_context(|| format!("writing {}", out.display()))?;

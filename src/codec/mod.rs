@@ -24,12 +24,17 @@ use serde::Serialize;
 use crate::digest::{Digest, TensorSeed};
 use crate::dtype::{Dtype, element_count, key_kind, word_bytes};
 use crate::error::{Error, Result};
-use crate::format::{BlockEntry, Encoding, Header, Kind, TensorEntry, entry_digest, keys};
+use crate::format::{
+    BlockEntry, Encoding, Header, Kind, TensorEntry, TrlOptions, entry_digest, keys,
+};
 use crate::tensors::{
     Digests, TensorInfo, TensorSet, safetensors_header, safetensors_header_lens, write_safetensors,
 };
 
 /// What a delta is and where it sits in the version chain.
+///
+/// Build one with [`DeltaOptions::new`] or with the fields and
+/// `..Default::default()` (compact, version 1 from 0, TRL v3 `gap_delta`).
 #[derive(Clone, Copy, Debug)]
 pub struct DeltaOptions {
     /// Delta encoding (`compact` or `trl`).
@@ -38,6 +43,26 @@ pub struct DeltaOptions {
     pub model_version: u64,
     /// Version the delta applies to.
     pub base_version: u64,
+    /// For `trl`: which TRL generation (and v3 index encoding) to write.
+    pub trl: TrlOptions,
+}
+
+impl DeltaOptions {
+    /// A delta from `base_version` to `model_version`, TRL options at their default.
+    pub fn new(encoding: Encoding, model_version: u64, base_version: u64) -> DeltaOptions {
+        DeltaOptions {
+            encoding,
+            model_version,
+            base_version,
+            trl: TrlOptions::default(),
+        }
+    }
+}
+
+impl Default for DeltaOptions {
+    fn default() -> DeltaOptions {
+        DeltaOptions::new(Encoding::Compact, 1, 0)
+    }
 }
 
 /// Figures about an encoded delta.
@@ -118,25 +143,11 @@ pub fn encode_delta(
                 _ => {
                     trl::check_representable(&t.name, t.dtype, t.words())?;
                     let e = trl::encode_tensor(wb, t.seed, old, nw);
-                    let n = e.changed as usize;
                     Ok(TensorOut {
                         idx,
                         changed: e.changed,
                         digest_change: e.digest_change,
-                        payload: vec![
-                            (
-                                format!("{}{}", t.name, trl::INDICES),
-                                Dtype::I32,
-                                vec![n],
-                                e.indices,
-                            ),
-                            (
-                                format!("{}{}", t.name, trl::VALUES),
-                                t.dtype,
-                                vec![n],
-                                e.values,
-                            ),
-                        ],
+                        payload: trl::payload_tensors(&t.name, t.dtype, e, &opts.trl)?,
                         blocks: None,
                     })
                 }
@@ -200,7 +211,7 @@ pub fn encode_delta(
     };
     let mut meta = header.to_metadata();
     if opts.encoding == Encoding::Trl {
-        add_trl_keys(&mut meta, &header);
+        add_trl_keys(&mut meta, &header, &opts.trl);
     }
     let views: Vec<(&str, Dtype, &[usize], &[u8])> = payload
         .iter()
@@ -221,31 +232,26 @@ pub fn encode_delta(
     Ok((out, summary))
 }
 
-/// The TRL `sparse_weight_patch` keys (see docs/format.md for how
-/// `total_elements` and `sparsity` differ from TRL's own writer).
-fn add_trl_keys(meta: &mut BTreeMap<String, String>, h: &Header) {
-    let names: Vec<&String> = h.tensors.keys().collect();
-    let mut put = |k: &str, v: String| {
-        meta.insert(k.to_string(), v);
-    };
-    put("format", "sparse_weight_patch".into());
-    put("version", "1".into());
-    put("sparse", "True".into());
-    put("model_version", h.model_version.to_string());
-    put("num_changed_params", names.len().to_string());
-    put("total_changed_elements", h.changed_elements.to_string());
-    put("total_elements", h.total_elements.to_string());
-    put("sparsity", format!("{}", 1.0 - h.density));
-    put(
-        "changed_params",
-        serde_json::to_string(&names).expect("strings"),
+/// The TRL `sparse_weight_patch` keys of the generation `trl` names (see
+/// docs/format.md §6.2 for how `total_elements` and `sparsity` relate to TRL's
+/// own writer).
+fn add_trl_keys(meta: &mut BTreeMap<String, String>, h: &Header, opts: &TrlOptions) {
+    let names: Vec<&str> = h.tensors.keys().map(String::as_str).collect();
+    trl::delta_keys(
+        meta,
+        h.model_version,
+        &names,
+        h.changed_elements,
+        h.total_elements,
+        opts,
     );
 }
 
 /// What an apply did.
 #[derive(Clone, Debug, Serialize)]
 pub struct ApplyReport {
-    /// Version produced (absent only in foreign TRL files without it).
+    /// Version produced. For foreign TRL files, TRL's `model_version` key (its
+    /// step, weightcast's version + 1), absent when the file has none.
     pub model_version: Option<u64>,
     /// Version the delta applied to (absent in foreign TRL files).
     pub base_version: Option<u64>,
@@ -529,77 +535,50 @@ fn entry_describes(e: &TensorEntry, t: &TensorInfo) -> bool {
 }
 
 fn trl_payload<'a>(name: &str, dtype: Dtype, st: &SafeTensors<'a>) -> Result<Payload<'a>> {
-    let ik = format!("{name}{}", trl::INDICES);
-    let vk = format!("{name}{}", trl::VALUES);
-    let iv = st
-        .tensor(&ik)
-        .map_err(|_| Error::tensor(name, format!("`{ik}` missing")))?;
-    let vv = st
-        .tensor(&vk)
-        .map_err(|_| Error::tensor(name, format!("`{vk}` missing")))?;
-    if iv.shape().len() != 1 || vv.shape().len() != 1 {
-        return Err(Error::tensor(name, "indices and values must be 1-D"));
-    }
-    if vv.dtype() != dtype {
-        return Err(Error::tensor(
-            name,
-            format!("values are {}, the parameter is {dtype}", vv.dtype()),
-        ));
-    }
-    trl::check_representable(name, dtype, 0)?;
-    Ok(Payload::Trl {
-        indices: trl::Indices::new(name, iv.dtype(), iv.data())?,
-        values: vv.data(),
-    })
+    let (indices, values) = trl::payload(name, dtype, st, None)?;
+    Ok(Payload::Trl { indices, values })
 }
 
+/// The jobs of a TRL file without weightcast keys (v1 or v3, see
+/// [`trl::foreign_delta`]), after every structural check it allows: each
+/// parameter exists locally, its pair is well-formed ([`trl::payload`]), the
+/// file holds exactly those pairs, and the header's counts agree
+/// ([`trl::check_counts`]). Order and bounds are checked by the apply. Empty
+/// pairs (TRL v3 writes them for unchanged parameters) are checked, then dropped.
 fn foreign_trl_jobs<'a>(
     state: &TensorSet,
     map: &BTreeMap<String, String>,
     st: &SafeTensors<'a>,
 ) -> Result<Vec<Job<'a>>> {
-    let names: Vec<String> = match map.get("changed_params") {
-        Some(s) => serde_json::from_str(s).map_err(|e| {
-            Error::metadata("changed_params", format!("not a JSON list of names: {e}"))
-        })?,
-        None => {
-            let mut v: Vec<String> = st
-                .names()
-                .iter()
-                .filter_map(|k| k.strip_suffix(trl::VALUES).map(str::to_string))
-                .collect();
-            v.sort();
-            v
-        }
-    };
-    let mut jobs = Vec::with_capacity(names.len());
-    let mut seen = std::collections::HashSet::new();
-    for name in names {
-        if !seen.insert(name.clone()) {
-            return Err(Error::metadata(
-                "changed_params",
-                format!("`{name}` listed twice"),
-            ));
-        }
+    let file = trl::foreign_delta(map, st)?;
+    let mut jobs = Vec::with_capacity(file.params.len());
+    let (mut changed, mut numel) = (0u64, 0u64);
+    for name in &file.params {
         let idx = state
-            .position(&name)
-            .ok_or_else(|| Error::tensor(&name, "in the delta but not in the local state"))?;
-        let payload = trl_payload(&name, state.tensors()[idx].dtype, st)?;
-        jobs.push(Job {
-            idx,
-            name,
-            expect: None,
-            payload,
-        });
+            .position(name)
+            .ok_or_else(|| Error::tensor(name, "in the delta but not in the local state"))?;
+        let t = &state.tensors()[idx];
+        let (indices, values) = trl::payload(name, t.dtype, st, file.index)?;
+        changed += indices.len() as u64;
+        numel += t.elements();
+        if !indices.is_empty() || !values.is_empty() {
+            jobs.push(Job {
+                idx,
+                name: name.clone(),
+                expect: None,
+                payload: Payload::Trl { indices, values },
+            });
+        }
     }
-    if st.len() != 2 * jobs.len() {
+    let n = file.params.len();
+    if st.len() != 2 * n {
         return Err(Error::Container(format!(
-            "{} tensors in the file, {} expected for {} changed parameters",
+            "{} tensors in the file, {} expected for {n} changed parameters",
             st.len(),
-            2 * jobs.len(),
-            jobs.len()
+            2 * n,
         )));
     }
+    trl::check_counts(map, n, changed, numel, state.total_elements())?;
     Ok(jobs)
 }
 

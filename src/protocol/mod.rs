@@ -30,13 +30,15 @@
 //! Modules: [`layout`] (key names), [`manifest`] (the commit record and its
 //! validation), [`commit`](mod@commit) (writing and reading versions),
 //! [`registry`] (subscriber registrations and the fleet view), [`retention`]
-//! (garbage collection).
+//! (garbage collection), [`trl`] (TRL's own layout, read and written for
+//! interoperability: `anchors/step_NNNNNN.safetensors`, no manifests).
 
 pub mod commit;
 pub mod layout;
 pub mod manifest;
 pub mod registry;
 pub mod retention;
+pub mod trl;
 
 pub use commit::{
     Commit, Latest, Staging, commit, newest_version, read_latest, read_manifest, repair_latest,
@@ -51,3 +53,28 @@ pub use manifest::{
 };
 pub use registry::{Fleet, FleetMember, Registration, fleet, register, registrations};
 pub use retention::{Collected, Retention, collect_garbage};
+
+/// Which bucket layout a publisher writes and a subscriber reads.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Layout {
+    /// weightcast's own: anchors/, deltas/, files/, commit manifests (above).
+    #[default]
+    Weightcast,
+    /// TRL's: `anchors/step_NNNNNN.safetensors`, `deltas/step_NNNNNN.safetensors`,
+    /// nothing else ([`trl`]).
+    Trl,
+}
+
+impl std::str::FromStr for Layout {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> crate::Result<Self> {
+        match s {
+            "weightcast" => Ok(Layout::Weightcast),
+            "trl" => Ok(Layout::Trl),
+            other => Err(crate::Error::Config(format!(
+                "bucket layout `{other}`: expected weightcast or trl"
+            ))),
+        }
+    }
+}

@@ -22,6 +22,7 @@
 
 pub mod checkpoint;
 pub mod state;
+mod trl;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -110,8 +111,13 @@ pub struct PublisherConfig {
     /// Which files of a checkpoint directory are published
     /// ([`Publisher::publish_path`] and the daemon).
     pub checkpoint: CheckpointOptions,
-    /// How anchor objects are stored.
+    /// How anchor objects are stored (weightcast layout).
     pub anchor_encoding: AnchorEncoding,
+    /// The bucket layout written.
+    pub layout: crate::protocol::Layout,
+    /// TRL's generation and index encoding, for `trl`-encoded deltas and the
+    /// TRL layout.
+    pub trl: crate::format::TrlOptions,
 }
 
 /// Per-publish options.
@@ -198,10 +204,18 @@ impl Publisher {
         std::fs::create_dir_all(&cfg.state_dir)
             .map_err(|e| Error::io(format!("creating {}", cfg.state_dir.display()), e))?;
         let s = store.clone();
+        let layout = cfg.layout;
         let (snapshot, state) = Snapshot::load(&cfg.state_dir, |version, writer| async move {
-            Ok(match read_manifest(&s, version).await? {
-                Some(m) if m.writer == writer => Committed::Ours,
-                _ => Committed::NotOurs,
+            let ours = match layout {
+                crate::protocol::Layout::Weightcast => read_manifest(&s, version)
+                    .await?
+                    .is_some_and(|m| m.writer == writer),
+                crate::protocol::Layout::Trl => trl::token_present(&s, &writer).await?,
+            };
+            Ok(if ours {
+                Committed::Ours
+            } else {
+                Committed::NotOurs
             })
         })
         .await;
@@ -237,6 +251,9 @@ impl Publisher {
 
     /// Publishes `cp` as the next version.
     pub async fn publish(&mut self, cp: Checkpoint, opts: &PublishOptions) -> Result<Published> {
+        if self.cfg.layout == crate::protocol::Layout::Trl {
+            return self.publish_trl(cp, opts).await;
+        }
         let mut cp = cp;
         let pos = self.position().await?;
         if let (Some(step), Some(last)) = (opts.step, pos.last_step)
@@ -331,6 +348,7 @@ impl Publisher {
                     encoding: self.cfg.encoding,
                     model_version: next,
                     base_version: next - 1,
+                    trl: self.cfg.trl,
                 };
                 match encode_delta(&snap.sets[name], set, &opts) {
                     Ok((d, s)) => {

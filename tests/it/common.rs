@@ -181,6 +181,8 @@ pub fn publisher_config(
         retention: None,
         checkpoint: Default::default(),
         anchor_encoding: Default::default(),
+        layout: Default::default(),
+        trl: Default::default(),
     }
 }
 

@@ -23,3 +23,4 @@ mod store;
 mod subscriber;
 mod subscriber_crash;
 mod subscriber_reuse;
+mod trl;

@@ -120,6 +120,8 @@ fn delta(encoding: Encoding, base: &TensorSet, new: &[Owned], version: u64) -> V
         encoding,
         model_version: version,
         base_version: version - 1,
+        // v1's layout, which these cases edit; tests/it/trl.rs covers v3.
+        trl: weightcast::format::TrlOptions::V1,
     };
     encode_delta(base, &mut new, &opts).unwrap().0
 }
@@ -376,6 +378,7 @@ fn random_truncations_of_a_larger_delta_are_rejected() {
             encoding,
             model_version: 1,
             base_version: 0,
+            trl: weightcast::format::TrlOptions::V1,
         };
         let (d, _) = encode_delta(&v0, &mut v1, &opts).unwrap();
         let n = header_len(&d);

@@ -369,6 +369,8 @@ fn opts(encoding: Encoding, model_version: u64) -> DeltaOptions {
         encoding,
         model_version,
         base_version: model_version - 1,
+        // These tests predate TRL v3 and check v1's layout; tests/it/trl.rs covers v3.
+        trl: weightcast::format::TrlOptions::V1,
     }
 }
 
@@ -1017,7 +1019,8 @@ fn weightcast_trl_without_weightcast_keys_is_a_foreign_file() {
     let mut replica = base.clone();
     let report = apply_delta(&mut replica, &file).unwrap();
     assert!(!report.verified);
-    assert_eq!(report.model_version, Some(5));
+    // A foreign file reports TRL's model_version: its step, weightcast's version + 1.
+    assert_eq!(report.model_version, Some(6));
     assert_same_state(&replica, &new);
 }
 
