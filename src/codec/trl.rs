@@ -115,6 +115,17 @@ impl<'a> Indices<'a> {
         self.bytes.is_empty()
     }
 
+    /// Calls `f` with each position, in order, until it returns `false`
+    /// (the codec's apply loops read positions through this).
+    #[inline]
+    pub fn visit(&self, mut f: impl FnMut(i64) -> bool) {
+        for j in 0..self.len() {
+            if !f(self.get(j)) {
+                break;
+            }
+        }
+    }
+
     #[inline]
     fn get(&self, j: usize) -> i64 {
         let w = read_word(self.bytes, self.width, j);
