@@ -52,20 +52,29 @@ struct Work<'j, 'a, 'd> {
 
 impl Work<'_, '_, '_> {
     /// The job's compact blocks: each block's context and words, with
-    /// `f(block, ctx, words)` run on every block in parallel.
+    /// `f(block, ctx, words)` run on every block in parallel (none for a
+    /// TRL job).
     fn blocks<T: Send>(
         &mut self,
-        block_words: u64,
-        (blocks, streams): (&[crate::format::BlockEntry], &[&[u8]]),
         f: impl Fn(usize, &Block<'_>, Ctx, &mut [u8]) -> T + Sync + Send,
     ) -> Vec<T> {
+        let job = self.job;
+        let Payload::Compact {
+            block_words,
+            blocks,
+            streams,
+        } = &job.payload
+        else {
+            return Vec::new();
+        };
         if self.data.is_empty() {
             return Vec::new();
         }
+        let block_words = *block_words;
         let wb = word_bytes(self.dtype);
         let words = (self.data.len() / wb) as u64;
         let chunk_words = block_words.min(words);
-        let (name, kind, seed) = (self.job.name.as_str(), key_kind(self.dtype), self.seed);
+        let (name, kind, seed) = (job.name.as_str(), key_kind(self.dtype), self.seed);
         self.data
             .par_chunks_mut(chunk_words as usize * wb)
             .zip(blocks.par_iter().zip(streams.par_iter()))
@@ -249,12 +258,8 @@ fn apply_job(w: &mut Work<'_, '_, '_>) -> Outcome {
             out.tally.add(r);
             out
         }
-        Payload::Compact {
-            block_words,
-            blocks,
-            streams,
-        } => {
-            let per_block = w.blocks(*block_words, (blocks, streams), |_, block, ctx, blk| {
+        Payload::Compact { blocks, .. } => {
+            let per_block = w.blocks(|_, block, ctx, blk| {
                 let mut undo = BlockUndo::default();
                 let r = compact::apply_block(block, ctx, blk, &mut undo);
                 (r, undo)
@@ -275,15 +280,9 @@ fn undo_job(w: &mut Work<'_, '_, '_>, o: &Outcome) {
             let wb = word_bytes(w.dtype);
             crate::with_word_width!(wb, W => trl_undo::<W>(*indices, w.data, &o.undo));
         }
-        Payload::Compact {
-            block_words,
-            blocks,
-            streams,
-        } => {
+        Payload::Compact { .. } => {
             let kind = key_kind(w.dtype);
-            w.blocks(*block_words, (blocks, streams), |b, block, _, blk| {
-                compact::undo_block(block, kind, blk, &o.block_undo[b])
-            });
+            w.blocks(|b, block, _, blk| compact::undo_block(block, kind, blk, &o.block_undo[b]));
         }
     }
 }
@@ -390,14 +389,20 @@ pub fn apply_in_place_with(
     delta: &[u8],
     opts: &InPlaceOptions,
 ) -> Result<InPlaceReport> {
-    let d = Delta::parse(delta)?;
+    let (header, st) = open(delta)?;
     let mut by_name = HashMap::with_capacity(targets.len());
     for (i, t) in targets.iter().enumerate() {
         if by_name.insert(t.name, i).is_some() {
             return Err(Error::tensor(t.name, "given twice among the targets"));
         }
     }
-    let jobs = weightcast_jobs(&d.header, &d.st, |name| {
+    for name in header.tensors.keys() {
+        if let Some(&i) = by_name.get(name.as_str()) {
+            let t = &targets[i];
+            check_size(t.name, t.dtype, t.shape, t.data.len())?;
+        }
+    }
+    let jobs = weightcast_jobs(&header, &st, |name| {
         by_name.get(name).map(|&i| {
             let t = &targets[i];
             Local {
@@ -409,10 +414,6 @@ pub fn apply_in_place_with(
             }
         })
     })?;
-    for j in &jobs {
-        let t = &targets[j.idx];
-        check_size(t.name, t.dtype, t.shape, t.data.len())?;
-    }
     let seeds: Vec<(Dtype, TensorSeed)> = jobs
         .iter()
         .map(|j| {
@@ -453,7 +454,7 @@ pub fn apply_in_place_with(
         .map(|(w, v)| write_job(w, v))
         .collect::<Result<()>>()?;
 
-    let h = &d.header;
+    let h = &header;
     let tensors: Vec<TensorChange> = jobs
         .iter()
         .zip(&verified)
@@ -516,12 +517,8 @@ fn verify_job(w: &mut Work<'_, '_, '_>, budget: &AtomicUsize) -> Verified {
                 .add(w.trl::<true, false>((*indices, values), None));
             out
         }
-        Payload::Compact {
-            block_words,
-            blocks,
-            streams,
-        } => {
-            let per_block = w.blocks(*block_words, (blocks, streams), |_, block, ctx, blk| {
+        Payload::Compact { blocks, .. } => {
+            let per_block = w.blocks(|_, block, ctx, blk| {
                 let mut kept = keep_room(block, budget);
                 let r = compact::verify_block(block, ctx, blk, kept.as_mut());
                 (r, kept)
@@ -538,24 +535,14 @@ fn write_job(w: &mut Work<'_, '_, '_>, v: &Verified) -> Result<()> {
         Payload::Trl { indices, values } => {
             w.trl::<false, true>((*indices, values), None).map(|_| ())
         }
-        Payload::Compact {
-            block_words,
-            blocks,
-            streams,
-        } => w
-            .blocks(
-                *block_words,
-                (blocks, streams),
-                |b, block, ctx, blk| match v.kept.get(b) {
-                    Some(Some(k)) if k.len() as u64 == block.entry.changes => {
-                        compact::write_kept(blk, wb, k);
-                        Ok(())
-                    }
-                    _ => {
-                        compact::apply_block(block, ctx, blk, &mut BlockUndo::default()).map(|_| ())
-                    }
-                },
-            )
+        Payload::Compact { .. } => w
+            .blocks(|b, block, ctx, blk| match v.kept.get(b) {
+                Some(Some(k)) if k.len() as u64 == block.entry.changes => {
+                    compact::write_kept(blk, wb, k);
+                    Ok(())
+                }
+                _ => compact::apply_block(block, ctx, blk, &mut BlockUndo::default()).map(|_| ()),
+            })
             .into_iter()
             .collect(),
     }
@@ -691,9 +678,35 @@ fn trl_undo<const W: usize>(indices: Indices<'_>, data: &mut [u8], undo: &[u8]) 
 /// digest change as [`apply_in_place`] does.
 pub struct Delta<'a> {
     header: Header,
-    st: SafeTensors<'a>,
     /// Each changed tensor's job and, from the header, dtype and words.
     jobs: Vec<(Job<'a>, Dtype, usize)>,
+}
+
+/// Opens a weightcast delta: the container, the header (a `delta`, whose
+/// digests add up) and the payload's BLAKE3. Foreign TRL files, which carry
+/// no digests, are refused.
+fn open(bytes: &[u8]) -> Result<(Header, SafeTensors<'_>)> {
+    let (n, map) = metadata_map(bytes)?;
+    let st = SafeTensors::deserialize(bytes).map_err(|e| Error::Container(e.to_string()))?;
+    let header = match Header::from_metadata(&map)? {
+        Some(h) if h.kind == Kind::Delta => h,
+        Some(h) => {
+            return Err(Error::metadata(
+                keys::KIND,
+                format!("object is an {:?}, not a delta", h.kind),
+            ));
+        }
+        None => {
+            return Err(Error::metadata(
+                keys::FORMAT,
+                "not a weightcast delta: verifying in place needs the digests only weightcast \
+                 deltas carry (apply other TRL files to a TensorSet with apply_delta)",
+            ));
+        }
+    };
+    check_payload(&header, &bytes[8 + n..])?;
+    check_sums(&header)?;
+    Ok((header, st))
 }
 
 /// The word indices a tensor's delta changes, ascending: `u32` when the
@@ -739,30 +752,12 @@ impl Positions {
 }
 
 impl<'a> Delta<'a> {
-    /// Parses a weightcast delta: the container, the header (a `delta`), the
-    /// payload's BLAKE3 and every changed tensor's payload structure. Foreign
-    /// TRL files, which carry no digests, are refused.
+    /// Parses a weightcast delta: the container, the header (a `delta`, whose
+    /// digests add up), the payload's BLAKE3 and every changed tensor's
+    /// payload structure. Foreign TRL files, which carry no digests, are
+    /// refused.
     pub fn parse(bytes: &'a [u8]) -> Result<Delta<'a>> {
-        let (n, map) = metadata_map(bytes)?;
-        let st = SafeTensors::deserialize(bytes).map_err(|e| Error::Container(e.to_string()))?;
-        let header = match Header::from_metadata(&map)? {
-            Some(h) if h.kind == Kind::Delta => h,
-            Some(h) => {
-                return Err(Error::metadata(
-                    keys::KIND,
-                    format!("object is an {:?}, not a delta", h.kind),
-                ));
-            }
-            None => {
-                return Err(Error::metadata(
-                    keys::FORMAT,
-                    "not a weightcast delta: verifying in place needs the digests only weightcast \
-                     deltas carry (apply other TRL files to a TensorSet with apply_delta)",
-                ));
-            }
-        };
-        check_payload(&header, &bytes[8 + n..])?;
-        check_sums(&header)?;
+        let (header, st) = open(bytes)?;
         // The header's entries as the local tensors: checks payload structure.
         let mut described = Vec::with_capacity(header.tensors.len());
         for (name, e) in &header.tensors {
@@ -798,7 +793,7 @@ impl<'a> Delta<'a> {
             (j, dtype, words)
         })
         .collect();
-        Ok(Delta { header, st, jobs })
+        Ok(Delta { header, jobs })
     }
 
     /// The delta's header.

@@ -1,5 +1,6 @@
-//! AVX-512 encoder for the hottest case: the direct part of a compact block of
-//! 2-byte words (BF16, F16), scan and entries fused.
+//! AVX-512 kernels for the hottest case, 2-byte words (BF16, F16): the
+//! encoder of a compact block's direct part, scan and entries fused, and the
+//! apply's resolution of a group of step-coded changes.
 //!
 //! The scan compares 32 words per vector and *compresses* the changed lanes
 //! (AVX-512 VBMI2) into three contiguous arrays: block index, old word, new
@@ -15,7 +16,7 @@
 //! paths write the same bits; `compact`'s tests compare them on every kind of
 //! block.
 //!
-//! Both kernels are private; [`encode_direct`] and [`resolve_steps`] are
+//! Both kernels are private; [`encode_direct`] and `resolve_steps` are
 //! their safe entry points and run them only on a [`Platform`] with
 //! [`Level::Avx512Vbmi2`] (answering `None` elsewhere, where the callers take
 //! their scalar code).

@@ -19,12 +19,12 @@
 //!
 //! The module is split by direction:
 //!
-//! - [`encode`](self::encode): the one-pass block encoder (sampled
+//! - `encode`: the one-pass block encoder (sampled
 //!   parameters, direct writing, the exact re-encode of non-uniform blocks);
-//! - [`decode`](self::decode): the block directory ([`split_blocks`]) and the
+//! - `decode`: the block directory ([`split_blocks`]) and the
 //!   one definition of how an entry is decoded ([`decode_block`] and the
 //!   apply pipeline both go through it);
-//! - [`apply`](self::apply): decoded entries resolved against the words they
+//! - `apply`: decoded entries resolved against the words they
 //!   change and handed to a sink that writes them ([`apply_block`], with
 //!   [`undo_block`]) or only checks them (the verify pass of
 //!   [`crate::codec::apply_in_place`]).
