@@ -22,9 +22,16 @@
 //! target/release/examples/codec_instr 100000000 1.5e-6 15
 //! WEIGHTCAST_PHASE=encode perf record -e cpu-clock target/release/examples/codec_instr 100000000 1.5e-6 60
 //! ```
+//!
+//! The timed run also measures `codec::apply_in_place` (verify, then write)
+//! on the same delta, with its default buffer for decoded changes and with
+//! none (every block decoded twice), and a full digest pass over the model,
+//! each against the compare run just before it.
 
 use weightcast::bench::plain_compare;
-use weightcast::codec::{DeltaOptions, apply_delta, encode_delta};
+use weightcast::codec::{
+    DeltaOptions, InPlaceOptions, Target, apply_delta, apply_in_place_with, encode_delta,
+};
 use weightcast::format::Encoding;
 use weightcast::generator::{Generator, GeneratorConfig};
 use weightcast::tensors::TensorSet;
@@ -48,6 +55,25 @@ fn encode_phase(a: &TensorSet, b: &mut TensorSet) -> Vec<u8> {
 #[inline(never)]
 fn apply_phase(a: &mut TensorSet, delta: &[u8]) {
     apply_delta(a, delta).expect("apply");
+}
+
+/// `apply_in_place` into the tensors of `a` (its digests are not updated).
+#[inline(never)]
+fn in_place_phase(a: &mut TensorSet, delta: &[u8], opts: &InPlaceOptions) -> u64 {
+    let info: Vec<_> = a.tensors().to_vec();
+    let mut targets: Vec<Target> = info
+        .iter()
+        .zip(a.all_data_mut())
+        .map(|(t, data)| Target {
+            name: &t.name,
+            dtype: t.dtype,
+            shape: &t.shape,
+            data,
+        })
+        .collect();
+    apply_in_place_with(&mut targets, delta, opts)
+        .expect("apply in place")
+        .kept
 }
 
 fn main() {
@@ -148,28 +174,28 @@ fn main() {
             }
             let te = t.elapsed().as_secs_f64() / r as f64;
             // Apply: the slice's delta forth and back, alternately.
-            use weightcast::codec::compact::{BlockUndo, apply_block};
+            use weightcast::codec::compact::{Block, BlockUndo, Ctx, apply_block};
             let fwd = encode_tensor(KeyKind::SignMagnitude, 2, TensorSeed(1), a, b);
             let back = encode_tensor(KeyKind::SignMagnitude, 2, TensorSeed(1), b, a);
             let mut buf = a.to_vec();
             let mut undo = BlockUndo::default();
+            let ctx = Ctx {
+                kind: KeyKind::SignMagnitude,
+                seed: TensorSeed(1),
+                first: 0,
+            };
             let t = std::time::Instant::now();
             for _ in 0..r / 2 {
                 for d in [&fwd, &back] {
-                    let blk = &d.blocks[0];
-                    apply_block(
-                        "t",
-                        0,
-                        blk,
-                        &d.payload,
-                        KeyKind::SignMagnitude,
-                        2,
-                        TensorSeed(1),
-                        0,
-                        &mut buf,
-                        &mut undo,
-                    )
-                    .expect("apply");
+                    let block = Block {
+                        tensor: "t",
+                        index: 0,
+                        entry: &d.blocks[0],
+                        stream: &d.payload,
+                        wb: 2,
+                        words: (buf.len() / 2) as u64,
+                    };
+                    apply_block(&block, ctx, &mut buf, &mut undo).expect("apply");
                 }
             }
             let ta = t.elapsed().as_secs_f64() / (r / 2 * 2) as f64;
@@ -217,6 +243,37 @@ fn main() {
              fastest runs: encode {:.2}x, apply {:.2}x",
             cm / em,
             cm / am
+        );
+        // Verify-then-write into caller-owned buffers, with and without the
+        // buffer of decoded changes, and a full digest pass; each ratio
+        // against the compare just before, and against apply_delta.
+        let none = InPlaceOptions { keep_bytes: 0 };
+        let (mut ratios, mut kept): ([Vec<f64>; 4], u64) = (Default::default(), 0);
+        for _ in 0..reps {
+            for (k, ratio) in ratios.iter_mut().enumerate() {
+                let mut replica = base.clone();
+                let t = std::time::Instant::now();
+                std::hint::black_box(compare_phase(&base, &new));
+                let c = t.elapsed().as_secs_f64();
+                let t = std::time::Instant::now();
+                match k {
+                    0 => apply_phase(&mut replica, &delta),
+                    1 => kept = in_place_phase(&mut replica, &delta, &InPlaceOptions::default()),
+                    2 => drop(in_place_phase(&mut replica, &delta, &none)),
+                    _ => drop(std::hint::black_box(base.full_digests())),
+                }
+                ratio.push(c / t.elapsed().as_secs_f64());
+                if k < 3 {
+                    assert!((0..new.len()).all(|i| replica.data(i) == new.data(i)));
+                }
+            }
+        }
+        let [ad, ip, ip0, full] = ratios.map(median);
+        println!(
+            "apply_delta {ad:.2}x compare; apply_in_place (verify, then write) {ip:.2}x \
+             ({kept} changes kept), decoding twice {ip0:.2}x; full digest pass {full:.2}x; \
+             in place / apply_delta time {:.2}",
+            ad / ip
         );
     }
     println!(

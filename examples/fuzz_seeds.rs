@@ -179,7 +179,15 @@ fn main() -> Result<(), Error> {
             let b = &e.blocks[0];
             let changes = u16::try_from(b.changes)?;
             let mut n = 0u64;
-            compact::decode_block("seed", 0, b, &e.payload, wb, len, None, |_, _| {
+            let block = compact::Block {
+                tensor: "seed",
+                index: 0,
+                entry: b,
+                stream: &e.payload,
+                wb,
+                words: len,
+            };
+            compact::decode_block(&block, None, |_, _| {
                 n += 1;
                 Ok(())
             })?;

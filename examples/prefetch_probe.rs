@@ -1,7 +1,7 @@
 //! The memory side of applying a delta, without the codec: a read-modify-write
 //! of a random ~`density` fraction of a buffer's 2-byte words, in ascending
-//! order, with no prefetch, with an L1 prefetch (`cpu::prefetch`) or with an
-//! L2 prefetch (`cpu::prefetch_l2`) issued some entries ahead, against a
+//! order, with no prefetch, with an L1 prefetch (`platform::prefetch`) or with an
+//! L2 prefetch (`platform::prefetch_l2`) issued some entries ahead, against a
 //! plain compare of two buffers of the same size, in the same run. This is
 //! what chose the apply pipeline's prefetch hint and distance.
 //!
@@ -14,7 +14,7 @@
 
 use std::time::Instant;
 
-use weightcast::codec::cpu::{prefetch, prefetch_l2};
+use weightcast::platform::{prefetch, prefetch_l2};
 
 const BYTES: usize = 256 << 20;
 

@@ -39,6 +39,9 @@
 use rayon::prelude::*;
 
 use crate::dtype::{Dtype, read_word, word_bytes};
+#[cfg(target_arch = "x86_64")]
+use crate::platform::HasAvx512;
+use crate::platform::{Level, Platform, dispatched};
 
 /// A 64-bit additive digest. Displayed and serialized as 16 lowercase hex digits.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -69,6 +72,13 @@ impl Digest {
 impl std::fmt::Display for Digest {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{:016x}", self.0)
+    }
+}
+
+impl serde::Serialize for Digest {
+    /// As in headers: 16 lowercase hex digits.
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
     }
 }
 
@@ -163,13 +173,23 @@ impl TensorSeed {
     /// has it.
     #[inline]
     pub fn change_sum(&self, b: &ChangeBatch) -> u64 {
+        self.change_sum_on(Platform::detect(), b)
+    }
+
+    /// [`TensorSeed::change_sum`] on `platform` (AVX-512 where it has it).
+    #[inline]
+    pub(crate) fn change_sum_on(&self, platform: Platform, b: &ChangeBatch) -> u64 {
         #[cfg(target_arch = "x86_64")]
-        if wide512() {
-            // SAFETY: `wide512()` confirmed at run time every feature
-            // `change_sum_avx512` is compiled with; it reads only its
-            // arguments. Exercised by `vector_and_scalar_change_sums_agree`.
+        if platform.has(Level::Avx512) {
+            dispatched!(ChangeSum, Level::Avx512);
+            // SAFETY: `platform.has(Level::Avx512)`: detection found every
+            // feature `change_sum_avx512` is compiled with (AVX-512 F, DQ);
+            // it reads only its arguments. Exercised by
+            // `vector_and_scalar_change_sums_agree`.
             return unsafe { change_sum_avx512(self.0, b) };
         }
+        let _ = platform;
+        dispatched!(ChangeSum, Level::Portable);
         self.change_sum_scalar(b)
     }
 
@@ -178,17 +198,6 @@ impl TensorSeed {
             acc.wrapping_add(self.change(b.index[j], b.old[j], b.new[j]))
         })
     }
-}
-
-/// Whether the CPU has the AVX-512 subset [`TensorSeed::change_sum`] uses
-/// (F for the vectors, DQ for the 64-bit multiply; cached by the standard
-/// library's detection macro), and `codec::cpu::simd_allowed`.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-pub fn wide512() -> bool {
-    crate::codec::cpu::simd_allowed()
-        && std::arch::is_x86_feature_detected!("avx512f")
-        && std::arch::is_x86_feature_detected!("avx512dq")
 }
 
 /// [`TensorSeed::change_sum`] on two 8-lane vectors per field.
@@ -201,16 +210,37 @@ fn change_sum_avx512(seed: u64, b: &ChangeBatch) -> u64 {
         // 16): the unaligned load reads exactly those 64 bytes.
         unsafe { _mm512_loadu_si512(a[8 * h..].as_ptr().cast()) }
     };
-    let lo = change_x8(seed, load(&b.index, 0), load(&b.old, 0), load(&b.new, 0));
-    let hi = change_x8(seed, load(&b.index, 1), load(&b.old, 1), load(&b.new, 1));
+    let lo = change_x8_avx512(seed, load(&b.index, 0), load(&b.old, 0), load(&b.new, 0));
+    let hi = change_x8_avx512(seed, load(&b.index, 1), load(&b.old, 1), load(&b.new, 1));
     _mm512_reduce_add_epi64(_mm512_add_epi64(lo, hi)) as u64
+}
+
+/// Eight lanes of [`TensorSeed::change`] for the AVX-512 kernels of other
+/// modules (the `compact` encoder's and apply's); `proof` shows the CPU has
+/// AVX-512 F and DQ. Inlined into those kernels, which are compiled with a
+/// superset of the features, so the lanes stay in registers.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn change_x8(
+    proof: HasAvx512,
+    seed: u64,
+    index: std::arch::x86_64::__m512i,
+    old: std::arch::x86_64::__m512i,
+    new: std::arch::x86_64::__m512i,
+) -> std::arch::x86_64::__m512i {
+    let _ = proof;
+    // SAFETY: a `HasAvx512` exists only where detection found AVX-512 F and
+    // DQ, every feature `change_x8_avx512` is compiled with; it is otherwise
+    // safe code. Exercised through the vector encoder and group-kernel
+    // agreement tests in `codec::compact` (on CPUs that have the features).
+    unsafe { change_x8_avx512(seed, index, old, new) }
 }
 
 /// Eight lanes of [`TensorSeed::change`]: `(V(new) − V(old))·A(seed, index)`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512dq")]
 #[inline]
-pub(crate) fn change_x8(
+fn change_x8_avx512(
     seed: u64,
     index: std::arch::x86_64::__m512i,
     old: std::arch::x86_64::__m512i,
@@ -310,12 +340,10 @@ pub const fn fmix64(mut k: u64) -> u64 {
     k
 }
 
-/// Whether full digest passes run the AVX-512 loop on this machine.
+/// Whether full digest passes run the AVX-512 loop on this machine (see
+/// [`crate::platform`]).
 pub fn full_pass_vector() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return wide512();
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    Platform::detect().has(Level::Avx512)
 }
 
 /// Words per parallel chunk of a full digest pass.
@@ -326,15 +354,46 @@ pub fn tensor_digest(seed: TensorSeed, dtype: Dtype, data: &[u8]) -> Digest {
     let wb = word_bytes(dtype);
     let words = data.len() / wb;
     let chunks = words.div_ceil(CHUNK_WORDS);
+    let platform = Platform::detect();
     let sum = (0..chunks)
         .into_par_iter()
         .map(|c| {
             let lo = c * CHUNK_WORDS;
             let hi = (lo + CHUNK_WORDS).min(words);
-            chunk_sum(seed, wb, data, lo, hi)
+            words_sum(platform, seed, wb, &data[lo * wb..hi * wb], lo as u64)
         })
         .reduce(|| 0u64, u64::wrapping_add);
     Digest(sum)
+}
+
+/// The digest of tensor `name` (`dtype`, `shape`) holding `data`: a full,
+/// parallel pass, for callers that hold tensors outside a
+/// [`TensorSet`](crate::tensors::TensorSet) (an engine's, a memory-mapped
+/// file's) and want to check one against a header's `digest` or
+/// `base_digest` entry. Fails when `data` is not the size `dtype` and
+/// `shape` give.
+pub fn tensor_digest_of(
+    name: &str,
+    dtype: Dtype,
+    shape: &[usize],
+    data: &[u8],
+) -> crate::Result<Digest> {
+    match crate::dtype::byte_len(dtype, shape) {
+        Some(n) if n == data.len() => Ok(tensor_digest(
+            TensorSeed::new(name, dtype, shape),
+            dtype,
+            data,
+        )),
+        want => Err(crate::Error::tensor(
+            name,
+            format!(
+                "{} bytes given, {dtype} {shape:?} holds {}",
+                data.len(),
+                want.map_or("an unrepresentable number of".to_string(), |n| n
+                    .to_string())
+            ),
+        )),
+    }
 }
 
 /// Digest contribution of `words` (whole words of `dtype`), the first of
@@ -342,27 +401,34 @@ pub fn tensor_digest(seed: TensorSeed, dtype: Dtype, data: &[u8]) -> Digest {
 /// consecutive pieces gives [`tensor_digest`]. Sequential; callers that hold a
 /// piece anyway (a decoder writing chunk by chunk) add it up in parallel.
 pub fn words_digest(seed: TensorSeed, dtype: Dtype, words: &[u8], first: u64) -> Digest {
-    Digest(range_sum(seed, word_bytes(dtype), words, first))
+    Digest(words_sum(
+        Platform::detect(),
+        seed,
+        word_bytes(dtype),
+        words,
+        first,
+    ))
 }
 
-fn chunk_sum(seed: TensorSeed, wb: usize, data: &[u8], lo: usize, hi: usize) -> u64 {
-    range_sum(seed, wb, &data[lo * wb..hi * wb], lo as u64)
-}
-
-fn range_sum(seed: TensorSeed, wb: usize, words: &[u8], first: u64) -> u64 {
+/// `Σ h(seed, first + k, w_k)` over the `wb`-byte words of `words`, on
+/// `platform`: the AVX-512 loop where it has it, else the table loop.
+fn words_sum(platform: Platform, seed: TensorSeed, wb: usize, words: &[u8], first: u64) -> u64 {
     #[cfg(target_arch = "x86_64")]
-    if wide512() {
-        // SAFETY: `wide512()` confirmed at run time every feature
-        // `words_sum_avx512` is compiled with; it reads only `words`.
-        // Exercised by `vector_and_scalar_full_passes_agree`.
+    if platform.has(Level::Avx512) {
+        dispatched!(FullPass, Level::Avx512);
+        // SAFETY: `platform.has(Level::Avx512)`: detection found every
+        // feature `words_sum_avx512` is compiled with (AVX-512 F, DQ); it
+        // reads only `words`. Exercised by `vector_and_scalar_full_passes_agree`.
         return crate::with_word_width!(wb, W => unsafe {
             words_sum_avx512::<W>(seed, words, first)
         });
     }
-    range_sum_scalar(seed, wb, words, first)
+    let _ = platform;
+    dispatched!(FullPass, Level::Portable);
+    words_sum_scalar(seed, wb, words, first)
 }
 
-fn range_sum_scalar(seed: TensorSeed, wb: usize, words: &[u8], first: u64) -> u64 {
+fn words_sum_scalar(seed: TensorSeed, wb: usize, words: &[u8], first: u64) -> u64 {
     let mut acc = 0u64;
     match wb {
         2 => {
@@ -433,6 +499,7 @@ mod tests {
     fn vector_and_scalar_change_sums_agree() {
         let seed = TensorSeed::new("w", Dtype::BF16, &[1 << 20]);
         let mut x = 0x1234_5678_9abc_def0u64;
+        let mut batches = Vec::new();
         for fill in [0, 1, 7, 8, 9, 15, 16] {
             let mut b = ChangeBatch::default();
             for j in 0..fill {
@@ -445,10 +512,16 @@ mod tests {
                 a.wrapping_add(seed.change(b.index[j], b.old[j], b.new[j]))
             });
             assert_eq!(seed.change_sum_scalar(&b), expect);
+            assert_eq!(seed.change_sum_on(Platform::portable(), &b), expect);
             assert_eq!(seed.change_sum(&b), expect, "{fill} lanes");
+            batches.push((b, expect));
         }
-        #[cfg(target_arch = "x86_64")]
-        eprintln!("AVX-512 change sums in use: {}", wide512());
+        if !crate::platform::expect::require(Level::Avx512, "vector_and_scalar_change_sums_agree") {
+            return;
+        }
+        for (b, expect) in &batches {
+            assert_eq!(seed.change_sum_on(Platform::cpu(), b), *expect);
+        }
     }
 
     #[test]
@@ -460,42 +533,39 @@ mod tests {
                 x as u8
             })
             .collect();
+        // Every length up to five vectors and a ragged tail, from word 0 and
+        // from later words (the position lanes start at `first`), and at
+        // indices beyond 2^32 (the lanes are 64-bit): (wb, first, words, sum).
+        let mut cases = Vec::new();
         for wb in [1, 2, 4, 8] {
             let seed = TensorSeed(x ^ wb as u64);
-            // Every length up to five vectors and a ragged tail, from word 0
-            // and from later words (the position lanes start at `lo`).
             for lo in [0, 1, 7, 8, 33] {
                 for hi in lo..=41 {
-                    let expect = range_sum_scalar(seed, wb, &data[lo * wb..hi * wb], lo as u64);
-                    assert_eq!(
-                        chunk_sum(seed, wb, &data, lo, hi),
-                        expect,
-                        "{wb} B, {lo}..{hi}"
-                    );
+                    let words = &data[lo * wb..hi * wb];
+                    let expect = (0..hi - lo).fold(0u64, |a, k| {
+                        a.wrapping_add(seed.hash((lo + k) as u64, read_word(words, wb, k)))
+                    });
+                    cases.push((seed, wb, lo as u64, words, expect));
                 }
             }
-            // Indices beyond 2^32 (the lanes are 64-bit).
             let far = 5u64 << 32;
             let words = &data[..16 * wb];
             let expect = (0..16).fold(0u64, |a, k| {
                 a.wrapping_add(seed.hash(far + k as u64, read_word(words, wb, k)))
             });
-            assert_eq!(
-                range_sum_scalar(seed, wb, words, far),
-                expect,
-                "{wb} B scalar"
-            );
-            #[cfg(target_arch = "x86_64")]
-            if wide512() {
-                let got = crate::with_word_width!(wb, W => unsafe {
-                    // SAFETY: the CPU has the features (checked just above).
-                    words_sum_avx512::<W>(seed, words, far)
-                });
-                assert_eq!(got, expect, "{wb} B at 2^32·5");
-            }
+            cases.push((seed, wb, far, words, expect));
         }
-        #[cfg(target_arch = "x86_64")]
-        eprintln!("AVX-512 full passes in use: {}", wide512());
+        for &(seed, wb, first, words, expect) in &cases {
+            let got = words_sum(Platform::portable(), seed, wb, words, first);
+            assert_eq!(got, expect, "portable, {wb} B from {first}");
+        }
+        if !crate::platform::expect::require(Level::Avx512, "vector_and_scalar_full_passes_agree") {
+            return;
+        }
+        for &(seed, wb, first, words, expect) in &cases {
+            let got = words_sum(Platform::cpu(), seed, wb, words, first);
+            assert_eq!(got, expect, "AVX-512, {wb} B from {first}");
+        }
     }
 
     #[test]

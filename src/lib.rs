@@ -18,8 +18,11 @@
 //! - [`tensors`]: [`tensors::TensorSet`], named tensors in one buffer, read from
 //!   and written to safetensors.
 //! - [`format`](mod@format): the object header — metadata keys, their types, validation.
-//! - [`codec`]: diff, encode, decode, apply (`compact` and `trl`), anchors
-//!   (`full`, and `planes`: byte planes + zstd in independent chunks).
+//! - [`codec`]: diff, encode, decode, apply (`compact` and `trl`; to a
+//!   [`tensors::TensorSet`] or verified in place into buffers the caller owns),
+//!   anchors (`full`, and `planes`: byte planes + zstd in independent chunks).
+//! - [`platform`]: CPU feature detection and dispatch, once for the crate
+//!   (`WEIGHTCAST_SIMD=off` selects the portable code everywhere).
 //! - [`store`]: the bucket — any object store opened by URL (`hf://` included),
 //!   with multipart and streamed uploads, size-bounded and conditional reads,
 //!   conditional creates and a probe for stores that ignore conditions.
@@ -85,6 +88,7 @@ pub mod hooks;
 pub mod http;
 #[cfg(feature = "store")]
 pub mod notify;
+pub mod platform;
 #[cfg(feature = "store")]
 pub mod protocol;
 #[cfg(feature = "store")]

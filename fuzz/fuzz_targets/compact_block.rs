@@ -24,7 +24,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use weightcast::codec::compact::{MAX_POS_K, MAX_VAL_K, Value, decode_block};
+use weightcast::codec::compact::{Block, MAX_POS_K, MAX_VAL_K, Value, decode_block};
 use weightcast::dtype::word_mask;
 use weightcast::format::{BlockEntry, ValueCoding};
 
@@ -67,10 +67,18 @@ fuzz_target!(|data: &[u8]| {
     };
     let mask = word_mask(wb);
     let half = 1u64 << (wb * 8 - 1);
+    let block = Block {
+        tensor: "t",
+        index: 0,
+        entry: &e,
+        stream,
+        wb,
+        words: block_len,
+    };
 
     // 1. Full decode, checking every entry as it comes.
     let mut got: Vec<Entry> = Vec::new();
-    let r = decode_block("t", 0, &e, stream, wb, block_len, None, |i, v| {
+    let r = decode_block(&block, None, |i, v| {
         assert!(
             (got.len() as u64) < changes,
             "callback called more than changes={changes} times"
@@ -116,7 +124,7 @@ fuzz_target!(|data: &[u8]| {
     if !got.is_empty() {
         let n = got.len() as u64;
         let mut again = Vec::new();
-        decode_block("t", 0, &e, stream, wb, block_len, Some(n), |i, v| {
+        decode_block(&block, Some(n), |i, v| {
             again.push(entry(i, v));
             Ok(())
         })
@@ -126,7 +134,7 @@ fuzz_target!(|data: &[u8]| {
         // 4. A callback error stops decoding at once and is passed on.
         let stop = n / 2;
         let mut calls = 0u64;
-        let r = decode_block("t", 0, &e, stream, wb, block_len, None, |_, _| {
+        let r = decode_block(&block, None, |_, _| {
             calls += 1;
             if calls > stop {
                 Err(weightcast::Error::Container("stop".into()))

@@ -1,11 +1,14 @@
 //! Diff, encode, decode and apply: turning two [`TensorSet`]s into a delta
 //! object and a delta object back into exact bytes, plus anchors.
 //!
-//! Apply is all-or-nothing per object: pass 1 decodes every tensor, checks it
-//! against the local bytes and the publisher's digests without writing; only if
-//! everything verifies does pass 2 write. A failed apply leaves the state as it
-//! was.
+//! Applies are all-or-nothing per object. [`apply_delta`] patches a
+//! [`TensorSet`] in one pass and undoes every word it wrote if anything fails
+//! to decode or verify; [`apply_in_place`] patches buffers the caller owns,
+//! verifying every tensor before writing any; [`Delta`] serves tensors that
+//! live elsewhere (positions out, old words in, new words out). All of them
+//! run the same decoders (see `apply.rs`).
 
+mod apply;
 pub mod bits;
 pub mod compact;
 pub mod cpu;
@@ -14,6 +17,12 @@ pub mod scan;
 pub mod trl;
 pub mod vector;
 
+pub use crate::digest::tensor_digest_of;
+pub use apply::{
+    Delta, InPlaceOptions, InPlaceReport, Positions, Target, TensorChange, apply_in_place,
+    apply_in_place_with,
+};
+
 use std::collections::BTreeMap;
 use std::io::Write;
 
@@ -21,7 +30,7 @@ use rayon::prelude::*;
 use safetensors::SafeTensors;
 use serde::Serialize;
 
-use crate::digest::{Digest, TensorSeed};
+use crate::digest::Digest;
 use crate::dtype::{Dtype, element_count, key_kind, word_bytes};
 use crate::error::{Error, Result};
 use crate::format::{
@@ -278,13 +287,21 @@ enum Payload<'a> {
     },
 }
 
-/// Dtype, seed and digest of a tensor before an apply.
-type TensorMeta = (Dtype, TensorSeed, Digest);
+/// What a weightcast delta's header says about one changed tensor.
+#[derive(Clone, Copy, Debug)]
+struct Expect {
+    /// Changed words.
+    changed: u64,
+    /// Digest after.
+    digest: Digest,
+    /// Digest before.
+    base: Digest,
+}
 
 struct Job<'a> {
     idx: usize,
     name: String,
-    expect: Option<(u64, Digest)>,
+    expect: Option<Expect>,
     payload: Payload<'a>,
 }
 
@@ -302,18 +319,7 @@ pub fn apply_delta(state: &mut TensorSet, bytes: &[u8]) -> Result<ApplyReport> {
     let header = Header::from_metadata(&map)?;
     let (jobs, header) = match header {
         Some(h) if h.kind == Kind::Delta => {
-            let data = &bytes[8 + n..];
-            let want = h.payload_blake3.as_deref().ok_or_else(|| {
-                Error::metadata(keys::PAYLOAD_BLAKE3, "missing (required for deltas)")
-            })?;
-            let got = blake3::hash(data).to_hex();
-            if got.as_str() != want {
-                return Err(Error::Integrity {
-                    scope: "payload".into(),
-                    expected: want.into(),
-                    actual: got.to_string(),
-                });
-            }
+            check_payload(&h, &bytes[8 + n..])?;
             if h.tensor_count != state.len() as u64 {
                 return Err(Error::BaseMismatch(format!(
                     "tensor count differs: the delta's file has {} tensors, the local one {}",
@@ -329,7 +335,19 @@ pub fn apply_delta(state: &mut TensorSet, bytes: &[u8]) -> Result<ApplyReport> {
                     actual: state.digest().to_string(),
                 });
             }
-            (weightcast_jobs(state, &h, &st)?, Some(h))
+            let local = |name: &str| {
+                state.position(name).map(|idx| {
+                    let t = &state.tensors()[idx];
+                    Local {
+                        idx,
+                        dtype: t.dtype,
+                        shape: &t.shape,
+                        words: t.words(),
+                        digest: Some(t.digest),
+                    }
+                })
+            };
+            (weightcast_jobs(&h, &st, local)?, Some(h))
         }
         Some(h) => {
             return Err(Error::metadata(
@@ -353,78 +371,10 @@ pub fn apply_delta(state: &mut TensorSet, bytes: &[u8]) -> Result<ApplyReport> {
         },
     };
 
-    // One pass: decode, write in place, keep the overwritten words; if anything
-    // fails to decode or verify, put every overwritten word back.
-    let info: Vec<(Dtype, TensorSeed, Digest)> = jobs
-        .iter()
-        .map(|j| {
-            let t = &state.tensors()[j.idx];
-            (t.dtype, t.seed, t.digest)
-        })
-        .collect();
-    let file_before = state.digest();
-    let mut failure: Option<Error> = None;
-    let mut new_digests = Vec::with_capacity(jobs.len());
-    let mut changed = 0u64;
-    {
-        let mut slices: Vec<Option<&mut [u8]>> =
-            state.all_data_mut().into_iter().map(Some).collect();
-        let mut work: Vec<(&Job, &mut [u8], TensorMeta)> = jobs
-            .iter()
-            .zip(&info)
-            .map(|(j, &inf)| (j, slices[j.idx].take().expect("one job per tensor"), inf))
-            .collect();
-        let mut outcomes: Vec<Outcome> = work
-            .par_iter_mut()
-            .map(|(j, data, (dtype, seed, _))| apply_job(j, *dtype, *seed, data))
-            .collect();
-        // The file digest after: unchanged tensors keep theirs, changed ones move.
-        let mut file_after = file_before;
-        for ((j, o), inf) in jobs.iter().zip(&mut outcomes).zip(&info) {
-            let d = inf.2.wrapping_add(Digest(o.dig));
-            changed += o.changed;
-            file_after = file_after.wrapping_sub(inf.2).wrapping_add(d);
-            new_digests.push(d);
-            if failure.is_some() {
-                continue;
-            }
-            if let Some(e) = o.err.take() {
-                failure = Some(e);
-            } else if let Some((want_changed, want)) = j.expect {
-                if o.changed != want_changed {
-                    failure = Some(Error::tensor(
-                        &j.name,
-                        format!(
-                            "header says {want_changed} changes, payload holds {}",
-                            o.changed
-                        ),
-                    ));
-                } else if d != want {
-                    failure = Some(Error::Integrity {
-                        scope: format!("tensor {}", j.name),
-                        expected: want.to_string(),
-                        actual: d.to_string(),
-                    });
-                }
-            }
-        }
-        if failure.is_none()
-            && let Some(h) = &header
-            && file_after != h.digest
-        {
-            failure = Some(Error::Integrity {
-                scope: "file".into(),
-                expected: h.digest.to_string(),
-                actual: file_after.to_string(),
-            });
-        }
-        if let Some(e) = failure {
-            work.par_iter_mut()
-                .zip(outcomes.par_iter())
-                .for_each(|((j, data, (dtype, _, _)), o)| undo_job(j, *dtype, data, o));
-            return Err(e);
-        }
-    }
+    // One pass: decode, write in place, keep what undoes it; if anything fails
+    // to decode or verify, every written word is put back.
+    let (changed, new_digests) =
+        apply::apply_jobs(state, &jobs, header.as_ref().map(|h| h.digest))?;
     for (j, d) in jobs.iter().zip(new_digests) {
         state.set_digest(j.idx, d);
     }
@@ -442,19 +392,50 @@ pub fn apply_delta(state: &mut TensorSet, bytes: &[u8]) -> Result<ApplyReport> {
     })
 }
 
-fn weightcast_jobs<'a>(
-    state: &TensorSet,
+/// Checks a delta's data section against `weightcast.payload_blake3`.
+fn check_payload(h: &Header, data: &[u8]) -> Result<()> {
+    let want = h
+        .payload_blake3
+        .as_deref()
+        .ok_or_else(|| Error::metadata(keys::PAYLOAD_BLAKE3, "missing (required for deltas)"))?;
+    let got = blake3::hash(data).to_hex();
+    if got.as_str() != want {
+        return Err(Error::Integrity {
+            scope: "payload".into(),
+            expected: want.into(),
+            actual: got.to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// The local tensor a delta's header entry names, as job building sees it.
+struct Local<'s> {
+    /// Its index among the caller's tensors.
+    idx: usize,
+    dtype: Dtype,
+    shape: &'s [usize],
+    /// Its words (see [`word_bytes`]).
+    words: usize,
+    /// Its digest, where the caller knows it (a [`TensorSet`]'s): checked
+    /// against the entry's `base_digest` before anything is decoded.
+    digest: Option<Digest>,
+}
+
+/// The jobs of a weightcast delta: for each header entry, the local tensor it
+/// names (`local`), checked against the entry (dtype, shape, base digest when
+/// known), and its payload, checked against the entry and the file.
+fn weightcast_jobs<'a, 's>(
     h: &Header,
     st: &SafeTensors<'a>,
+    local: impl Fn(&str) -> Option<Local<'s>>,
 ) -> Result<Vec<Job<'a>>> {
     let mut jobs = Vec::with_capacity(h.tensors.len());
     let mut expected_payloads = 0usize;
     for (name, e) in &h.tensors {
-        let idx = state
-            .position(name)
+        let t = local(name)
             .ok_or_else(|| Error::tensor(name, "in the delta but not in the local state"))?;
-        let t = &state.tensors()[idx];
-        if !entry_describes(e, t) {
+        if !entry_matches(e, t.dtype, t.shape) {
             return Err(Error::tensor(
                 name,
                 format!(
@@ -464,11 +445,13 @@ fn weightcast_jobs<'a>(
             ));
         }
         let base = entry_digest(name, "base_digest", e.base_digest.as_deref().unwrap_or(""))?;
-        if base != t.digest {
+        if let Some(d) = t.digest
+            && base != d
+        {
             return Err(Error::WrongBase {
                 scope: format!("tensor {name}"),
                 expected: base.to_string(),
-                actual: t.digest.to_string(),
+                actual: d.to_string(),
             });
         }
         let digest = entry_digest(name, "digest", &e.digest)?;
@@ -492,13 +475,8 @@ fn weightcast_jobs<'a>(
                 let block_words = e.block_words.ok_or_else(|| {
                     Error::metadata(format!("tensors.{name}.block_words"), "missing")
                 })?;
-                let streams = compact::split_blocks(
-                    name,
-                    t.words() as u64,
-                    block_words,
-                    &blocks,
-                    view.data(),
-                )?;
+                let streams =
+                    compact::split_blocks(name, t.words as u64, block_words, &blocks, view.data())?;
                 Payload::Compact {
                     block_words,
                     blocks,
@@ -511,9 +489,13 @@ fn weightcast_jobs<'a>(
             }
         };
         jobs.push(Job {
-            idx,
+            idx: t.idx,
             name: name.clone(),
-            expect: Some((e.changed, digest)),
+            expect: Some(Expect {
+                changed: e.changed,
+                digest,
+                base,
+            }),
             payload,
         });
     }
@@ -526,12 +508,18 @@ fn weightcast_jobs<'a>(
     Ok(jobs)
 }
 
+/// Whether a header entry describes a tensor of this dtype and shape (the
+/// element count too).
+fn entry_matches(e: &TensorEntry, dtype: Dtype, shape: &[usize]) -> bool {
+    e.dtype == dtype.to_string()
+        && e.shape.len() == shape.len()
+        && e.shape.iter().zip(shape).all(|(&a, &b)| a == b as u64)
+        && e.elements == element_count(shape).unwrap_or(0)
+}
+
 /// Whether a header entry describes this tensor (dtype, shape, element count).
 fn entry_describes(e: &TensorEntry, t: &TensorInfo) -> bool {
-    e.dtype == t.dtype.to_string()
-        && e.shape.len() == t.shape.len()
-        && e.shape.iter().zip(&t.shape).all(|(&a, &b)| a == b as u64)
-        && e.elements == t.elements()
+    entry_matches(e, t.dtype, &t.shape)
 }
 
 fn trl_payload<'a>(name: &str, dtype: Dtype, st: &SafeTensors<'a>) -> Result<Payload<'a>> {
@@ -580,123 +568,6 @@ fn foreign_trl_jobs<'a>(
     }
     trl::check_counts(map, n, changed, numel, state.total_elements())?;
     Ok(jobs)
-}
-
-/// What applying one tensor did: enough to verify it or to undo it.
-struct Outcome {
-    changed: u64,
-    dig: u64,
-    /// TRL: the overwritten old words.
-    undo: Vec<u8>,
-    /// Compact: what each block wrote.
-    block_undo: Vec<compact::BlockUndo>,
-    err: Option<Error>,
-}
-
-fn apply_job(j: &Job<'_>, dtype: Dtype, seed: TensorSeed, data: &mut [u8]) -> Outcome {
-    let wb = word_bytes(dtype);
-    match &j.payload {
-        Payload::Trl { indices, values } => {
-            let mut undo = Vec::new();
-            match trl::apply(&j.name, *indices, values, wb, seed, data, &mut undo) {
-                Ok((changed, dig)) => Outcome {
-                    changed,
-                    dig,
-                    undo,
-                    block_undo: Vec::new(),
-                    err: None,
-                },
-                Err(e) => Outcome {
-                    changed: 0,
-                    dig: 0,
-                    undo,
-                    block_undo: Vec::new(),
-                    err: Some(e),
-                },
-            }
-        }
-        Payload::Compact {
-            block_words,
-            blocks,
-            streams,
-        } => {
-            if data.is_empty() {
-                return Outcome {
-                    changed: 0,
-                    dig: 0,
-                    undo: Vec::new(),
-                    block_undo: Vec::new(),
-                    err: None,
-                };
-            }
-            let kind = key_kind(dtype);
-            let words = (data.len() / wb) as u64;
-            let chunk_words = (*block_words).min(words);
-            let per_block: Vec<(Result<u64>, compact::BlockUndo)> = data
-                .par_chunks_mut(chunk_words as usize * wb)
-                .zip(blocks.par_iter().zip(streams.par_iter()))
-                .enumerate()
-                .map(|(b, (blk, (e, s)))| {
-                    let mut undo = compact::BlockUndo::default();
-                    let first = b as u64 * chunk_words;
-                    let r = compact::apply_block(
-                        &j.name, b, e, s, kind, wb, seed, first, blk, &mut undo,
-                    );
-                    (r, undo)
-                })
-                .collect();
-            let mut out = Outcome {
-                changed: 0,
-                dig: 0,
-                undo: Vec::new(),
-                block_undo: Vec::with_capacity(per_block.len()),
-                err: None,
-            };
-            for ((r, undo), e) in per_block.into_iter().zip(blocks) {
-                match r {
-                    Ok(d) => {
-                        out.changed += e.changes;
-                        out.dig = out.dig.wrapping_add(d);
-                    }
-                    Err(err) => {
-                        if out.err.is_none() {
-                            out.err = Some(err);
-                        }
-                    }
-                }
-                out.block_undo.push(undo);
-            }
-            out
-        }
-    }
-}
-
-fn undo_job(j: &Job<'_>, dtype: Dtype, data: &mut [u8], o: &Outcome) {
-    let wb = word_bytes(dtype);
-    match &j.payload {
-        Payload::Trl { indices, .. } => {
-            trl::undo(*indices, wb, data, &o.undo);
-        }
-        Payload::Compact {
-            block_words,
-            blocks,
-            streams,
-        } => {
-            if data.is_empty() {
-                return;
-            }
-            let kind = key_kind(dtype);
-            let words = (data.len() / wb) as u64;
-            let chunk_words = (*block_words).min(words);
-            data.par_chunks_mut(chunk_words as usize * wb)
-                .zip(blocks.par_iter().zip(streams.par_iter()))
-                .zip(o.block_undo.par_iter())
-                .enumerate()
-                .for_each(|(b, ((blk, (e, s)), u))| {
-                    compact::undo_block(&j.name, b, e, s, kind, wb, blk, u)
-                });
-        }
-    }
 }
 
 /// Figures about an anchor.

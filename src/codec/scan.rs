@@ -2,6 +2,7 @@
 //! compare it is measured against.
 
 use crate::dtype::{read_word, word_mask};
+use crate::platform::{Level, Platform, dispatched};
 
 /// Bytes per piece: the unit the scan hands to its caller. Small, so that the
 /// caller's per-change work on one piece overlaps the memory traffic of the
@@ -30,20 +31,27 @@ pub fn for_each_change_piece(
     wb: usize,
     base: &[u8],
     new: &[u8],
+    f: impl FnMut(usize, &[u16], &[u8], &[u8]),
+) {
+    for_each_change_piece_on(Platform::detect(), wb, base, new, f)
+}
+
+/// [`for_each_change_piece`] on `platform` (the AVX2 scan where it has it).
+#[inline(always)]
+pub(crate) fn for_each_change_piece_on(
+    platform: Platform,
+    wb: usize,
+    base: &[u8],
+    new: &[u8],
     mut f: impl FnMut(usize, &[u16], &[u8], &[u8]),
 ) {
     assert_eq!(base.len(), new.len(), "diffed buffers differ in length");
     assert!(matches!(wb, 1 | 2 | 4 | 8), "word width {wb}");
     // At most one index per word of a piece, plus slack for unconditional writes.
     let mut idx = [0u16; PIECE + 8];
-    let wide = super::cpu::wide();
     for (p, (pa, pb)) in base.chunks(PIECE).zip(new.chunks(PIECE)).enumerate() {
         let len = if wb == 2 {
-            if wide {
-                changed_u16_wide(pa, pb, &mut idx)
-            } else {
-                changed_u16(pa, pb, &mut idx)
-            }
+            changed_u16_on(platform, pa, pb, &mut idx)
         } else {
             changed_lanes(wb, pa, pb, &mut idx)
         };
@@ -122,7 +130,7 @@ fn changed_u16(pa: &[u8], pb: &[u8], idx: &mut [u16; PIECE + 8]) -> usize {
     len
 }
 
-/// [`changed_u16`] for the wide feature set (see [`super::cpu`]), with explicit
+/// [`changed_u16`] for [`Level::Avx2`], with explicit
 /// AVX2: per 64 words, four 16-lane compares, two saturating packs to bytes, a
 /// lane fix-up and two byte-mask extractions give the 64-bit mask of *equal*
 /// words in ≈20 instructions (the SWAR form takes ≈100). Index extraction is
@@ -148,7 +156,7 @@ fn changed_u16_avx2(pa: &[u8], pb: &[u8], idx: &mut [u16; PIECE + 8]) -> usize {
         // SAFETY: `a` and `b` point to 128 readable bytes (chunks_exact(128));
         // the four loads read bytes 0..32, 32..64, 64..96 and 96..128 of each,
         // and `loadu` has no alignment requirement. The CPU has AVX2: this
-        // function is only called after `cpu::wide()` checked it.
+        // function is only called by `changed_u16_on` after checking it.
         let (a0, a1, a2, a3, b0, b1, b2, b3) = unsafe {
             (
                 _mm256_loadu_si256(a),
@@ -197,20 +205,20 @@ fn changed_u16_avx2(pa: &[u8], pb: &[u8], idx: &mut [u16; PIECE + 8]) -> usize {
     len
 }
 
+/// The changed-word indices of one 2-byte piece on `platform`.
 #[inline(always)]
-fn changed_u16_wide(pa: &[u8], pb: &[u8], idx: &mut [u16; PIECE + 8]) -> usize {
+fn changed_u16_on(platform: Platform, pa: &[u8], pb: &[u8], idx: &mut [u16; PIECE + 8]) -> usize {
     #[cfg(target_arch = "x86_64")]
-    {
-        // SAFETY: callers reach this only when `cpu::wide()` (runtime CPUID
-        // detection) returned true, so the CPU has every feature the function
-        // is compiled with; it is otherwise safe code. Exercised by
-        // `wide_and_portable_scans_agree`.
-        unsafe { changed_u16_avx2(pa, pb, idx) }
+    if platform.has(Level::Avx2) {
+        dispatched!(Scan, Level::Avx2);
+        // SAFETY: `platform.has(Level::Avx2)`: detection found every feature
+        // the function is compiled with; it is otherwise safe code.
+        // Exercised by `avx2_and_portable_scans_agree`.
+        return unsafe { changed_u16_avx2(pa, pb, idx) };
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        changed_u16(pa, pb, idx)
-    }
+    let _ = platform;
+    dispatched!(Scan, Level::Portable);
+    changed_u16(pa, pb, idx)
 }
 
 /// Changed-word indices of one piece for the other widths: compares eight bytes
@@ -252,14 +260,22 @@ fn changed_lanes(wb: usize, pa: &[u8], pb: &[u8], idx: &mut [u16; PIECE + 8]) ->
 /// `((d & L) + L) | d` is set in its field, with `L` = the field's low bits
 /// (`0x7f…`) repeated; a popcount of those top bits counts the changed words.
 pub fn count_changed_plain(wb: usize, base: &[u8], new: &[u8]) -> u64 {
+    count_changed_on(Platform::detect(), wb, base, new)
+}
+
+/// [`count_changed_plain`] on `platform`.
+fn count_changed_on(platform: Platform, wb: usize, base: &[u8], new: &[u8]) -> u64 {
     assert_eq!(base.len(), new.len(), "compared buffers differ in length");
     // The baseline gets the same instruction set as the scan it is compared with.
     #[cfg(target_arch = "x86_64")]
-    if super::cpu::wide() {
-        // SAFETY: only reached after `cpu::wide()` detected every feature the
-        // function is compiled with; it is otherwise safe code.
+    if platform.has(Level::Avx2) {
+        dispatched!(Compare, Level::Avx2);
+        // SAFETY: `platform.has(Level::Avx2)`: detection found every feature
+        // the function is compiled with; it is otherwise safe code.
         return unsafe { count_changed_avx2(wb, base, new) };
     }
+    let _ = platform;
+    dispatched!(Compare, Level::Portable);
     count_changed_portable(wb, base, new)
 }
 
@@ -322,24 +338,46 @@ mod tests {
         assert_eq!(count_changed_plain(2, base, &new), expect.len() as u64);
     }
 
+    /// The AVX2 scan and compare against the portable ones, on pieces with
+    /// changes in every bit position, dense chunks and ragged tails.
     #[test]
-    fn wide_and_portable_scans_agree() {
-        let base: Vec<u8> = (0..40_000u32).map(|i| (i * 31 % 253) as u8).collect();
+    fn avx2_and_portable_scans_agree() {
+        let base: Vec<u8> = (0..40_002u32).map(|i| (i * 31 % 253) as u8).collect();
         let mut new = base.clone();
         for k in (0..new.len()).step_by(37) {
             new[k] ^= 1 << (k % 8);
         }
-        for piece in base.chunks(PIECE).zip(new.chunks(PIECE)) {
-            let (mut a, mut b) = ([0u16; PIECE + 8], [0u16; PIECE + 8]);
-            let la = changed_u16(piece.0, piece.1, &mut a);
-            let lb = changed_u16_wide(piece.0, piece.1, &mut b);
-            assert_eq!(&a[..la], &b[..lb]);
+        for b in &mut new[20_000..20_300] {
+            *b ^= 0x40;
         }
-        assert_eq!(
-            count_changed_plain(2, &base, &new),
-            count_changed_portable(2, &base, &new)
-        );
-        eprintln!("wide path in use: {}", crate::codec::cpu::wide());
+        let pieces: Vec<(&[u8], &[u8])> = base
+            .chunks(PIECE)
+            .zip(new.chunks(PIECE))
+            .chain([(&base[..130], &new[..130]), (&base[..2], &new[..2])])
+            .collect();
+        let portable: Vec<Vec<u16>> = pieces
+            .iter()
+            .map(|(a, b)| {
+                let mut idx = [0u16; PIECE + 8];
+                let n = changed_u16_on(Platform::portable(), a, b, &mut idx);
+                idx[..n].to_vec()
+            })
+            .collect();
+        let expect: Vec<u64> = [1, 2, 4, 8]
+            .map(|wb| count_changed_portable(wb, &base, &new))
+            .to_vec();
+        assert!(portable.iter().any(|v| v.len() > 4));
+        if !crate::platform::expect::require(Level::Avx2, "avx2_and_portable_scans_agree") {
+            return;
+        }
+        for ((a, b), want) in pieces.iter().zip(&portable) {
+            let mut idx = [0u16; PIECE + 8];
+            let n = changed_u16_on(Platform::cpu(), a, b, &mut idx);
+            assert_eq!(&idx[..n], want.as_slice());
+        }
+        for (wb, want) in [1, 2, 4, 8].into_iter().zip(expect) {
+            assert_eq!(count_changed_on(Platform::cpu(), wb, &base, &new), want);
+        }
     }
 
     proptest! {

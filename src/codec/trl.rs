@@ -595,6 +595,23 @@ macro_rules! with_source {
     }};
 }
 
+impl Indices<'_> {
+    /// Calls `f` with each position, in order (gaps decoded), until it
+    /// returns `false` (the codec's apply loops read positions through this).
+    #[inline]
+    pub fn visit(&self, mut f: impl FnMut(i64) -> bool) {
+        let n = self.len();
+        with_source!(*self, s => {
+            let mut s = s;
+            for _ in 0..n {
+                if !f(s.next()) {
+                    break;
+                }
+            }
+        })
+    }
+}
+
 /// Finds and validates the payload pair of parameter `name` (of `dtype`) in a
 /// TRL file: `.indices`/`.values` (v1) or `.idx`/`.val` (v3). `index` is the
 /// file's v3 index encoding when the caller read it from the header; without

@@ -1,5 +1,6 @@
-//! AVX-512 encoder for the hottest case: the direct part of a compact block of
-//! 2-byte words (BF16, F16), scan and entries fused.
+//! AVX-512 kernels for the hottest case, 2-byte words (BF16, F16): the
+//! encoder of a compact block's direct part, scan and entries fused, and the
+//! apply's resolution of a group of step-coded changes.
 //!
 //! The scan compares 32 words per vector and *compresses* the changed lanes
 //! (AVX-512 VBMI2) into three contiguous arrays: block index, old word, new
@@ -15,7 +16,10 @@
 //! paths write the same bits; `compact`'s tests compare them on every kind of
 //! block.
 //!
-//! Used only when [`available`] says the CPU has the instructions.
+//! Both kernels are private; [`encode_direct`] and `resolve_steps` are
+//! their safe entry points and run them only on a [`Platform`] with
+//! [`Level::Avx512Vbmi2`] (answering `None` elsewhere, where the callers take
+//! their scalar code).
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::{
@@ -31,28 +35,14 @@ use std::arch::x86_64::{
 };
 
 use super::bits::FastWriter;
+use super::compact::{Ctx, Group};
+use crate::digest::ChangeBatch;
+use crate::dtype::KeyKind;
+#[cfg(target_arch = "x86_64")]
+use crate::platform::HasAvx512;
+use crate::platform::{Level, Platform, dispatched};
 
-/// Whether the CPU runs the kernel: AVX-512 F, BW (16-bit compares and masked
-/// loads), DQ (the digest's 64-bit multiply), CD (leading-zero counts) and
-/// VBMI2 (16-bit compress), and the scalar bit instructions of
-/// [`super::cpu::wide`]; cached by the standard library's detection macro.
-#[inline]
-pub fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        super::cpu::wide()
-            && crate::digest::wide512()
-            && std::arch::is_x86_feature_detected!("avx512bw")
-            && std::arch::is_x86_feature_detected!("avx512cd")
-            && std::arch::is_x86_feature_detected!("avx512vbmi2")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
-/// What [`encode_direct_w2`] did.
+/// What [`encode_direct`] did.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Direct {
     /// Changes encoded.
@@ -63,6 +53,21 @@ pub struct Direct {
     pub digest: u64,
     /// Value bits written.
     pub value_bits: u64,
+}
+
+/// The part of a block [`encode_direct`] encodes: `base` → `new` (2-byte
+/// words), the first of them at block index `start`, gaps counted from block
+/// index `next`.
+#[derive(Clone, Copy)]
+pub struct Part<'a> {
+    /// The index the first gap counts from.
+    pub next: u64,
+    /// Block index of the first word of `base`.
+    pub start: u64,
+    /// Old words.
+    pub base: &'a [u8],
+    /// New words.
+    pub new: &'a [u8],
 }
 
 /// Words scanned per round: the scan fills the arrays from one region, then
@@ -78,32 +83,59 @@ struct Records {
     new: [u16; REGION + 8 + 32],
 }
 
-/// Encodes every change of `base` → `new` (2-byte words) as step-coded entries
-/// with Rice parameter `k` and Exp-Golomb order `vk`, appending to `w`.
+/// Encodes every change of `part` as step-coded entries with Rice parameter
+/// `k` and Exp-Golomb order `vk` (`params`), appending to `w`, when
+/// `platform` has [`Level::Avx512Vbmi2`]; `None` (nothing written) otherwise.
 ///
-/// `next` is the block index the first gap counts from, `block_first` the
-/// block's first word in the tensor (for the digest) and `start` the block
-/// index of `base`'s first word. `sign_magnitude` selects the float key (see
-/// `dtype::to_key`); otherwise the key is the word itself. `slow(w, gap, step)`
-/// writes an entry longer than 56 bits (the scalar encoder's general path).
-///
-/// # Safety
-/// The CPU must have the features [`available`] checks.
+/// `ctx` gives the key kind (sign-magnitude floats or identity, see
+/// `dtype::to_key`), the tensor's digest seed and the block's first word in
+/// the tensor. `slow(w, gap, step)` writes an entry longer than 56 bits (the
+/// scalar encoder's general path), so both paths write the same bits.
+pub fn encode_direct(
+    platform: Platform,
+    ctx: Ctx,
+    params: (u32, u32),
+    part: Part<'_>,
+    w: &mut FastWriter,
+    slow: &mut impl FnMut(&mut FastWriter, u64, u64),
+) -> Option<Direct> {
+    #[cfg(target_arch = "x86_64")]
+    if let (true, Some(proof)) = (platform.has(Level::Avx512Vbmi2), platform.avx512()) {
+        dispatched!(EncodeFused, Level::Avx512Vbmi2);
+        let kernel = (
+            proof,
+            ctx.kind == KeyKind::SignMagnitude,
+            ctx.seed.0,
+            params,
+        );
+        // SAFETY: `platform.has(Level::Avx512Vbmi2)`: detection found every
+        // feature `encode_direct_w2` is compiled with; it is otherwise safe
+        // code (its loads and stores are bounds-checked or justified where
+        // they are made). Equal output to the scalar encoder is tested by
+        // `vector_and_scalar_encoders_agree`.
+        return Some(unsafe { encode_direct_w2(kernel, ctx.first, part, w, slow) });
+    }
+    let _ = (platform, ctx, params, part, w, slow);
+    None
+}
+
+/// [`encode_direct`]'s kernel. `kernel` is the AVX-512 proof, whether keys
+/// are sign-magnitude, the digest seed and `(k, vk)`; `block_first` the
+/// block's first word in the tensor.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(
     enable = "avx512f,avx512bw,avx512dq,avx512cd,avx512vbmi2,avx2,bmi1,bmi2,lzcnt,popcnt"
 )]
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn encode_direct_w2(
-    sign_magnitude: bool,
-    seed: u64,
-    (k, vk): (u32, u32),
-    w: &mut FastWriter,
-    next: u64,
+fn encode_direct_w2(
+    (proof, sign_magnitude, seed, (k, vk)): (HasAvx512, bool, u64, (u32, u32)),
     block_first: u64,
-    start: u64,
-    base: &[u8],
-    new: &[u8],
+    Part {
+        next,
+        start,
+        base,
+        new,
+    }: Part<'_>,
+    w: &mut FastWriter,
     slow: &mut impl FnMut(&mut FastWriter, u64, u64),
 ) -> Direct {
     assert_eq!(base.len(), new.len(), "encoded buffers differ in length");
@@ -117,7 +149,7 @@ pub unsafe fn encode_direct_w2(
         old: [0; REGION + 8 + 32],
         new: [0; REGION + 8 + 32],
     };
-    let kernel = Kernel::new(sign_magnitude, seed, k, vk, block_first);
+    let kernel = Kernel::new(proof, sign_magnitude, seed, (k, vk), block_first);
     let mut st = State {
         next,
         digest: _mm512_setzero_si512(),
@@ -257,6 +289,7 @@ struct State {
 /// The per-call constants of the entry kernel.
 #[cfg(target_arch = "x86_64")]
 struct Kernel {
+    proof: HasAvx512,
     sign_magnitude: bool,
     seed: u64,
     block_first: __m512i,
@@ -270,9 +303,16 @@ struct Kernel {
 #[cfg(target_arch = "x86_64")]
 impl Kernel {
     #[target_feature(enable = "avx512f")]
-    fn new(sign_magnitude: bool, seed: u64, k: u32, vk: u32, block_first: u64) -> Kernel {
+    fn new(
+        proof: HasAvx512,
+        sign_magnitude: bool,
+        seed: u64,
+        (k, vk): (u32, u32),
+        block_first: u64,
+    ) -> Kernel {
         let set1 = |x: u64| _mm512_set1_epi64(x as i64);
         Kernel {
+            proof,
             sign_magnitude,
             seed,
             block_first: set1(block_first),
@@ -398,7 +438,13 @@ impl Kernel {
         let used = ((1u32 << count) - 1) as u8;
         st.digest = _mm512_add_epi64(
             st.digest,
-            crate::digest::change_x8(self.seed, _mm512_add_epi64(i, self.block_first), old, new),
+            crate::digest::change_x8(
+                self.proof,
+                self.seed,
+                _mm512_add_epi64(i, self.block_first),
+                old,
+                new,
+            ),
         );
         st.value_bits = _mm512_add_epi64(st.value_bits, _mm512_maskz_mov_epi64(used, vlen));
         st.changes += count as u64;
@@ -477,31 +523,62 @@ fn spill(a: __m512i, b: __m512i) -> ([u64; 8], [u64; 8]) {
     (x, y)
 }
 
-/// Writes up to 16 step-coded changes of 2-byte words: for each of the first
-/// `count` lanes, word `index[j]` of `blk` becomes `unkey(key(old) + step[j])`
-/// (mod 2^16; see `dtype::to_key`); returns the digest change of the writes.
-/// Indices must be distinct (a block's ascend) and in range; the loads and
-/// stores are bounds-checked.
+/// Resolves a group of step-coded changes of 2-byte words when `platform`
+/// has [`Level::Avx512Vbmi2`] (`None` otherwise): for each of the first
+/// `g.count` lanes, `batch.old[j]` becomes word `g.index[j]` of `blk` and
+/// `batch.new[j]` the word `unkey(key(old) + g.step[j])` (mod 2^16; see
+/// `dtype::to_key`), lanes past the count zero (`batch.index` is left as it
+/// is); returns the digest change of those writes (made by the caller). Indices must be in range; the loads are
+/// bounds-checked.
 ///
 /// The key arithmetic and the digest run eight lanes per vector; the words
-/// are moved with scalar loads and stores (an AVX-512 gather could read past
-/// the block's end, and a scatter is slower than the stores).
-///
-/// # Safety
-/// The CPU must have the features [`available`] checks.
+/// are read with scalar loads (an AVX-512 gather could read past the block's
+/// end). `compact`'s scalar group resolution is the reference, and
+/// `vector_and_scalar_group_writes_agree` compares the two.
+pub(crate) fn resolve_steps(
+    platform: Platform,
+    ctx: Ctx,
+    blk: &[u8],
+    g: &Group,
+    batch: &mut ChangeBatch,
+) -> Option<u64> {
+    #[cfg(target_arch = "x86_64")]
+    if let (true, Some(proof)) = (platform.has(Level::Avx512Vbmi2), platform.avx512()) {
+        dispatched!(Group, Level::Avx512Vbmi2);
+        let sign_magnitude = ctx.kind == KeyKind::SignMagnitude;
+        // SAFETY: `platform.has(Level::Avx512Vbmi2)`: detection found every
+        // feature `resolve_steps_w2` is compiled with; it is otherwise safe
+        // code (bounds-checked loads, array stores justified inside).
+        return Some(unsafe {
+            resolve_steps_w2(
+                (proof, sign_magnitude, ctx.seed.0),
+                ctx.first,
+                blk,
+                g,
+                batch,
+            )
+        });
+    }
+    let _ = (platform, ctx, blk, g, batch);
+    None
+}
+
+/// [`resolve_steps`]' kernel.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(
     enable = "avx512f,avx512bw,avx512dq,avx512cd,avx512vbmi2,avx2,bmi1,bmi2,lzcnt,popcnt"
 )]
-pub unsafe fn apply_steps_w2(
-    sign_magnitude: bool,
-    seed: u64,
+fn resolve_steps_w2(
+    (proof, sign_magnitude, seed): (HasAvx512, bool, u64),
     block_first: u64,
-    blk: &mut [u8],
-    (index, step, count): (&[u64; 16], &[u64; 16], usize),
+    blk: &[u8],
+    g: &Group,
+    batch: &mut ChangeBatch,
 ) -> u64 {
-    let count = count.min(16);
-    let mut olds = [0u64; 16];
+    let (index, step) = (&g.index, &g.step);
+    let count = g.count.min(16);
+    let (olds, news) = (&mut batch.old, &mut batch.new);
+    *olds = [0; 16];
     for j in 0..count {
         let i = index[j] as usize;
         olds[j] = u16::from_le_bytes([blk[2 * i], blk[2 * i + 1]]) as u64;
@@ -509,11 +586,10 @@ pub unsafe fn apply_steps_w2(
     let set1 = |x: u64| _mm512_set1_epi64(x as i64);
     let w16 = set1(0xffff);
     let zero = _mm512_setzero_si512();
-    let mut news = [0u64; 16];
     let mut digest = zero;
     for h in 0..2 {
         // Unused lanes: old 0 and step 0 give new 0, which adds nothing to
-        // the digest and is not stored.
+        // the digest.
         let used = (((1u32 << count) - 1) >> (8 * h)) as u8;
         // SAFETY: each load reads 8 u64 of a 16-element array at 8·h.
         let (i, old, s) = unsafe {
@@ -538,14 +614,16 @@ pub unsafe fn apply_steps_w2(
         let new = _mm512_maskz_mov_epi64(used, new);
         digest = _mm512_add_epi64(
             digest,
-            crate::digest::change_x8(seed, _mm512_add_epi64(i, set1(block_first)), old, new),
+            crate::digest::change_x8(
+                proof,
+                seed,
+                _mm512_add_epi64(i, set1(block_first)),
+                old,
+                new,
+            ),
         );
         // SAFETY: writes 8 u64 of a 16-element array at 8·h.
         unsafe { _mm512_storeu_si512(news[8 * h..8 * h + 8].as_mut_ptr().cast(), new) };
-    }
-    for j in 0..count {
-        let i = index[j] as usize;
-        blk[2 * i..2 * i + 2].copy_from_slice(&(news[j] as u16).to_le_bytes());
     }
     _mm512_reduce_add_epi64(digest) as u64
 }

@@ -7,13 +7,18 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use serde_json::{Value, json};
 use weightcast::Error;
-use weightcast::codec::{DeltaOptions, apply_delta, encode_anchor, encode_delta, read_anchor};
+use weightcast::codec::{
+    Delta, DeltaOptions, Target, apply_delta, apply_in_place, encode_anchor, encode_delta,
+    read_anchor,
+};
 use weightcast::digest::Digest;
 use weightcast::dtype::{Dtype, byte_len, from_key, key_kind, read_word, to_key, word_bytes};
 use weightcast::dtype::{word_mask, write_word};
 use weightcast::format::Encoding;
 use weightcast::generator::{Generator, GeneratorConfig};
 use weightcast::tensors::{TensorSet, write_safetensors};
+
+use crate::roundtrip::{buffers, targets};
 
 type Owned = (String, Dtype, Vec<usize>, Vec<u8>);
 
@@ -186,7 +191,8 @@ fn assert_mentions(err: &Error, needles: &[&str]) {
 }
 
 /// Applies `bytes` to a copy of `state`; asserts an error mentioning every
-/// needle, no panic, and an untouched state.
+/// needle, no panic, and an untouched state. Also applies it in place (see
+/// [`in_place`]).
 #[track_caller]
 fn apply_err(state: &TensorSet, bytes: &[u8], needles: &[&str]) -> Error {
     let mut s = state.clone();
@@ -201,7 +207,39 @@ fn apply_err(state: &TensorSet, bytes: &[u8], needles: &[&str]) -> Error {
         snapshot(&s) == before,
         "failed apply changed the state ({err})"
     );
+    // Whatever in place decides (see `in_place`), it must not panic and a
+    // refusal must leave the targets untouched.
+    let _ = in_place(state, bytes);
     err
+}
+
+/// Applies `bytes` in place to copies of `state`'s tensors: it must not
+/// panic, and when it fails every target must be byte-identical to before.
+/// Returns the patched bytes when it succeeded. (In place checks only the
+/// elements a delta changes, so some deltas `apply_delta` refuses — a wrong
+/// file digest, drift elsewhere — are accepted here; the dedicated tests
+/// below pin down which.)
+#[track_caller]
+fn in_place(state: &TensorSet, bytes: &[u8]) -> Result<Vec<Vec<u8>>, Error> {
+    let mut bufs = buffers(state);
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        let mut targets = targets(state, &mut bufs);
+        apply_in_place(&mut targets, bytes)
+    }));
+    match r {
+        Ok(Ok(_)) => Ok(bufs),
+        Ok(Err(e)) => {
+            for (i, b) in bufs.iter().enumerate() {
+                assert!(
+                    b == state.data(i),
+                    "failed in-place apply ({e}) changed `{}`",
+                    state.tensors()[i].name
+                );
+            }
+            Err(e)
+        }
+        Err(_) => panic!("apply_in_place panicked"),
+    }
 }
 
 /// Reads `bytes` as an anchor; asserts an error mentioning every needle, no panic.
@@ -216,12 +254,13 @@ fn anchor_err(bytes: &[u8], needles: &[&str]) -> Error {
     err
 }
 
-/// Either an error with the state untouched, or success with exactly `expect`.
+/// Either an error with the state untouched, or success with exactly `expect`;
+/// in place likewise (untouched targets, or exactly `expect`'s bytes).
 #[track_caller]
 fn apply_err_or_exact(state: &TensorSet, bytes: &[u8], expect: &TensorSet) -> bool {
     let mut s = state.clone();
     let before = snapshot(&s);
-    match catch_unwind(AssertUnwindSafe(|| apply_delta(&mut s, bytes))) {
+    let ok = match catch_unwind(AssertUnwindSafe(|| apply_delta(&mut s, bytes))) {
         Ok(Err(e)) => {
             assert!(
                 snapshot(&s) == before,
@@ -237,7 +276,17 @@ fn apply_err_or_exact(state: &TensorSet, bytes: &[u8], expect: &TensorSet) -> bo
             true
         }
         Err(_) => panic!("apply_delta panicked"),
+    };
+    if let Ok(bufs) = in_place(state, bytes) {
+        for (i, b) in bufs.iter().enumerate() {
+            assert!(
+                b == expect.data(i),
+                "in-place apply succeeded with a wrong `{}`",
+                state.tensors()[i].name
+            );
+        }
     }
+    ok
 }
 
 // ---------------------------------------------------------------------------
@@ -1981,6 +2030,217 @@ fn upper_case_payload_blake3_is_accepted() {
         let mut s = fx.sets[1].clone();
         apply_delta(&mut s, &d).unwrap();
         assert!(snapshot(&s) == snapshot(&fx.sets[2]));
+    }
+}
+
+// ---------------------------------------------------------------------------
+// In place: verify first, then write.
+
+/// `state`'s bytes with word `pos` of tensor `name` xor-ed with `bit`.
+fn flipped(state: &TensorSet, name: &str, pos: usize, bit: u8) -> Vec<Vec<u8>> {
+    let mut bufs = buffers(state);
+    let i = state.position(name).unwrap();
+    let wb = word_bytes(state.tensors()[i].dtype);
+    bufs[i][pos * wb] ^= bit;
+    bufs
+}
+
+/// A target modified at one element the delta changes is refused, naming the
+/// tensor, and nothing is written anywhere: not even the tensors verified
+/// before it (`norm` comes last of the four changed tensors). Both encodings
+/// (TRL values are absolute, yet the old word still enters the digest check).
+#[test]
+fn in_place_refuses_a_modified_changed_element_and_writes_nothing() {
+    let fx = Fixture::new();
+    for encoding in ENCODINGS {
+        let d = fx.d12(encoding);
+        for name in ["norm", "embed", "big", "mask"] {
+            for k in [0, fx.changed_positions(name).len() - 1] {
+                let pos = fx.changed_positions(name)[k];
+                let mut bufs = flipped(&fx.sets[1], name, pos, 0x10);
+                let before = bufs.clone();
+                let err = apply_in_place(&mut targets(&fx.sets[1], &mut bufs), &d).unwrap_err();
+                assert!(matches!(err, Error::WrongBase { .. }), "{err:?}");
+                assert_mentions(&err, &[name, "at the positions the delta changes"]);
+                assert!(bufs == before, "{encoding} {name}: a refused apply wrote");
+            }
+        }
+    }
+}
+
+/// Only the elements a delta changes are checked: a target modified elsewhere
+/// is accepted and keeps its modification (the full check is
+/// `tensor_digest_of`, a pass over the tensor, which does see it).
+#[test]
+fn in_place_accepts_a_modified_unchanged_element() {
+    let fx = Fixture::new();
+    let changed = fx.changed_positions("embed");
+    let pos = (0..128).find(|i| !changed.contains(i)).unwrap();
+    let e = fx.sets[1].position("embed").unwrap();
+    for encoding in ENCODINGS {
+        let d = fx.d12(encoding);
+        let mut bufs = flipped(&fx.sets[1], "embed", pos, 0x01);
+        let report = apply_in_place(&mut targets(&fx.sets[1], &mut bufs), &d).unwrap();
+        let mut want = fx.sets[2].data(e).to_vec();
+        want[pos * 2] ^= 0x01;
+        assert!(bufs[e] == want, "{encoding}");
+        for (i, b) in bufs.iter().enumerate().filter(|(i, _)| *i != e) {
+            assert!(b == fx.sets[2].data(i));
+        }
+        let entry = &report.tensors.iter().find(|t| t.name == "embed").unwrap();
+        let t = &fx.sets[2].tensors()[e];
+        assert_eq!(entry.digest, t.digest);
+        let full = weightcast::codec::tensor_digest_of("embed", t.dtype, &t.shape, &bufs[e]);
+        assert_ne!(full.unwrap(), entry.digest, "the full check sees the drift");
+    }
+}
+
+/// Targets that do not match the delta: a clear error naming the tensor, and
+/// nothing written. Targets the delta does not name are untouched on success.
+#[test]
+fn in_place_refuses_targets_that_do_not_match() {
+    let fx = Fixture::new();
+    let s1 = &fx.sets[1];
+    for encoding in ENCODINGS {
+        let d = fx.d12(encoding);
+        let attempt = |edit: &dyn Fn(&mut Vec<Target>), needles: &[&str]| {
+            let mut bufs = buffers(s1);
+            let before = bufs.clone();
+            let mut t = targets(s1, &mut bufs);
+            edit(&mut t);
+            let err = apply_in_place(&mut t, &d).unwrap_err();
+            assert_mentions(&err, needles);
+            drop(t);
+            assert!(bufs == before, "{encoding}: {err}");
+        };
+        const OTHER_SHAPE: [usize; 3] = [16, 4, 2];
+        attempt(
+            &|t| t[1].dtype = Dtype::F16,
+            &["embed", "delta is for BF16"],
+        );
+        attempt(&|t| t[1].shape = &OTHER_SHAPE, &["embed", "[16, 8]"]);
+        attempt(
+            &|t| {
+                t.remove(0);
+            },
+            &["big", "not in the local state"],
+        );
+        attempt(
+            &|t| {
+                let n = t[0].data.len();
+                let data = std::mem::take(&mut t[0].data);
+                t[0].data = &mut data[..n - 2];
+            },
+            &["big", "holds 598 bytes", "needs 600"],
+        );
+        attempt(&|t| t[2].name = "embed", &["embed", "given twice"]);
+        // Tensors outside the delta stay as they are; a target set without
+        // them is fine too.
+        let mut bufs = buffers(s1);
+        let mut extra = vec![7u8; 10];
+        let mut t = targets(s1, &mut bufs);
+        t.retain(|t| ["big", "embed", "mask", "norm"].contains(&t.name));
+        t.push(Target {
+            name: "unrelated",
+            dtype: Dtype::U8,
+            shape: &[10],
+            data: &mut extra,
+        });
+        let report = apply_in_place(&mut t, &d).unwrap();
+        assert_eq!(report.changed_tensors, ["big", "embed", "mask", "norm"]);
+        assert_eq!(extra, vec![7u8; 10]);
+        for (i, b) in bufs.iter().enumerate() {
+            assert!(b == fx.sets[2].data(i), "{}", s1.tensors()[i].name);
+        }
+    }
+}
+
+/// What in place refuses that only the object can tell: not a weightcast
+/// delta, a header whose file digests disagree with its tensors', a corrupt
+/// payload. A tensor-count lie (the targets need not be a whole file) passes.
+#[test]
+fn in_place_refuses_what_the_object_gets_wrong() {
+    let fx = Fixture::new();
+    let s1 = &fx.sets[1];
+    let refused = |bytes: &[u8], needles: &[&str]| {
+        let err = in_place(s1, bytes).expect_err("refused");
+        assert_mentions(&err, needles);
+    };
+    let (anchor, _) = encode_anchor(&fx.sets[2], 2).unwrap();
+    refused(&anchor, &["weightcast.kind", "not a delta"]);
+    let trl = fx.d12(Encoding::Trl);
+    let mut foreign_trl = parse(&trl);
+    foreign_trl
+        .meta
+        .retain(|k, _| !k.starts_with("weightcast."));
+    refused(
+        &foreign_trl.build(),
+        &["not a weightcast delta", "apply_delta"],
+    );
+    for encoding in ENCODINGS {
+        let d = fx.d12(encoding);
+        let wrong = Digest(fx.sets[2].digest().0 ^ 1).to_string();
+        refused(
+            &with_meta(&d, "weightcast.digest", Some(&wrong)),
+            &["weightcast.digest", "add up"],
+        );
+        let mut f = d.clone();
+        *f.last_mut().unwrap() ^= 1;
+        refused(&f, &["integrity check failed for payload"]);
+        let lie = with_meta(&d, "weightcast.tensor_count", Some("3"));
+        let bufs = in_place(s1, &lie).unwrap();
+        assert!((0..s1.len()).all(|i| bufs[i] == fx.sets[2].data(i)));
+    }
+}
+
+/// The device form's errors: an unknown tensor, positions or old values that
+/// are not what the delta needs, an old value that is not the base's.
+#[test]
+fn resolve_checks_positions_and_old_values() {
+    let fx = Fixture::new();
+    let s1 = &fx.sets[1];
+    for encoding in ENCODINGS {
+        let d = fx.d12(encoding);
+        let delta = Delta::parse(&d).unwrap();
+        assert_mentions(
+            &delta.changed_positions("scale").unwrap_err(),
+            &["scale", "not changed by this delta"],
+        );
+        let e = s1.position("embed").unwrap();
+        let positions = delta.changed_positions("embed").unwrap();
+        let old: Vec<u8> = (0..positions.len())
+            .flat_map(|j| {
+                let p = positions.get(j).unwrap() as usize;
+                s1.data(e)[2 * p..2 * p + 2].to_vec()
+            })
+            .collect();
+        assert!(delta.resolve("embed", &positions, &old).is_ok());
+        assert_mentions(
+            &delta.resolve("embed", &positions, &old[2..]).unwrap_err(),
+            &["embed", "bytes of old values"],
+        );
+        let mut fewer = positions.clone();
+        if let weightcast::codec::Positions::U32(v) = &mut fewer {
+            v.pop();
+        }
+        assert_mentions(
+            &delta
+                .resolve("embed", &fewer, &old[..old.len() - 2])
+                .unwrap_err(),
+            &["embed", "positions differ"],
+        );
+        let mut moved = positions.clone();
+        if let weightcast::codec::Positions::U32(v) = &mut moved {
+            v[0] += 1;
+        }
+        assert_mentions(
+            &delta.resolve("embed", &moved, &old).unwrap_err(),
+            &["positions differ", "entry 0"],
+        );
+        let mut drifted = old.clone();
+        drifted[0] ^= 4;
+        let err = delta.resolve("embed", &positions, &drifted).unwrap_err();
+        assert!(matches!(err, Error::WrongBase { .. }), "{err:?}");
     }
 }
 
