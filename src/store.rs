@@ -570,6 +570,73 @@ impl Store {
         }
     }
 
+    /// The size of an object (a HEAD request); `None` when it does not exist.
+    pub async fn head(&self, key: &str) -> Result<Option<u64>> {
+        let path = Self::path(key)?;
+        match self.inner.head(&path).await {
+            Ok(meta) => Ok(Some(meta.size)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.err("head", key, e)),
+        }
+    }
+
+    /// Reads bytes `range` of an object (a ranged GET). An object that ends
+    /// before `range.end`, or a store that answers with another length, is an
+    /// error naming the key: a reader never mistakes a short read for data.
+    pub async fn get_range(&self, key: &str, range: std::ops::Range<u64>) -> Result<Bytes> {
+        let path = Self::path(key)?;
+        let want = range.end.saturating_sub(range.start);
+        match self.inner.get_range(&path, range.clone()).await {
+            Ok(b) if b.len() as u64 == want => Ok(b),
+            Ok(b) => Err(Error::Integrity {
+                scope: format!(
+                    "object {key} at `{}`, bytes {}..{}",
+                    self.url, range.start, range.end
+                ),
+                expected: format!("{want} bytes"),
+                actual: format!("{} bytes", b.len()),
+            }),
+            Err(object_store::Error::NotFound { .. }) => Err(Error::NotFound(format!(
+                "object `{key}` is missing from `{}`",
+                self.url
+            ))),
+            Err(e) => Err(self.err("read range of", key, e)),
+        }
+    }
+
+    /// Downloads the first `size` bytes of an object as concurrent ranged
+    /// GETs of `part` bytes, at most `concurrency` in flight, handing each
+    /// part to `sink(offset, bytes)` as it arrives (in any order). Memory is
+    /// bounded by the parts in flight, whatever the object's size; `sink`
+    /// typically writes the part at its offset in a file. Returns the number
+    /// of requests made. The caller checks what it assembled (size, BLAKE3):
+    /// this method only guarantees that every byte of `0..size` was handed
+    /// over exactly once.
+    pub async fn download_ranges(
+        &self,
+        key: &str,
+        size: u64,
+        part: u64,
+        concurrency: usize,
+        mut sink: impl FnMut(u64, Bytes) -> Result<()>,
+    ) -> Result<u64> {
+        use futures::StreamExt;
+        let part = part.max(1);
+        let parts = size.div_ceil(part);
+        let mut fetched = futures::stream::iter(0..parts)
+            .map(|i| {
+                let start = i * part;
+                let end = (start + part).min(size);
+                async move { self.get_range(key, start..end).await.map(|b| (start, b)) }
+            })
+            .buffer_unordered(concurrency.max(1));
+        while let Some(r) = fetched.next().await {
+            let (offset, bytes) = r?;
+            sink(offset, bytes)?;
+        }
+        Ok(parts)
+    }
+
     /// Lists every object under `prefix` (recursively), sorted by key.
     pub async fn list(&self, prefix: &str) -> Result<Vec<Listed>> {
         let p = if prefix.is_empty() {

@@ -142,6 +142,10 @@ enum Command {
         /// Seconds between polls.
         #[arg(long, default_value_t = 5.0)]
         poll_interval: f64,
+        /// Output slots (2 or more): a version's files stay untouched until
+        /// this many minus one newer versions were switched in.
+        #[arg(long, default_value_t = 2)]
+        slots: usize,
         /// Serve /v1/notify, /v1/status, /healthz and /metrics on this address.
         #[arg(long)]
         listen: Option<std::net::SocketAddr>,
@@ -505,6 +509,7 @@ fn main() -> Result<()> {
             out,
             once,
             poll_interval,
+            slots,
             listen,
             notify_key,
             id,
@@ -530,23 +535,23 @@ fn main() -> Result<()> {
                 let store = weightcast::store::Store::open(&store)?;
                 std::fs::create_dir_all(&out)
                     .with_context(|| format!("creating {}", out.display()))?;
+                let mut cfg = weightcast::subscriber::DaemonConfig::new(&out);
+                cfg.slots = slots;
+                cfg.poll_interval = std::time::Duration::from_secs_f64(poll_interval);
+                cfg.id = id;
+                cfg.hooks = hooks;
+                cfg.notify_url = advertise.clone();
                 if once {
-                    return match weightcast::subscriber::catch_up(&store, &out).await? {
-                        Some(c) => {
-                            if c.previous != Some(c.version) {
-                                let event = weightcast::hooks::Event {
-                                    version: c.version,
-                                    dir: out.join("current"),
-                                    changed_tensors: c.changed_tensors.clone(),
-                                };
-                                let report = weightcast::hooks::run(&hooks, &event).await;
-                                if report.failed > 0 {
-                                    bail!(
-                                        "{} hook(s) failed after switching to version {}",
-                                        report.failed,
-                                        c.version
-                                    );
-                                }
+                    // One iteration of the daemon: verify (and repair) the
+                    // output, catch up, run the hooks, register.
+                    return match weightcast::subscriber::once(&store, &cfg).await? {
+                        Some((c, report)) => {
+                            if report.failed > 0 {
+                                bail!(
+                                    "{} hook(s) failed after switching to version {}",
+                                    report.failed,
+                                    c.version
+                                );
                             }
                             println!("{}", serde_json::to_string(&c)?);
                             Ok(())
@@ -573,22 +578,12 @@ fn main() -> Result<()> {
                         }
                     });
                 }
-                let cfg = weightcast::subscriber::DaemonConfig {
-                    out,
-                    poll_interval: std::time::Duration::from_secs_f64(poll_interval),
-                    id,
-                    notify_url,
-                    hooks,
-                };
+                cfg.notify_url = notify_url;
                 // Stopping mid-catch-up is safe: the output switches versions
                 // atomically and a restart continues from the verified state.
-                tokio::select! {
-                    never = weightcast::subscriber::run_daemon(&store, &cfg, &shared) => never,
-                    () = stop => {
-                        tracing::info!("stopping");
-                        anyhow::Ok(())
-                    }
-                }
+                weightcast::subscriber::run(&store, &cfg, &shared, stop).await?;
+                tracing::info!("stopping");
+                anyhow::Ok(())
             })?;
         }
         Command::Publisher {
