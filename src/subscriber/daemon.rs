@@ -65,6 +65,9 @@ pub struct Daemon {
     cfg: DaemonConfig,
     /// (version, when) of the last registration written.
     registered: Option<(u64, Instant)>,
+    /// `current` moved when the output was opened (a switch a crash had
+    /// interrupted): the hooks are owed a run.
+    switch_owed: bool,
 }
 
 impl Daemon {
@@ -74,6 +77,7 @@ impl Daemon {
             .map_err(|e| crate::Error::io(format!("creating {}", cfg.out.display()), e))?;
         let sink = DirSink::open(&cfg.out, cfg.slots)?;
         let damaged = sink.found_damaged();
+        let switch_owed = sink.finished_switch();
         let source = VersionSource::new(cfg.poll_interval, cfg.poll_jitter);
         let mut sub = Subscriber::new(Fetcher::new(store.clone()), source, sink);
         if damaged {
@@ -83,6 +87,7 @@ impl Daemon {
             sub,
             cfg: cfg.clone(),
             registered: None,
+            switch_owed,
         })
     }
 
@@ -103,7 +108,8 @@ impl Daemon {
         let Some(c) = caught? else {
             return Ok(None);
         };
-        let switched = c.previous != Some(c.version) || c.from_anchor;
+        let switched =
+            c.previous != Some(c.version) || c.from_anchor || std::mem::take(&mut self.switch_owed);
         if let Ok(mut s) = shared.status.lock() {
             let changed = s.version != Some(c.version);
             s.version = Some(c.version);

@@ -395,6 +395,7 @@ pub struct DirSink {
     current: Option<String>,
     held: Option<u64>,
     damaged: bool,
+    finished_switch: bool,
     work: Option<Work>,
     _lock: std::fs::File,
 }
@@ -473,6 +474,7 @@ impl DirSink {
             current,
             held: None,
             damaged: false,
+            finished_switch: false,
             work: None,
             _lock: lock,
         };
@@ -513,6 +515,7 @@ impl DirSink {
                         tracing::info!(slot = %name, version, "finishing a switch a crash interrupted");
                         self.save_state()?;
                         self.switch(&name)?;
+                        self.finished_switch = true;
                     }
                     self.held = Some(version);
                     return Ok(());
@@ -542,6 +545,12 @@ impl DirSink {
     /// by a bootstrap into another slot).
     pub fn found_damaged(&self) -> bool {
         self.damaged
+    }
+
+    /// Whether opening finished a switch a crash had interrupted (`current`
+    /// moved to a newer version then: engines have not been told yet).
+    pub fn finished_switch(&self) -> bool {
+        self.finished_switch
     }
 
     /// The slot `current` points to.

@@ -345,6 +345,37 @@ async fn dirty_or_changed_slots_are_rebuilt() {
     assert_same(&out.join("current"), &ckpt);
 }
 
+/// A crash after a slot was recorded clean but before `current` switched
+/// to it: the next start verifies that slot, finishes the switch, and runs
+/// the hooks the engine is owed.
+#[tokio::test]
+async fn an_interrupted_switch_is_finished() {
+    let (store, _bucket) = common::local_store();
+    let work = tempfile::tempdir().unwrap();
+    let mut run = Run::new(&store, work.path(), GeneratorConfig::tiny(10), 100).await;
+    let out = work.path().join("sub");
+    for _ in 0..3 {
+        run.step().await;
+        catch_up(&store, &out).await.unwrap().unwrap();
+    }
+    assert_eq!(current(&out), "slots/a");
+    // As the crash left it: the state records a at v2, current still on b (v1).
+    std::fs::remove_file(out.join("current")).unwrap();
+    std::os::unix::fs::symlink("slots/b", out.join("current")).unwrap();
+    let marker = work.path().join("hook-ran");
+    let mut cfg = DaemonConfig::new(&out);
+    cfg.hooks = vec![
+        format!("command:echo $WEIGHTCAST_VERSION > {}", marker.display())
+            .parse()
+            .unwrap(),
+    ];
+    let (c, report) = once(&store, &cfg).await.unwrap().unwrap();
+    assert_eq!((c.version, c.downloaded, report.failed), (2, 0, 0), "{c:?}");
+    assert_eq!(current(&out), "slots/a");
+    assert_eq!(std::fs::read_to_string(&marker).unwrap().trim(), "2");
+    assert_same(&out.join("current"), &run.published[2]);
+}
+
 /// The output directory of older releases (`versions/<version>` behind
 /// `current`) is taken over: the first catch-up bootstraps into a slot and
 /// removes the old directories.
