@@ -605,36 +605,127 @@ impl Store {
     }
 
     /// Downloads the first `size` bytes of an object as concurrent ranged
-    /// GETs of `part` bytes, at most `concurrency` in flight, handing each
-    /// part to `sink(offset, bytes)` as it arrives (in any order). Memory is
-    /// bounded by the parts in flight, whatever the object's size; `sink`
-    /// typically writes the part at its offset in a file. Returns the number
-    /// of requests made. The caller checks what it assembled (size, BLAKE3):
-    /// this method only guarantees that every byte of `0..size` was handed
-    /// over exactly once.
-    pub async fn download_ranges(
+    /// GETs of `part` bytes, at most `concurrency` in flight, handing the
+    /// bytes to `sink(offset, bytes)` as they arrive — in pieces, in any
+    /// order, each byte of `0..size` exactly once — typically a write at
+    /// that offset in a file. Each part is streamed, not buffered: memory
+    /// stays at a few network chunks (or a 1 MiB read buffer for local
+    /// files) per part in flight, whatever the object's size. Returns the
+    /// number of requests made. The caller checks what it assembled (size,
+    /// BLAKE3); an object shorter than `size` is an error naming the key.
+    pub async fn download_ranges<F>(
         &self,
         key: &str,
         size: u64,
         part: u64,
         concurrency: usize,
-        mut sink: impl FnMut(u64, Bytes) -> Result<()>,
-    ) -> Result<u64> {
+        sink: F,
+    ) -> Result<u64>
+    where
+        F: Fn(u64, &[u8]) -> Result<()> + Sync,
+    {
         use futures::StreamExt;
+        let path = Self::path(key)?;
         let part = part.max(1);
         let parts = size.div_ceil(part);
+        let (path, sink) = (&path, &sink);
         let mut fetched = futures::stream::iter(0..parts)
             .map(|i| {
                 let start = i * part;
                 let end = (start + part).min(size);
-                async move { self.get_range(key, start..end).await.map(|b| (start, b)) }
+                self.stream_range(key, path, start..end, sink)
             })
             .buffer_unordered(concurrency.max(1));
         while let Some(r) = fetched.next().await {
-            let (offset, bytes) = r?;
-            sink(offset, bytes)?;
+            r?;
         }
         Ok(parts)
+    }
+
+    /// [`Store::download_ranges`] into `file`, each byte written at its offset.
+    pub async fn download_to(
+        &self,
+        key: &str,
+        size: u64,
+        file: &std::fs::File,
+        part: u64,
+        concurrency: usize,
+    ) -> Result<u64> {
+        use std::os::unix::fs::FileExt;
+        self.download_ranges(key, size, part, concurrency, |at, b| {
+            file.write_all_at(b, at)
+                .map_err(|e| Error::io(format!("writing object {key} at offset {at}"), e))
+        })
+        .await
+    }
+
+    /// One ranged GET, streamed into `sink`.
+    async fn stream_range<F>(
+        &self,
+        key: &str,
+        path: &Path,
+        range: std::ops::Range<u64>,
+        sink: &F,
+    ) -> Result<()>
+    where
+        F: Fn(u64, &[u8]) -> Result<()>,
+    {
+        use futures::StreamExt;
+        let opts = GetOptions {
+            range: Some(range.clone().into()),
+            ..GetOptions::default()
+        };
+        let r = match self.inner.get_opts(path, opts).await {
+            Ok(r) => r,
+            Err(object_store::Error::NotFound { .. }) => {
+                return Err(Error::NotFound(format!(
+                    "object `{key}` is missing from `{}`",
+                    self.url
+                )));
+            }
+            Err(e) => return Err(self.err("read range of", key, e)),
+        };
+        let short = |got: u64| Error::Integrity {
+            scope: format!(
+                "object {key} at `{}`, bytes {}..{}",
+                self.url, range.start, range.end
+            ),
+            expected: format!("{} bytes", range.end - range.start),
+            actual: format!("{got} bytes"),
+        };
+        if r.range != range {
+            return Err(short(r.range.end.saturating_sub(r.range.start)));
+        }
+        let mut at = range.start;
+        match r.payload {
+            object_store::GetResultPayload::File(file, _) => {
+                // A local file: read in 1 MiB pieces (object_store's own
+                // stream would read it 8 KiB at a time, a task per read).
+                use std::os::unix::fs::FileExt;
+                let mut buf = vec![0u8; (range.end - range.start).min(1 << 20) as usize];
+                while at < range.end {
+                    let n = buf.len().min((range.end - at) as usize);
+                    file.read_exact_at(&mut buf[..n], at)
+                        .map_err(|e| Error::io(format!("reading object {key}"), e))?;
+                    sink(at, &buf[..n])?;
+                    at += n as u64;
+                }
+            }
+            object_store::GetResultPayload::Stream(mut chunks) => {
+                while let Some(chunk) = chunks.next().await {
+                    let chunk = chunk.map_err(|e| self.err("read range of", key, e))?;
+                    if at + chunk.len() as u64 > range.end {
+                        return Err(short(at + chunk.len() as u64 - range.start));
+                    }
+                    sink(at, &chunk)?;
+                    at += chunk.len() as u64;
+                }
+            }
+        }
+        if at != range.end {
+            return Err(short(at - range.start));
+        }
+        Ok(())
     }
 
     /// Lists every object under `prefix` (recursively), sorted by key.

@@ -68,6 +68,13 @@ pub struct Daemon {
     /// `current` moved when the output was opened (a switch a crash had
     /// interrupted): the hooks are owed a run.
     switch_owed: bool,
+    /// After each switch and its hooks, bring the slot the next update will
+    /// write forward at once ([`Sink::prepare`]), so that the next version
+    /// costs one apply. The daemon does; a one-shot run does not.
+    pub prepare: bool,
+    /// Whether no iteration has prepared yet (a daemon started on an
+    /// up-to-date output prepares once).
+    first_prepare: bool,
 }
 
 impl Daemon {
@@ -88,6 +95,8 @@ impl Daemon {
             cfg: cfg.clone(),
             registered: None,
             switch_owed,
+            prepare: false,
+            first_prepare: true,
         })
     }
 
@@ -152,6 +161,23 @@ impl Daemon {
         if let Ok(mut s) = shared.status.lock() {
             s.store_requests = self.sub.fetcher.requests();
         }
+        if self.prepare && (switched || self.first_prepare) {
+            self.first_prepare = false;
+            // The hooks ran: the files of the slot the next update writes
+            // may change now.
+            let started = Instant::now();
+            let p = self.sub.sink.prepare()?;
+            tracing::debug!(
+                journal_bytes = p.journal_bytes,
+                cloned_bytes = p.cloned_bytes,
+                seconds = started.elapsed().as_secs_f64(),
+                "standby slot brought forward"
+            );
+            if let Ok(mut s) = shared.status.lock() {
+                s.bytes_written += p.written_bytes;
+                s.bytes_journal += p.journal_bytes;
+            }
+        }
         Ok(Some((c, report)))
     }
 
@@ -193,6 +219,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
     let mut d = Daemon::open(store, cfg)?;
+    d.prepare = true;
     tokio::pin!(shutdown);
     let mut thorough = true;
     loop {

@@ -995,6 +995,41 @@ impl Sink for DirSink {
     }
 
     fn commit(&mut self) -> Result<Produced> {
+        self.finish(true)
+    }
+
+    /// Brings the slot the next update will write forward to the held
+    /// version now (from the journal, or by a clone of the current slot), so
+    /// that the next update applies only the new version's objects. Writes
+    /// that slot: call it only once its files may change (after the hooks
+    /// of the last switch ran).
+    fn prepare(&mut self) -> Result<Produced> {
+        let Some(held) = self.held else {
+            return Ok(Produced::default());
+        };
+        let slot = self.next_slot();
+        let rec = &self.state.slots[&slot];
+        if !rec.dirty && rec.version == Some(held) && rec.stamps_hold(&self.slot_dir(&slot)) {
+            return Ok(Produced::default());
+        }
+        self.begin(Some(held))?;
+        self.finish(false)
+    }
+
+    fn abort(&mut self) {
+        if let Some(work) = self.work.take() {
+            drop(work);
+            let _ = std::fs::remove_dir_all(self.out.join(".tmp"));
+            // The slot stays marked dirty in the state: it is rebuilt before
+            // it is used again.
+        }
+    }
+}
+
+impl DirSink {
+    /// Ends the update: flushes the work slot, records it clean at its
+    /// version and, with `switch`, points `current` at it.
+    fn finish(&mut self, switch: bool) -> Result<Produced> {
         let mut work = self
             .work
             .take()
@@ -1037,9 +1072,11 @@ impl Sink for DirSink {
             self.state.journal.dedup();
             self.save_state()?;
             // ...then the switch.
-            self.switch(&work.slot)?;
-            self.held = work.rec.version;
-            self.damaged = false;
+            if switch {
+                self.switch(&work.slot)?;
+                self.held = work.rec.version;
+                self.damaged = false;
+            }
             Ok(())
         })();
         if let Err(e) = result {
@@ -1059,14 +1096,5 @@ impl Sink for DirSink {
             let _ = std::fs::remove_dir_all(&legacy);
         }
         Ok(work.produced)
-    }
-
-    fn abort(&mut self) {
-        if let Some(work) = self.work.take() {
-            drop(work);
-            let _ = std::fs::remove_dir_all(self.out.join(".tmp"));
-            // The slot stays marked dirty in the state: it is rebuilt before
-            // it is used again.
-        }
     }
 }

@@ -106,6 +106,7 @@ impl Fetcher {
                 )
             })?;
             buf.resize(o.size as usize, 0);
+            let buf = std::sync::Mutex::new(buf);
             let n = self
                 .store
                 .download_ranges(
@@ -113,14 +114,15 @@ impl Fetcher {
                     o.size,
                     self.part_size,
                     self.parts_in_flight,
-                    |at, part| {
-                        buf[at as usize..at as usize + part.len()].copy_from_slice(&part);
+                    |at, b| {
+                        let mut buf = buf.lock().expect("not poisoned");
+                        buf[at as usize..at as usize + b.len()].copy_from_slice(b);
                         Ok(())
                     },
                 )
                 .await?;
             self.count(n);
-            Bytes::from(buf)
+            Bytes::from(buf.into_inner().expect("not poisoned"))
         };
         let mut h = blake3::Hasher::new();
         h.update_rayon(&body);
@@ -143,13 +145,7 @@ impl Fetcher {
         file.set_len(o.size).map_err(io)?;
         let n = self
             .store
-            .download_ranges(
-                &o.key,
-                o.size,
-                self.part_size,
-                self.parts_in_flight,
-                |at, part| file.write_all_at(&part, at).map_err(io),
-            )
+            .download_to(&o.key, o.size, &file, self.part_size, self.parts_in_flight)
             .await?;
         self.count(n);
         let len = file.metadata().map_err(io)?.len();

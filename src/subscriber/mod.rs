@@ -81,7 +81,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::protocol::{Manifest, ObjectEntry, ObjectRole};
 use crate::store::Store;
 
-pub use daemon::{DaemonConfig, REGISTRATION_REFRESH, once, run};
+pub use daemon::{Daemon, DaemonConfig, REGISTRATION_REFRESH, once, run};
 pub use dir::DirSink;
 pub use fetch::Fetcher;
 pub use plan::Plan;

@@ -8,6 +8,7 @@
 //! version_done(manifest)           after each version's objects: the sink is now at that version
 //! ...                              (more versions)
 //! commit()  |  abort()             make the result visible, or drop it
+//! prepare()                        optional, between updates: idle work that makes the next one cheaper
 //! ```
 //!
 //! Every object handed to a sink has already been checked against its
@@ -96,6 +97,13 @@ pub trait Sink {
     fn commit(&mut self) -> Result<Produced>;
     /// Drops the update; what was visible stays as it was.
     fn abort(&mut self);
+    /// Idle work between updates that makes the next one cheaper (a
+    /// [`DirSink`](super::dir::DirSink) brings the slot the next update will
+    /// write forward to the held version). Nothing visible changes. The
+    /// default does nothing.
+    fn prepare(&mut self) -> Result<Produced> {
+        Ok(Produced::default())
+    }
 }
 
 /// Decodes an anchor object into a verified tensor set: every tensor's

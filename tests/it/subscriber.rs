@@ -267,6 +267,14 @@ async fn ranged_downloads(store: Store) {
     f.large_object = 1 << 20;
     f.part_size = 1 << 20;
     f.parts_in_flight = 3;
+    // The store's own ranged read and size, for the record.
+    assert_eq!(
+        store.head("big/object").await.unwrap(),
+        Some(body.len() as u64)
+    );
+    assert_eq!(store.head("big/none").await.unwrap(), None);
+    let mid = store.get_range("big/object", 1000..3000).await.unwrap();
+    assert_eq!(&mid[..], &body[1000..3000]);
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("download");
     f.to_file(&entry, &file).await.unwrap();

@@ -13,8 +13,10 @@ use std::path::{Path, PathBuf};
 use weightcast::generator::{Generator, GeneratorConfig};
 use weightcast::publisher::Publisher;
 use weightcast::store::Store;
+use weightcast::subscriber::status::Shared;
 use weightcast::subscriber::{
-    CaughtUp, DaemonConfig, Fetcher, MemorySink, Sink, Subscriber, VersionSource, catch_up, once,
+    CaughtUp, Daemon, DaemonConfig, Fetcher, MemorySink, Sink, Subscriber, VersionSource, catch_up,
+    once,
 };
 use weightcast::tensors::{Digests, ExternalBuffer, TensorSet};
 
@@ -162,39 +164,71 @@ fn model_bytes(ckpt: &Path) -> u64 {
         .sum()
 }
 
+/// A bucket, a training run publishing into it, and a subscriber's output
+/// directory.
+struct Fixture {
+    store: Store,
+    _bucket: tempfile::TempDir,
+    work: tempfile::TempDir,
+    run: Run,
+    out: PathBuf,
+}
+
+impl Fixture {
+    /// A fixture whose subscriber has caught up to each of the first
+    /// `versions` versions in turn.
+    async fn new(model: GeneratorConfig, every: u64, versions: u64) -> Fixture {
+        let (store, _bucket) = common::local_store();
+        let work = tempfile::tempdir().unwrap();
+        let run = Run::new(&store, work.path(), model, every).await;
+        let out = work.path().join("sub");
+        let mut f = Fixture {
+            store,
+            _bucket,
+            work,
+            run,
+            out,
+        };
+        for _ in 0..versions {
+            f.next().await;
+        }
+        f
+    }
+
+    /// Publishes the next version and catches up to it; checks that
+    /// `current` is exactly that checkpoint.
+    async fn next(&mut self) -> CaughtUp {
+        let ckpt = self.run.step().await;
+        let c = catch_up(&self.store, &self.out).await.unwrap().unwrap();
+        assert_eq!(c.version + 1, self.run.published.len() as u64, "{c:?}");
+        assert_same(&self.out.join("current"), &ckpt);
+        c
+    }
+}
+
 /// (a) + (b): slots alternate, every version is the publisher's checkpoint,
 /// and from the third version on a one-behind catch-up brings the old slot
 /// forward from the journal and patches it in place: the bytes written are
 /// the changed elements (far below the model), no file is copied or replaced.
 #[tokio::test]
 async fn slots_alternate_and_a_version_costs_what_changed() {
-    let (store, _bucket) = common::local_store();
-    let work = tempfile::tempdir().unwrap();
     // About 2.3 M bf16 elements (4.6 MB), every tensor training.
-    let mut run = Run::new(
-        &store,
-        work.path(),
-        GeneratorConfig::llama(3, 2048, 256, 512, 2),
-        100,
-    )
-    .await;
-    let out = work.path().join("sub");
+    let mut f = Fixture::new(GeneratorConfig::llama(3, 2048, 256, 512, 2), 100, 0).await;
+    let out = f.out.clone();
     let mut log: Vec<CaughtUp> = Vec::new();
     let mut inodes: BTreeMap<String, u64> = BTreeMap::new();
     for v in 0..=6u64 {
-        let ckpt = run.step().await;
-        let c = catch_up(&store, &out).await.unwrap().unwrap();
-        assert_eq!(c.version, v, "{c:?}");
+        let c = f.next().await;
+        let (run, ckpt) = (&f.run, &f.run.published[v as usize]);
         let slot = if v % 2 == 0 { "slots/a" } else { "slots/b" };
         assert_eq!(current(&out), slot, "{c:?}");
         assert_eq!(c.slot.as_deref(), Some(&slot[6..]));
-        assert_same(&out.join("current"), &ckpt);
         // The slot left behind still holds the previous version, untouched.
         if v > 0 {
             let other = if v % 2 == 0 { "slots/b" } else { "slots/a" };
             assert_same(&out.join(other), &run.published[v as usize - 1]);
         }
-        let model = model_bytes(&ckpt);
+        let model = model_bytes(ckpt);
         let shard = out.join("current").join(SHARD_A);
         match v {
             0 => assert!(c.from_anchor && c.written_bytes >= model, "{c:?}"),
@@ -219,12 +253,42 @@ async fn slots_alternate_and_a_version_costs_what_changed() {
         inodes.insert(slot.to_string(), inode(&shard));
         log.push(c);
     }
-    let model = model_bytes(&run.published[6]);
+    let model = model_bytes(&f.run.published[6]);
     let steady: u64 = log[2..].iter().map(|c| c.written_bytes).sum();
     eprintln!(
         "v2..v6: {steady} bytes written for a {model}-byte model ({:.2}% per version)",
         100.0 * steady as f64 / (5 * model) as f64
     );
+}
+
+/// The daemon brings the standby slot forward right after each switch (and
+/// its hooks): the next version then costs one apply, nothing from the
+/// journal, no copy — and both slots hold the current version in between.
+#[tokio::test]
+async fn the_daemon_keeps_the_standby_slot_current() {
+    let f = Fixture::new(GeneratorConfig::llama(4, 2048, 256, 512, 2), 100, 0).await;
+    let mut run = f.run;
+    let mut d = Daemon::open(&f.store, &DaemonConfig::new(&f.out)).unwrap();
+    d.prepare = true;
+    let shared = Shared::new(f.store.url(), None);
+    for v in 0..=4u64 {
+        let ckpt = run.step().await;
+        let (c, _) = d.iterate(&shared, true).await.unwrap().unwrap();
+        assert_eq!(c.version, v, "{c:?}");
+        assert_same(&f.out.join("current"), &ckpt);
+        let standby = if current(&f.out) == "slots/a" {
+            "b"
+        } else {
+            "a"
+        };
+        assert_same(&f.out.join("slots").join(standby), &ckpt);
+        if v > 0 {
+            assert_eq!((c.journal_bytes, c.cloned_bytes), (0, 0), "{c:?}");
+            assert!(c.written_bytes * 20 < model_bytes(&ckpt), "{c:?}");
+        }
+    }
+    let s = shared.status.lock().unwrap().clone();
+    assert!(s.bytes_journal > 0 && s.store_requests > 0, "{s:?}");
 }
 
 /// (c): three slots rotate; a version's files stay untouched for two more versions.
@@ -266,40 +330,23 @@ async fn three_slots_keep_two_versions_back_untouched() {
 /// brought forward from the journal.
 #[tokio::test]
 async fn a_deleted_file_disappears() {
-    let (store, _bucket) = common::local_store();
-    let work = tempfile::tempdir().unwrap();
-    let mut run = Run::new(&store, work.path(), GeneratorConfig::tiny(6), 100).await;
-    let out = work.path().join("sub");
-    for _ in 0..3 {
-        run.step().await;
-        catch_up(&store, &out).await.unwrap().unwrap();
-    }
-    assert!(out.join("current").join(VOCAB).exists());
-    run.vocab = false;
-    let ckpt = run.step().await; // v3: no tokenizer
-    let c = catch_up(&store, &out).await.unwrap().unwrap();
+    let mut f = Fixture::new(GeneratorConfig::tiny(6), 100, 3).await;
+    assert!(f.out.join("current").join(VOCAB).exists());
+    f.run.vocab = false;
+    let c = f.next().await; // v3: no tokenizer
     assert!(!c.from_anchor, "{c:?}");
-    assert!(!out.join("current").join(VOCAB).exists());
-    assert_same(&out.join("current"), &ckpt);
+    assert!(!f.out.join("current").join(VOCAB).exists());
     // The other slot (at v2) catches up through the journal, deletion included.
-    let ckpt = run.step().await;
-    let c = catch_up(&store, &out).await.unwrap().unwrap();
+    let c = f.next().await;
     assert!(c.journal_bytes > 0, "{c:?}");
-    assert_same(&out.join("current"), &ckpt);
 }
 
 /// (f): a slot left dirty by a crash, or changed behind the state's back,
 /// is never trusted: it is rebuilt from the current slot, then patched.
 #[tokio::test]
 async fn dirty_or_changed_slots_are_rebuilt() {
-    let (store, _bucket) = common::local_store();
-    let work = tempfile::tempdir().unwrap();
-    let mut run = Run::new(&store, work.path(), GeneratorConfig::tiny(7), 100).await;
-    let out = work.path().join("sub");
-    for _ in 0..3 {
-        run.step().await;
-        catch_up(&store, &out).await.unwrap().unwrap();
-    }
+    let mut f = Fixture::new(GeneratorConfig::tiny(7), 100, 3).await;
+    let out = f.out.clone();
     // Now current = a (v2), b holds v1. As a crash mid-update would leave it:
     // b marked dirty, with a byte of it already changed.
     assert_eq!(current(&out), "slots/a");
@@ -321,28 +368,18 @@ async fn dirty_or_changed_slots_are_rebuilt() {
         f.write_all_at(&[b[0] ^ 0x20], at).unwrap();
     };
     flip(&out.join("slots/b").join(SHARD_B));
-    let ckpt = run.step().await; // v3
-    let c = catch_up(&store, &out).await.unwrap().unwrap();
-    assert_eq!(
-        (c.version, c.from_anchor, c.journal_bytes),
-        (3, false, 0),
-        "{c:?}"
-    );
+    let c = f.next().await; // v3
+    assert_eq!((c.from_anchor, c.journal_bytes), (false, 0), "{c:?}");
     assert_eq!(current(&out), "slots/b");
-    assert_same(&out.join("current"), &ckpt);
 
     // Clean in the state, but a file was written behind its back (slot a, at
     // v2): its stamps no longer match, so it is rebuilt, not trusted.
     flip(&out.join("slots/a").join(SHARD_B));
-    let ckpt = run.step().await; // v4
-    let c = catch_up(&store, &out).await.unwrap().unwrap();
-    assert_eq!((c.version, c.journal_bytes), (4, 0), "{c:?}");
-    assert_same(&out.join("current"), &ckpt);
+    let c = f.next().await; // v4
+    assert_eq!(c.journal_bytes, 0, "{c:?}");
     // Undamaged, the next one is brought forward from the journal again.
-    let ckpt = run.step().await; // v5
-    let c = catch_up(&store, &out).await.unwrap().unwrap();
+    let c = f.next().await; // v5
     assert!(c.journal_bytes > 0, "{c:?}");
-    assert_same(&out.join("current"), &ckpt);
 }
 
 /// A crash after a slot was recorded clean but before `current` switched
@@ -350,28 +387,22 @@ async fn dirty_or_changed_slots_are_rebuilt() {
 /// the hooks the engine is owed.
 #[tokio::test]
 async fn an_interrupted_switch_is_finished() {
-    let (store, _bucket) = common::local_store();
-    let work = tempfile::tempdir().unwrap();
-    let mut run = Run::new(&store, work.path(), GeneratorConfig::tiny(10), 100).await;
-    let out = work.path().join("sub");
-    for _ in 0..3 {
-        run.step().await;
-        catch_up(&store, &out).await.unwrap().unwrap();
-    }
-    assert_eq!(current(&out), "slots/a");
+    let f = Fixture::new(GeneratorConfig::tiny(10), 100, 3).await;
+    let (store, out, run) = (&f.store, &f.out, &f.run);
+    assert_eq!(current(out), "slots/a");
     // As the crash left it: the state records a at v2, current still on b (v1).
     std::fs::remove_file(out.join("current")).unwrap();
     std::os::unix::fs::symlink("slots/b", out.join("current")).unwrap();
-    let marker = work.path().join("hook-ran");
-    let mut cfg = DaemonConfig::new(&out);
+    let marker = f.work.path().join("hook-ran");
+    let mut cfg = DaemonConfig::new(out);
     cfg.hooks = vec![
         format!("command:echo $WEIGHTCAST_VERSION > {}", marker.display())
             .parse()
             .unwrap(),
     ];
-    let (c, report) = once(&store, &cfg).await.unwrap().unwrap();
+    let (c, report) = once(store, &cfg).await.unwrap().unwrap();
     assert_eq!((c.version, c.downloaded, report.failed), (2, 0, 0), "{c:?}");
-    assert_eq!(current(&out), "slots/a");
+    assert_eq!(current(out), "slots/a");
     assert_eq!(std::fs::read_to_string(&marker).unwrap().trim(), "2");
     assert_same(&out.join("current"), &run.published[2]);
 }
