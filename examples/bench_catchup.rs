@@ -6,10 +6,13 @@
 //! after the other. For each version and daemon it reports the catch-up time
 //! the daemon measured (`last_apply_seconds` of `/v1/status`), the peak
 //! anonymous memory of the daemon process during it (RssAnon sampled every
-//! millisecond), and the time of `cat` of the anchor object (the model's
+//! millisecond), how long the daemon then took to bring its standby slot
+//! forward (its idle work, waited for so that it does not overlap the next
+//! measurement), and the time of `cat` of the anchor object (the model's
 //! bytes, from the page cache) in the same run, as the baseline. At the end,
 //! one idle `subscribe --once` per output times the start-up verification of
-//! the current slot.
+//! the current slot. `BENCH_LOG=weightcast=debug` shows the daemons' phase
+//! timings (apply, flush) on stderr.
 //!
 //! ```sh
 //! cargo build --release --bin weightcast --example bench_catchup
@@ -262,7 +265,10 @@ fn main() -> Result<()> {
             .args(["--poll-interval", "3600", "--listen"])
             .arg(format!("127.0.0.1:{port}"))
             .args(["--notify-key", KEY])
-            .env("RUST_LOG", "weightcast=warn")
+            .env(
+                "RUST_LOG",
+                std::env::var("BENCH_LOG").unwrap_or_else(|_| "weightcast=warn".into()),
+            )
             .stdin(Stdio::null())
             .spawn()
             .context("starting a subscriber")?;
@@ -338,6 +344,25 @@ fn main() -> Result<()> {
                 }
                 std::thread::sleep(Duration::from_millis(10));
             };
+            // Then the standby slot brought forward (the daemon's idle work
+            // after a switch), so that nothing else runs during the next
+            // measurement.
+            let standby_ready = || -> Option<bool> {
+                let state: serde_json::Value =
+                    serde_json::from_slice(&std::fs::read(d.out.join(".state.json")).ok()?).ok()?;
+                let slots = state["slots"].as_object()?;
+                Some(slots.values().all(|x| {
+                    x["version"].as_u64() == Some(v) && x["dirty"].as_bool() == Some(false)
+                }))
+            };
+            let prepared = Instant::now();
+            while standby_ready() != Some(true) {
+                if Instant::now() > deadline || d.child.try_wait()?.is_some() {
+                    bail!("{}: the standby slot did not reach v{v}", d.out.display());
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let standby_s = prepared.elapsed().as_secs_f64();
             let apply = s["last_apply_seconds"].as_f64().unwrap_or(f64::NAN);
             let diff = |k: &str| s[k].as_u64().unwrap_or(0) - before[k].as_u64().unwrap_or(0);
             let row = serde_json::json!({
@@ -350,6 +375,7 @@ fn main() -> Result<()> {
                 "catch_up_s": apply,
                 "cat_s": cat,
                 "ratio": apply / cat,
+                "standby_s": standby_s,
                 "peak_rss_anon_mib": d.sampler.take() as f64 / (1 << 20) as f64,
                 "downloaded": diff("bytes_downloaded"),
                 "written": diff("bytes_written"),

@@ -396,6 +396,11 @@ pub struct DirSink {
     held: Option<u64>,
     damaged: bool,
     finished_switch: bool,
+    /// Each slot's tensor files, still mapped from the update that last
+    /// wrote them (flushed): the next update of that slot reuses them, so
+    /// that its pages are not faulted in again (on tmpfs they stay
+    /// writable) and a 2 GB mapping is not torn down per version.
+    maps: BTreeMap<String, BTreeMap<String, TensorSet>>,
     work: Option<Work>,
     _lock: std::fs::File,
 }
@@ -475,6 +480,7 @@ impl DirSink {
             held: None,
             damaged: false,
             finished_switch: false,
+            maps: BTreeMap::new(),
             work: None,
             _lock: lock,
         };
@@ -612,7 +618,13 @@ impl DirSink {
     /// Brings the work slot to the held version `held`: from the journal
     /// when the slot is trustworthy and the journal covers the gap, otherwise
     /// by cloning the current slot.
-    fn bring_forward(&mut self, work: &mut Work, held: u64, was_dirty: bool) -> Result<()> {
+    fn bring_forward(
+        &mut self,
+        work: &mut Work,
+        held: u64,
+        was_dirty: bool,
+        mapped: BTreeMap<String, TensorSet>,
+    ) -> Result<()> {
         let from = work.rec.version.filter(|_| !was_dirty);
         let journaled: BTreeSet<u64> = self.state.journal.iter().copied().collect();
         let usable = from.is_some_and(|v| {
@@ -622,6 +634,9 @@ impl DirSink {
         });
         if usable {
             let v = from.expect("checked");
+            // The files are as recorded (stamps): their mappings from the
+            // last update of this slot are too.
+            work.open = mapped;
             match self.replay_journal(work, v, held) {
                 Ok(()) => return Ok(()),
                 Err(e) => {
@@ -730,7 +745,15 @@ impl DirSink {
         delta: &[u8],
     ) -> Result<ApplyReport> {
         let set = Self::open_mapped(work, name)?;
+        let started = std::time::Instant::now();
         let report = apply_checked(set, version, name, delta)?;
+        tracing::debug!(
+            file = name,
+            version,
+            changed = report.changed,
+            seconds = started.elapsed().as_secs_f64(),
+            "applied in place"
+        );
         work.produced.written_bytes += patched_bytes(set, delta);
         work.touched.insert(name.to_string());
         Ok(report)
@@ -895,8 +918,9 @@ impl Sink for DirSink {
             journal_reset: base.is_none(),
             ..Work::default()
         };
+        let mapped = self.maps.remove(&work.slot).unwrap_or_default();
         if let Some(held) = base {
-            self.bring_forward(&mut work, held, was.dirty)?;
+            self.bring_forward(&mut work, held, was.dirty, mapped)?;
         }
         work.produced.slot = Some(work.slot.clone());
         self.work = Some(work);
@@ -1037,9 +1061,10 @@ impl DirSink {
         let result = (|| {
             // Data first: mapped files (msync), then written and cloned files,
             // then the directories that name them.
-            for (name, set) in std::mem::take(&mut work.open) {
+            let started = std::time::Instant::now();
+            for (name, set) in &work.open {
                 set.flush()?;
-                if let Some(rec) = work.rec.tensors.get_mut(&name) {
+                if let Some(rec) = work.rec.tensors.get_mut(name) {
                     for t in set.tensors() {
                         if let Some(s) = rec.tensors.get_mut(&t.name) {
                             s.digest = t.digest.to_string();
@@ -1055,6 +1080,11 @@ impl DirSink {
             for d in list_dirs(&work.dir).map_err(|e| io_err("listing", &work.dir, e))? {
                 sync_dir(&d)?;
             }
+            tracing::debug!(
+                slot = %work.slot,
+                seconds = started.elapsed().as_secs_f64(),
+                "slot flushed"
+            );
             if work.rec.version.is_none() {
                 return Err(Error::BadRequest(
                     "update committed without a version".into(),
@@ -1085,6 +1115,8 @@ impl DirSink {
             self.abort();
             return Err(e);
         }
+        let mapped = std::mem::take(&mut work.open);
+        self.maps.insert(work.slot.clone(), mapped);
         self.prune_journal();
         if let Err(e) = self.save_state() {
             tracing::warn!(error = %e, "could not record the pruned journal");
