@@ -142,6 +142,10 @@ enum Command {
         /// Seconds between polls.
         #[arg(long, default_value_t = 5.0)]
         poll_interval: f64,
+        /// Random spread of each poll interval, as a fraction of it (0.1:
+        /// ±10%), so that a fleet started together does not poll in lockstep.
+        #[arg(long, default_value_t = 0.1)]
+        poll_jitter: f64,
         /// Output slots (2 or more): a version's files stay untouched until
         /// this many minus one newer versions were switched in.
         #[arg(long, default_value_t = 2)]
@@ -509,6 +513,7 @@ fn main() -> Result<()> {
             out,
             once,
             poll_interval,
+            poll_jitter,
             slots,
             listen,
             notify_key,
@@ -518,6 +523,9 @@ fn main() -> Result<()> {
         } => {
             if !(poll_interval > 0.0 && poll_interval.is_finite()) {
                 bail!("--poll-interval must be a positive number of seconds");
+            }
+            if !(0.0..=1.0).contains(&poll_jitter) {
+                bail!("--poll-jitter must be a fraction between 0 and 1");
             }
             let key = notify_key
                 .as_deref()
@@ -538,6 +546,7 @@ fn main() -> Result<()> {
                 let mut cfg = weightcast::subscriber::DaemonConfig::new(&out);
                 cfg.slots = slots;
                 cfg.poll_interval = std::time::Duration::from_secs_f64(poll_interval);
+                cfg.poll_jitter = poll_jitter;
                 cfg.id = id;
                 cfg.hooks = hooks;
                 cfg.notify_url = advertise.clone();
