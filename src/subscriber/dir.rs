@@ -439,13 +439,15 @@ impl DirSink {
             .filter(|s: &DirState| s.format == STATE_FORMAT)
             .unwrap_or_default();
         state.format = STATE_FORMAT.to_string();
-        let current = std::fs::read_link(out.join("current"))
-            .ok()
-            .and_then(|t| {
-                let rest = t.strip_prefix("slots").ok()?.to_str()?.to_string();
-                (rest.len() == 1 && rest.bytes().all(|b| b.is_ascii_lowercase())).then_some(rest)
-            })
-            .filter(|n| state.slots.contains_key(n));
+        // Whatever `current` points to is never written, recorded or not (an
+        // engine may be reading it): without a record it is merely untrusted.
+        let current = std::fs::read_link(out.join("current")).ok().and_then(|t| {
+            let rest = t.strip_prefix("slots").ok()?.to_str()?.to_string();
+            (rest.len() == 1 && rest.bytes().all(|b| b.is_ascii_lowercase())).then_some(rest)
+        });
+        if let Some(c) = &current {
+            state.slots.entry(c.clone()).or_default();
+        }
         // Slots beyond the configured count go, unless current.
         let extra: Vec<String> = state
             .slots

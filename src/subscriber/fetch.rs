@@ -5,9 +5,10 @@
 //! Small objects (deltas, non-tensor files) are read into memory, bounded by
 //! the size the manifest gives. Large objects (anchors, from
 //! [`LARGE_OBJECT`] bytes) are downloaded as concurrent ranged GETs of
-//! [`PART_SIZE`] bytes, [`PARTS_IN_FLIGHT`] at a time, straight into a file
-//! (or a buffer), so memory is bounded by the parts in flight; the file's
-//! BLAKE3 is then computed over a memory map on every core.
+//! [`PART_SIZE`] bytes, [`PARTS_IN_FLIGHT`] at a time, each streamed straight
+//! into its place in a file (or a buffer): memory is a few network chunks
+//! per part in flight, whatever the object's size. The file's BLAKE3 is then
+//! computed over a memory map on every core.
 
 use std::path::Path;
 use std::sync::Arc;

@@ -393,6 +393,28 @@ async fn dirty_or_changed_slots_are_rebuilt() {
     assert!(c.journal_bytes > 0, "{c:?}");
 }
 
+/// A lost (or unreadable) state: nothing is trusted, and the slot `current`
+/// points to is still never written — the repair goes into the other slot.
+#[tokio::test]
+async fn a_lost_state_never_writes_the_current_slot() {
+    let f = Fixture::new(GeneratorConfig::tiny(11), 100, 3).await;
+    assert_eq!(current(&f.out), "slots/a");
+    let before: Vec<Vec<u8>> = files(&f.out.join("slots/a"))
+        .iter()
+        .map(|n| std::fs::read(f.out.join("slots/a").join(n)).unwrap())
+        .collect();
+    std::fs::write(f.out.join(".state.json"), "{not json").unwrap();
+    let c = catch_up(&f.store, &f.out).await.unwrap().unwrap();
+    assert_eq!((c.version, c.from_anchor, c.repairs), (2, true, 1), "{c:?}");
+    assert_eq!(current(&f.out), "slots/b");
+    assert_same(&f.out.join("current"), &f.run.published[2]);
+    let after: Vec<Vec<u8>> = files(&f.out.join("slots/a"))
+        .iter()
+        .map(|n| std::fs::read(f.out.join("slots/a").join(n)).unwrap())
+        .collect();
+    assert!(before == after, "the slot current pointed to was written");
+}
+
 /// A crash after a slot was recorded clean but before `current` switched
 /// to it: the next start verifies that slot, finishes the switch, and runs
 /// the hooks the engine is owed.
