@@ -32,9 +32,10 @@
 //! - [`publisher`]: checkpoints (single file or Hugging Face shards) to
 //!   committed anchors and deltas, with a persisted, verified snapshot.
 //! - [`subscriber`]: catch up from the bucket (the cheaper of replaying from
-//!   local state and starting from the newest anchor), verify, and materialize
-//!   each version in its own directory — unchanged files linked, changed shards
-//!   patched — behind an atomically switched `current` symlink.
+//!   local state and starting from the newest anchor) and verify, from small
+//!   parts (version source, planner, fetcher, sinks, daemon); the output
+//!   directory alternates between slots patched in place behind an atomically
+//!   switched `current` symlink, or the tensors stay in memory.
 //! - [`notify`]: authenticated notifications (BLAKE3-keyed MAC) and subscriber
 //!   registrations in the bucket.
 //! - [`hooks`]: engine hand-off after each version (SGLang, vLLM, webhook,

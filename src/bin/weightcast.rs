@@ -168,6 +168,14 @@ enum Command {
         /// Seconds between polls.
         #[arg(long, default_value_t = 5.0)]
         poll_interval: f64,
+        /// Random spread of each poll interval, as a fraction of it (0.1:
+        /// ±10%), so that a fleet started together does not poll in lockstep.
+        #[arg(long, default_value_t = 0.1)]
+        poll_jitter: f64,
+        /// Output slots (2 or more): a version's files stay untouched until
+        /// this many minus one newer versions were switched in.
+        #[arg(long, default_value_t = 2)]
+        slots: usize,
         /// Serve /v1/notify, /v1/status, /healthz and /metrics on this address.
         #[arg(long)]
         listen: Option<std::net::SocketAddr>,
@@ -700,6 +708,8 @@ fn run(cli: Cli) -> Result<()> {
             out,
             once,
             poll_interval,
+            poll_jitter,
+            slots,
             listen,
             notify_key,
             id,
@@ -708,6 +718,9 @@ fn run(cli: Cli) -> Result<()> {
         } => {
             if !(poll_interval > 0.0 && poll_interval.is_finite()) {
                 bail!("--poll-interval must be a positive number of seconds");
+            }
+            if !(0.0..=1.0).contains(&poll_jitter) {
+                bail!("--poll-jitter must be a fraction between 0 and 1");
             }
             let key = notify_key
                 .as_deref()
@@ -725,23 +738,24 @@ fn run(cli: Cli) -> Result<()> {
                 let store = weightcast::store::Store::open(&store)?;
                 std::fs::create_dir_all(&out)
                     .with_context(|| format!("creating {}", out.display()))?;
+                let mut cfg = weightcast::subscriber::DaemonConfig::new(&out);
+                cfg.slots = slots;
+                cfg.poll_interval = std::time::Duration::from_secs_f64(poll_interval);
+                cfg.poll_jitter = poll_jitter;
+                cfg.id = id;
+                cfg.hooks = hooks;
+                cfg.notify_url = advertise.clone();
                 if once {
-                    return match weightcast::subscriber::catch_up(&store, &out).await? {
-                        Some(c) => {
-                            if c.previous != Some(c.version) {
-                                let event = weightcast::hooks::Event {
-                                    version: c.version,
-                                    dir: out.join("current"),
-                                    changed_tensors: c.changed_tensors.clone(),
-                                };
-                                let report = weightcast::hooks::run(&hooks, &event).await;
-                                if report.failed > 0 {
-                                    bail!(
-                                        "{} hook(s) failed after switching to version {}",
-                                        report.failed,
-                                        c.version
-                                    );
-                                }
+                    // One iteration of the daemon: verify (and repair) the
+                    // output, catch up, run the hooks, register.
+                    return match weightcast::subscriber::once(&store, &cfg).await? {
+                        Some((c, report)) => {
+                            if report.failed > 0 {
+                                bail!(
+                                    "{} hook(s) failed after switching to version {}",
+                                    report.failed,
+                                    c.version
+                                );
                             }
                             emit(serde_json::to_string(&c)?);
                             Ok(())
@@ -768,22 +782,12 @@ fn run(cli: Cli) -> Result<()> {
                         }
                     });
                 }
-                let cfg = weightcast::subscriber::DaemonConfig {
-                    out,
-                    poll_interval: std::time::Duration::from_secs_f64(poll_interval),
-                    id,
-                    notify_url,
-                    hooks,
-                };
+                cfg.notify_url = notify_url;
                 // Stopping mid-catch-up is safe: the output switches versions
                 // atomically and a restart continues from the verified state.
-                tokio::select! {
-                    never = weightcast::subscriber::run_daemon(&store, &cfg, &shared) => never,
-                    () = stop => {
-                        tracing::info!("stopping");
-                        anyhow::Ok(())
-                    }
-                }
+                weightcast::subscriber::run(&store, &cfg, &shared, stop).await?;
+                tracing::info!("stopping");
+                anyhow::Ok(())
             })?;
         }
         Command::Publisher {

@@ -656,7 +656,8 @@ pub fn write_anchor(
         return Err(Error::metadata("anchor", "tensor set has no digests"));
     }
     let header = anchor_header(set, model_version);
-    let meta = header.to_metadata();
+    let mut meta = header.to_metadata();
+    keep_trainer_metadata(&mut meta, set.metadata());
     let views: Vec<(&str, Dtype, &[usize], &[u8])> = set
         .tensors()
         .iter()
@@ -682,13 +683,29 @@ pub fn anchor_prefix(set: &TensorSet, model_version: u64) -> Result<Vec<u8>> {
     if !set.has_digests() {
         return Err(Error::metadata("anchor", "tensor set has no digests"));
     }
-    let meta = anchor_header(set, model_version).to_metadata();
+    let mut meta = anchor_header(set, model_version).to_metadata();
+    keep_trainer_metadata(&mut meta, set.metadata());
     let lens: Vec<(&str, Dtype, &[usize], usize)> = set
         .tensors()
         .iter()
         .map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice(), t.range.len()))
         .collect();
     object_prefix(&lens, &meta)
+}
+
+/// Carries a checkpoint's own header metadata (the trainer's `__metadata__`,
+/// e.g. `format`, or keys of its own) into an anchor beside weightcast's keys,
+/// so a subscriber's output keeps it. `weightcast.*` keys of the source are
+/// dropped (an anchor says what it is itself), and weightcast's keys win.
+pub fn keep_trainer_metadata(
+    meta: &mut BTreeMap<String, String>,
+    source: &BTreeMap<String, String>,
+) {
+    for (k, v) in source {
+        if !k.starts_with("weightcast.") {
+            meta.entry(k.clone()).or_insert_with(|| v.clone());
+        }
+    }
 }
 
 /// An object's first bytes: the 8-byte header length and the padded header
@@ -724,6 +741,7 @@ pub fn write_anchor_planes<W: Write>(
         return Err(Error::metadata("anchor", "tensor set has no digests"));
     }
     let mut w = planes::PlanesWriter::new(sink, opts)?;
+    w.set_metadata(set.metadata());
     for (i, t) in set.tensors().iter().enumerate() {
         w.tensor(&t.name, t.dtype, &t.shape, set.data(i))?;
     }

@@ -407,9 +407,17 @@ pub struct PlanesWriter<W: Write> {
     jobs: Vec<Job>,
     tail: usize,
     workers: Vec<Encoder>,
+    /// The source checkpoint's own header metadata, carried along.
+    metadata: BTreeMap<String, String>,
 }
 
 impl<W: Write> PlanesWriter<W> {
+    /// Carries a checkpoint's own header metadata (non-`weightcast.*` keys)
+    /// into the object, as raw anchors do.
+    pub fn set_metadata(&mut self, metadata: &BTreeMap<String, String>) {
+        self.metadata = metadata.clone();
+    }
+
     /// A writer that puts the compressed chunks into `sink`.
     pub fn new(sink: W, opts: PlanesOptions) -> Result<Self> {
         if !(1..=MAX_CHUNK_WORDS).contains(&opts.chunk_words) {
@@ -430,6 +438,7 @@ impl<W: Write> PlanesWriter<W> {
             jobs: Vec::new(),
             tail: 0,
             workers: vec![first],
+            metadata: BTreeMap::new(),
         })
     }
 
@@ -656,6 +665,7 @@ impl<W: Write> PlanesWriter<W> {
                 .collect(),
         };
         let mut meta = header.to_metadata();
+        super::keep_trainer_metadata(&mut meta, &self.metadata);
         meta.insert(
             keys::PLANES.to_string(),
             serde_json::to_string(&table).expect("serializable"),
@@ -971,7 +981,8 @@ impl PlanesLayout {
             )
         });
         let h = super::anchor_header_of(items, self.header.model_version, Encoding::Full);
-        let meta = h.to_metadata();
+        let mut meta = h.to_metadata();
+        super::keep_trainer_metadata(&mut meta, &self.metadata);
         let lens: Vec<(&str, Dtype, &[usize], usize)> = self
             .tensors
             .iter()
@@ -1158,6 +1169,21 @@ impl PlanesLayout {
         }
         self.check_file()
     }
+}
+
+/// The raw anchor a `planes` object stands for (every digest checked), or
+/// `None` when `object` is not a `planes` anchor.
+pub fn decode_object_if_planes(object: &[u8]) -> Result<Option<Vec<u8>>> {
+    let (_, header) = super::inspect(object)?;
+    if !header.as_ref().is_some_and(is_planes) {
+        return Ok(None);
+    }
+    let layout = PlanesLayout::parse(&object[..prefix_len(object)? as usize])?;
+    let mut out = layout.raw_prefix()?;
+    let at = out.len();
+    out.resize(at + layout.decoded_len() as usize, 0);
+    layout.decode_all(object, &mut out[at..])?;
+    Ok(Some(out))
 }
 
 /// Decodes a `planes` anchor from windows of its bytes (ranged reads, any

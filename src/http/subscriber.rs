@@ -130,14 +130,20 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
     metric(
         "weightcast_output_written_bytes_total",
         "counter",
-        "Bytes written into new version directories.",
+        "Bytes written into output slots (anchors, files, patched elements, slot rebuilds).",
         s.bytes_written as f64,
     );
     metric(
-        "weightcast_output_reused_bytes_total",
+        "weightcast_journal_applied_bytes_total",
         "counter",
-        "Bytes of new versions hard-linked or cloned from the previous one.",
-        s.bytes_reused as f64,
+        "Bytes of journal objects applied to bring output slots forward.",
+        s.bytes_journal as f64,
+    );
+    metric(
+        "weightcast_store_requests_total",
+        "counter",
+        "Requests made to the store.",
+        s.store_requests as f64,
     );
     metric(
         "weightcast_repairs_total",

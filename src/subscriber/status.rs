@@ -23,10 +23,14 @@ pub struct Status {
     pub versions_applied: u64,
     /// Bytes downloaded since start.
     pub bytes_downloaded: u64,
-    /// Bytes written into new version directories since start.
+    /// Bytes written into output slots since start (anchors, files, changed
+    /// elements patched in place, slot rebuilds).
     pub bytes_written: u64,
-    /// Bytes of new versions taken from the previous one (links, clones) since start.
-    pub bytes_reused: u64,
+    /// Bytes of journal objects applied to bring slots forward since start.
+    pub bytes_journal: u64,
+    /// Requests made to the store since start (listings, manifests, hints,
+    /// object reads and ranged parts, registrations).
+    pub store_requests: u64,
     /// Re-bootstraps after a failed replay.
     pub repairs: u64,
     /// Catch-ups that failed.

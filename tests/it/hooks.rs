@@ -18,7 +18,7 @@ use weightcast::generator::{Generator, GeneratorConfig};
 use weightcast::hooks::Hook;
 use weightcast::publisher::Publisher;
 use weightcast::subscriber::status::Shared;
-use weightcast::subscriber::{DaemonConfig, run_daemon};
+use weightcast::subscriber::{DaemonConfig, run};
 
 type Log = Arc<Mutex<Vec<(String, String)>>>;
 
@@ -93,14 +93,14 @@ async fn hooks_run_after_each_verified_version() {
     let out = work.path().join("sub");
     let shared = Shared::new(store.url(), None);
     let cfg = DaemonConfig {
-        out: out.clone(),
         poll_interval: Duration::from_millis(50),
         id: None,
         notify_url: None,
         hooks,
+        ..DaemonConfig::new(&out)
     };
     let (st, sh) = (store.clone(), shared.clone());
-    tokio::spawn(async move { run_daemon(&st, &cfg, &sh).await });
+    tokio::spawn(async move { run(&st, &cfg, &sh, std::future::pending()).await });
 
     let wait = |v: u64| {
         let shared = shared.clone();

@@ -14,7 +14,7 @@ use weightcast::protocol::registrations;
 use weightcast::publisher::Publisher;
 use weightcast::store::Store;
 use weightcast::subscriber::status::Shared;
-use weightcast::subscriber::{DaemonConfig, run_daemon};
+use weightcast::subscriber::{DaemonConfig, run};
 
 const SECRET: &str = "a-test-secret-of-enough-length";
 
@@ -29,15 +29,15 @@ async fn start_subscriber(store: &Store, out: &std::path::Path) -> (Arc<Shared>,
         std::future::pending(),
     ));
     let cfg = DaemonConfig {
-        out: out.to_path_buf(),
         // Far longer than the test: only a notification can make it catch up.
         poll_interval: Duration::from_secs(3600),
         id: Some("rollout-1".into()),
         notify_url: Some(format!("{base}/v1/notify")),
         hooks: Vec::new(),
+        ..DaemonConfig::new(out)
     };
     let (st, sh) = (store.clone(), shared.clone());
-    tokio::spawn(async move { run_daemon(&st, &cfg, &sh).await });
+    tokio::spawn(async move { run(&st, &cfg, &sh, std::future::pending()).await });
     (shared, base)
 }
 

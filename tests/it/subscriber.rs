@@ -94,10 +94,12 @@ async fn suite(store: Store) {
         let c = catch_up(&store, &early).await.unwrap().unwrap();
         assert_eq!((c.version, c.deltas_applied, c.from_anchor), (v, 1, false));
         assert_matches(&early, &ckpt);
-        // Only the new version's directory remains.
+        // The output alternates between its two slots.
+        let slot = if v % 2 == 1 { "slots/b" } else { "slots/a" };
         assert_eq!(
-            std::fs::read_dir(early.join("versions")).unwrap().count(),
-            1
+            std::fs::read_link(early.join("current")).unwrap(),
+            Path::new(slot),
+            "{c:?}"
         );
     }
     // Polling with nothing new downloads nothing.
@@ -157,8 +159,8 @@ async fn suite(store: Store) {
     assert_eq!(c.version, 9);
     assert_matches(&lagging, &t.published[9]);
 
-    // Local corruption of the materialized files: detected at the next
-    // catch-up, repaired from the anchor.
+    // Local corruption of the output files: detected by the next catch-up
+    // (which verifies the current slot first), repaired from the anchor.
     t.step().await; // v10
     let f = lagging.join("current/model.safetensors");
     let mut bytes = std::fs::read(&f).unwrap();
@@ -183,12 +185,13 @@ async fn subscribers_on_s3_moto() {
     suite(store).await;
 }
 
-/// An idle poll does not re-read the model: damage to the materialized files
-/// goes unnoticed until there is a version to apply, which then re-verifies
-/// them, finds the damage and repairs from the anchor. A bucket whose recorded
-/// version vanished (reset, collected) is not trusted either.
+/// An idle `--once` (nothing new in the bucket) still verifies its output:
+/// damage to the current slot is found and repaired from the anchor into the
+/// other slot, while the damaged slot is never written. Idle polls cost a
+/// handful of store requests. A bucket whose held version vanished (reset,
+/// collected) is followed back.
 #[tokio::test]
-async fn idle_polls_are_cheap_and_damage_is_caught_at_the_next_version() {
+async fn an_idle_once_verifies_and_repairs_its_output() {
     let (store, _dir) = common::local_store();
     let work = tempfile::tempdir().unwrap();
     let mut t = Trainer::new(&store, work.path(), 100).await;
@@ -197,27 +200,127 @@ async fn idle_polls_are_cheap_and_damage_is_caught_at_the_next_version() {
     t.step().await;
     let c = catch_up(&store, &out).await.unwrap().unwrap();
     assert_eq!(c.version, 1);
+    let damaged_slot = std::fs::read_link(out.join("current")).unwrap();
 
-    // Damage the materialized model (a new file, so hard links elsewhere stay intact).
+    // Idle and intact: nothing downloaded, nothing repaired, a few requests
+    // (a listing after the held version and its manifest).
+    let c = catch_up(&store, &out).await.unwrap().unwrap();
+    assert_eq!((c.version, c.downloaded, c.repairs), (1, 0, 0), "{c:?}");
+    assert!(c.requests <= 3, "{c:?}");
+
+    // Damage one byte of the current output in place.
     let model = out.join("current/model.safetensors");
     let mut bytes = std::fs::read(&model).unwrap();
     let last = bytes.len() - 1;
     bytes[last] ^= 0x01;
-    std::fs::remove_file(&model).unwrap();
     std::fs::write(&model, &bytes).unwrap();
 
-    // Idle: nothing to apply, nothing read, nothing repaired.
+    // Idle, but the output is checked: repaired from the anchor, into the
+    // other slot; the damaged slot was not written.
     let c = catch_up(&store, &out).await.unwrap().unwrap();
-    assert_eq!((c.version, c.downloaded, c.repairs), (1, 0, 0));
+    assert_eq!((c.version, c.from_anchor, c.repairs), (1, true, 1), "{c:?}");
+    assert_eq!(c.previous, None, "{c:?}");
+    assert_matches(&out, &t.published[1]);
+    let now = std::fs::read_link(out.join("current")).unwrap();
+    assert_ne!(now, damaged_slot);
+    assert_eq!(
+        std::fs::read(out.join(&damaged_slot).join("model.safetensors")).unwrap(),
+        bytes
+    );
 
-    // The next version re-verifies the local files before using them as a base.
+    // The next version rebuilds the damaged slot (a clone of the current
+    // one) before patching it.
     let ckpt = t.step().await;
     let c = catch_up(&store, &out).await.unwrap().unwrap();
-    assert_eq!((c.version, c.from_anchor), (2, true), "{c:?}");
+    assert_eq!(
+        (c.version, c.from_anchor, c.deltas_applied),
+        (2, false, 1),
+        "{c:?}"
+    );
+    assert!(c.cloned_bytes > 0 || c.journal_bytes == 0, "{c:?}");
     assert_matches(&out, &ckpt);
 
-    // The recorded version's manifest vanishing forces a full check.
+    // The held version's manifest vanishing sends it back to the bucket's newest.
     std::fs::remove_file(_dir.path().join(weightcast::protocol::manifest_key(2))).unwrap();
     let c = catch_up(&store, &out).await.unwrap().unwrap();
     assert_eq!(c.version, 1, "{c:?}");
+    assert_matches(&out, &t.published[1]);
+}
+
+/// Objects larger than the part size come down as concurrent ranged GETs and
+/// verify; a corrupted large object is refused, and nothing of it remains.
+async fn ranged_downloads(store: Store) {
+    use weightcast::protocol::ObjectEntry;
+    use weightcast::subscriber::Fetcher;
+    let body: Vec<u8> = (0..(5 << 20) + 12345u32)
+        .map(|i| (i * 7 % 251) as u8)
+        .collect();
+    store
+        .put("big/object", Bytes::from(body.clone()))
+        .await
+        .unwrap();
+    let entry = ObjectEntry {
+        name: "model.safetensors".into(),
+        role: ObjectRole::Anchor,
+        key: "big/object".into(),
+        size: body.len() as u64,
+        blake3: blake3::hash(&body).to_hex().to_string(),
+    };
+    let mut f = Fetcher::new(store.clone());
+    f.large_object = 1 << 20;
+    f.part_size = 1 << 20;
+    f.parts_in_flight = 3;
+    // The store's own ranged read and size, for the record.
+    assert_eq!(
+        store.head("big/object").await.unwrap(),
+        Some(body.len() as u64)
+    );
+    assert_eq!(store.head("big/none").await.unwrap(), None);
+    let mid = store.get_range("big/object", 1000..3000).await.unwrap();
+    assert_eq!(&mid[..], &body[1000..3000]);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("download");
+    f.to_file(&entry, &file).await.unwrap();
+    assert_eq!(std::fs::read(&file).unwrap(), body);
+    // Six parts, one request each.
+    assert_eq!(f.requests(), 6);
+    // Into memory, the same way.
+    assert_eq!(f.bytes(&entry).await.unwrap().to_vec(), body);
+    assert_eq!(f.requests(), 12);
+
+    // One flipped byte in the store: refused, named, and the file removed.
+    let mut bad = body.clone();
+    bad[3 << 20] ^= 0x40;
+    store.put("big/object", Bytes::from(bad)).await.unwrap();
+    let err = f.to_file(&entry, &file).await.unwrap_err().to_string();
+    assert!(
+        err.contains("big/object") && err.contains("integrity"),
+        "{err}"
+    );
+    assert!(!file.exists());
+    // A shorter object: refused too.
+    store
+        .put("big/object", Bytes::from(body[..body.len() - 10].to_vec()))
+        .await
+        .unwrap();
+    let err = f.to_file(&entry, &file).await.unwrap_err().to_string();
+    assert!(err.contains("big/object"), "{err}");
+    // A missing one names the key and the store.
+    store.delete("big/object").await.unwrap();
+    let err = f.to_file(&entry, &file).await.unwrap_err().to_string();
+    assert!(
+        err.contains("big/object") && err.contains(store.url()),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn ranged_downloads_on_local_filesystem() {
+    let (store, _dir) = common::local_store();
+    ranged_downloads(store).await;
+}
+
+#[tokio::test]
+async fn ranged_downloads_on_s3_moto() {
+    ranged_downloads(common::moto_store("subscriber-ranges", "run").await).await;
 }

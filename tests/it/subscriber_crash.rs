@@ -1,11 +1,13 @@
 //! Crash safety of the subscriber: the real binary (`weightcast subscribe
-//! --once`) is killed with SIGKILL at instants spread over a whole run, again
+//! --once`) is killed with SIGKILL at instants spread over a whole run, and
+//! over its slot updates (marking a slot dirty, bringing it forward from the
+//! journal or cloning it, applying, flushing, recording, switching), again
 //! and again, while new versions keep arriving. After every kill:
 //!
-//! - `DIR/current`, if present, points to a directory holding exactly the
-//!   publisher's checkpoint of that version (every tensor's bytes, every file);
-//! - `DIR/.state.json`, if present, names a version and directory that verify
-//!   the same way.
+//! - `DIR/.state.json`, if present, is whole, and every slot it records clean
+//!   holds exactly the publisher's checkpoint of its version (every tensor's
+//!   bytes, every file);
+//! - `DIR/current`, if present, points to a slot the state records clean.
 //!
 //! A last uninterrupted run must converge to the newest version bit-identically.
 
@@ -131,63 +133,51 @@ fn differs(dir: &Path, ckpt: &Path) -> Option<String> {
     None
 }
 
-/// The version a directory under `versions/` holds (its first 20 digits).
-fn version_of(dir_name: &str) -> Option<u64> {
-    dir_name.get(..20)?.parse().ok()
-}
-
 /// What a kill left behind, checked against the invariants. Returns the
-/// versions `current` and the state name (when present).
-fn check_invariants(out: &Path, t: &Trainer, when: &str) -> (Option<u64>, Option<u64>) {
-    let verify = |dir_name: &str, what: &str| -> u64 {
-        let v = version_of(dir_name)
-            .unwrap_or_else(|| panic!("{when}: {what} names an odd directory `{dir_name}`"));
-        let ckpt = t
-            .published
-            .get(&v)
-            .unwrap_or_else(|| panic!("{when}: {what} names unpublished version {v}"));
-        let dir = out.join("versions").join(dir_name);
-        if let Some(d) = differs(&dir, ckpt) {
-            panic!("{when}: {what} -> {}: {d}", dir.display());
+/// version `current` shows (when present) and whether an update was left
+/// unfinished (a slot recorded dirty, or recorded clean at a newer version
+/// than the current one: a switch the kill interrupted).
+fn check_invariants(out: &Path, t: &Trainer, when: &str) -> (Option<u64>, bool) {
+    let state: Option<serde_json::Value> = std::fs::read(out.join(".state.json")).ok().map(|b| {
+        serde_json::from_slice(&b)
+            .unwrap_or_else(|e| panic!("{when}: .state.json is not whole JSON: {e}"))
+    });
+    let mut clean = BTreeMap::new();
+    let mut dirty = false;
+    if let Some(slots) = state.as_ref().and_then(|s| s["slots"].as_object()) {
+        for (name, s) in slots {
+            if s["dirty"].as_bool().expect("dirty flag") {
+                dirty = true;
+                continue;
+            }
+            let Some(v) = s["version"].as_u64() else {
+                continue;
+            };
+            let ckpt = t
+                .published
+                .get(&v)
+                .unwrap_or_else(|| panic!("{when}: slot {name} records unpublished version {v}"));
+            let dir = out.join("slots").join(name);
+            if let Some(d) = differs(&dir, ckpt) {
+                panic!("{when}: slot {name} (recorded clean at v{v}): {d}");
+            }
+            clean.insert(name.clone(), v);
         }
-        v
-    };
+    }
     let link = out.join("current");
     let current = std::fs::symlink_metadata(&link).ok().map(|_| {
         let target = std::fs::read_link(&link).unwrap();
-        let mut parts = target.components();
-        assert_eq!(
-            parts.next().map(|c| c.as_os_str().to_owned()),
-            Some("versions".into()),
-            "{when}: current -> {}",
-            target.display()
-        );
-        let name = parts
-            .next()
-            .unwrap()
-            .as_os_str()
-            .to_str()
-            .unwrap()
-            .to_string();
-        assert!(
-            parts.next().is_none(),
-            "{when}: current -> {}",
-            target.display()
-        );
-        verify(&name, "current")
+        let name = target
+            .strip_prefix("slots")
+            .unwrap_or_else(|_| panic!("{when}: current -> {}", target.display()))
+            .to_string_lossy()
+            .into_owned();
+        *clean.get(&name).unwrap_or_else(|| {
+            panic!("{when}: current -> {name}, which the state does not record clean: {state:?}")
+        })
     });
-    let state = std::fs::read(out.join(".state.json")).ok().map(|bytes| {
-        let s: serde_json::Value = serde_json::from_slice(&bytes)
-            .unwrap_or_else(|e| panic!("{when}: .state.json is not whole JSON: {e}"));
-        let v = s["version"].as_u64().expect("state version");
-        let dir = s["dir"]
-            .as_str()
-            .map(str::to_string)
-            .unwrap_or_else(|| format!("{v:020}"));
-        assert_eq!(version_of(&dir), Some(v), "{when}: state {s}");
-        verify(&dir, "state")
-    });
-    (current, state)
+    let ahead = clean.values().any(|&v| current.is_some_and(|c| v > c));
+    (current, dirty || ahead)
 }
 
 fn subscribe(url: &str, out: &Path) -> Command {
@@ -202,15 +192,19 @@ fn subscribe(url: &str, out: &Path) -> Command {
     c
 }
 
-/// Waits until the run has started materializing (a `versions/*.partial`
-/// directory exists); false if it exited first.
-fn wait_for_materialize(child: &mut Child, out: &Path) -> bool {
-    let versions = out.join("versions");
+/// Waits until the run has started updating a slot (the state records one
+/// dirty); false if it exited first.
+fn wait_for_update(child: &mut Child, out: &Path) -> bool {
     loop {
-        let partial = std::fs::read_dir(&versions).is_ok_and(|mut d| {
-            d.any(|e| e.is_ok_and(|e| e.file_name().to_string_lossy().ends_with(".partial")))
-        });
-        if partial {
+        let dirty = std::fs::read(out.join(".state.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+            .and_then(|s| {
+                let slots = s["slots"].as_object()?.clone();
+                Some(slots.values().any(|v| v["dirty"].as_bool() == Some(true)))
+            })
+            .unwrap_or(false);
+        if dirty {
             return true;
         }
         if child.try_wait().unwrap().is_some() {
@@ -263,61 +257,65 @@ fn kill_9_at_any_instant_then_restart_continues_from_a_verified_version() {
     }
 
     // How long an uninterrupted run takes (a bootstrap: the longest kind), and
-    // how long the materialization of an incremental one does (from its
-    // `.partial` directory to the exit).
+    // how long the slot update of an incremental one does (from the moment
+    // it marks a slot dirty to the exit).
     let probe = work.path().join("probe");
     let started = Instant::now();
     let status = subscribe(&url, &probe).status().unwrap();
     let mut full = started.elapsed();
     assert!(status.success());
-    assert_eq!(check_invariants(&probe, &t, "probe"), (Some(2), Some(2)));
+    assert_eq!(check_invariants(&probe, &t, "probe"), (Some(2), false));
     rt.block_on(t.publish());
     let mut child = subscribe(&url, &probe).spawn().unwrap();
-    assert!(wait_for_materialize(&mut child, &probe));
+    assert!(wait_for_update(&mut child, &probe));
     let started = Instant::now();
     assert!(child.wait().unwrap().success());
-    let mut materialize = started.elapsed();
-    assert_eq!(check_invariants(&probe, &t, "probe"), (Some(3), Some(3)));
+    let mut update = started.elapsed();
+    assert_eq!(check_invariants(&probe, &t, "probe"), (Some(3), false));
 
     let out = work.path().join("sub");
     let kills = 16u32;
-    let (mut interrupted, mut in_materialize, mut mixed) = (0u32, 0u32, 0u32);
+    let (mut interrupted, mut in_update, mut mixed) = (0u32, 0u32, 0u32);
     for i in 0..kills {
         // A new version before every other round, so runs are killed while
-        // replaying deltas, crossing anchors, and materializing.
+        // replaying deltas, crossing anchors, and updating slots.
         if i % 2 == 1 {
             rt.block_on(t.publish());
         }
         // Even rounds: anywhere in [0, full]; odd rounds: anywhere in the
-        // materialization. Delays spread evenly (a golden-ratio sequence).
+        // slot update. Delays spread evenly (a golden-ratio sequence).
         let frac = (f64::from(i / 2) * 0.618_033_988_75 + 0.1).fract();
         let mut child = subscribe(&url, &out).spawn().unwrap();
         let (delay, exited) = if i % 2 == 0 {
             let delay = full.mul_f64(frac);
             (delay, sleep_unless_exit(&mut child, delay))
-        } else if wait_for_materialize(&mut child, &out) {
-            let delay = materialize.mul_f64(frac);
+        } else if wait_for_update(&mut child, &out) {
+            let delay = update.mul_f64(frac);
             (delay, sleep_unless_exit(&mut child, delay))
         } else {
-            // Exited without materializing (nothing new): nothing learned.
-            (Duration::ZERO, Some(materialize))
+            // Exited without updating (nothing new): nothing learned.
+            (Duration::ZERO, Some(update))
         };
         match exited {
             None => {
                 interrupted += 1;
-                in_materialize += i % 2;
+                in_update += i % 2;
             }
             // Runs got faster than measured (the machine is less busy, or
             // there was less to do): aim closer to what was just seen.
             Some(took) if i % 2 == 0 => full = took.max(full / 2),
-            Some(took) => materialize = took.max(materialize / 2),
+            Some(took) => update = took.max(update / 2),
         }
         child.kill().unwrap(); // SIGKILL (no-op if it already exited)
         child.wait().unwrap();
-        let phase = if i % 2 == 0 { "start" } else { "materializing" };
+        let phase = if i % 2 == 0 {
+            "start"
+        } else {
+            "updating a slot"
+        };
         let when = format!("kill {i}, {delay:?} after {phase} (newest v{})", t.newest());
-        let (current, state) = check_invariants(&out, &t, &when);
-        if current != state {
+        let (_, unfinished) = check_invariants(&out, &t, &when);
+        if unfinished {
             mixed += 1;
         }
         // Now and then a run completes (the first rounds were killed
@@ -327,7 +325,7 @@ fn kill_9_at_any_instant_then_restart_continues_from_a_verified_version() {
             assert!(subscribe(&url, &out).status().unwrap().success());
             let newest = Some(t.newest());
             let when = format!("run after kill {i}");
-            assert_eq!(check_invariants(&out, &t, &when), (newest, newest));
+            assert_eq!(check_invariants(&out, &t, &when), (newest, false));
         }
     }
 
@@ -336,23 +334,22 @@ fn kill_9_at_any_instant_then_restart_continues_from_a_verified_version() {
     let status = subscribe(&url, &out).status().unwrap();
     assert!(status.success());
     let newest = t.newest();
-    assert_eq!(
-        check_invariants(&out, &t, "final"),
-        (Some(newest), Some(newest))
-    );
-    let left: Vec<_> = std::fs::read_dir(out.join("versions"))
+    assert_eq!(check_invariants(&out, &t, "final"), (Some(newest), false));
+    let mut left: Vec<_> = std::fs::read_dir(out.join("slots"))
         .unwrap()
-        .map(|e| e.unwrap().file_name())
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect();
-    assert_eq!(left.len(), 1, "leftovers in versions/: {left:?}");
+    left.sort();
+    assert_eq!(left, ["a", "b"], "leftovers in slots/");
+    assert!(!out.join(".tmp").exists(), "a download was left behind");
     eprintln!(
-        "uninterrupted bootstrap {full:?}, incremental materialization {materialize:?}; \
-         {kills} kills, {interrupted} while running ({in_materialize} while materializing), \
-         {mixed} left current and state on different versions; converged to v{newest}"
+        "uninterrupted bootstrap {full:?}, incremental update {update:?}; \
+         {kills} kills, {interrupted} while running ({in_update} while updating a slot), \
+         {mixed} left an update unfinished; converged to v{newest}"
     );
     // The kills must have landed inside runs, or this test proves nothing.
     assert!(
-        interrupted >= kills / 2 && in_materialize >= kills / 4,
-        "only {interrupted} kills interrupted a run, {in_materialize} a materialization"
+        interrupted >= kills / 2 && in_update >= kills / 4,
+        "only {interrupted} kills interrupted a run, {in_update} a slot update"
     );
 }

@@ -1,0 +1,259 @@
+//! The daemon: source → plan → fetch → sink → hooks → status and
+//! registration, in a loop that returns on shutdown. `subscribe --once` is
+//! one iteration of the same code ([`once`]).
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::error::Result;
+use crate::hooks::{self, Hook};
+use crate::store::Store;
+
+use super::dir::{DEFAULT_SLOTS, DirSink};
+use super::fetch::Fetcher;
+use super::sink::Sink;
+use super::source::VersionSource;
+use super::status::Shared;
+use super::{CaughtUp, Subscriber};
+
+/// How often a subscriber that stays at one version rewrites its registration
+/// (a new version rewrites it at once). Well inside the publishers' default
+/// registration horizon of a day.
+pub const REGISTRATION_REFRESH: Duration = Duration::from_secs(600);
+
+/// Daemon settings.
+#[derive(Clone, Debug)]
+pub struct DaemonConfig {
+    /// Output directory.
+    pub out: PathBuf,
+    /// Output slots (2 or more; see [`super::dir`]).
+    pub slots: usize,
+    /// Interval between polls when no notification arrives.
+    pub poll_interval: Duration,
+    /// ± jitter of the poll interval, as a fraction of it.
+    pub poll_jitter: f64,
+    /// Registration id (registers in the bucket when set).
+    pub id: Option<String>,
+    /// The URL publishers should POST notifications to.
+    pub notify_url: Option<String>,
+    /// What runs after each new version (engine reloads, webhooks, commands).
+    pub hooks: Vec<Hook>,
+}
+
+impl DaemonConfig {
+    /// Defaults for output directory `out`: two slots, a poll every 5 s ± 10%,
+    /// no registration, no hooks.
+    pub fn new(out: &Path) -> DaemonConfig {
+        DaemonConfig {
+            out: out.to_path_buf(),
+            slots: DEFAULT_SLOTS,
+            poll_interval: Duration::from_secs(5),
+            poll_jitter: 0.1,
+            id: None,
+            notify_url: None,
+            hooks: Vec::new(),
+        }
+    }
+}
+
+/// A subscriber of an output directory with its daemon duties.
+#[derive(Debug)]
+pub struct Daemon {
+    /// The composed subscriber.
+    pub sub: Subscriber<DirSink>,
+    cfg: DaemonConfig,
+    /// (version, when) of the last registration written.
+    registered: Option<(u64, Instant)>,
+    /// `current` moved when the output was opened (a switch a crash had
+    /// interrupted): the hooks are owed a run.
+    switch_owed: bool,
+    /// After each switch and its hooks, bring the slot the next update will
+    /// write forward at once ([`Sink::prepare`]), so that the next version
+    /// costs one apply. The daemon does; a one-shot run does not.
+    pub prepare: bool,
+    /// Whether no iteration has prepared yet (a daemon started on an
+    /// up-to-date output prepares once).
+    first_prepare: bool,
+}
+
+impl Daemon {
+    /// Opens the output directory (verifying the current slot in full).
+    pub fn open(store: &Store, cfg: &DaemonConfig) -> Result<Daemon> {
+        std::fs::create_dir_all(&cfg.out)
+            .map_err(|e| crate::Error::io(format!("creating {}", cfg.out.display()), e))?;
+        let sink = DirSink::open(&cfg.out, cfg.slots)?;
+        let damaged = sink.found_damaged();
+        let switch_owed = sink.finished_switch();
+        let source = VersionSource::new(cfg.poll_interval, cfg.poll_jitter);
+        let mut sub = Subscriber::new(Fetcher::new(store.clone()), source, sink);
+        if damaged {
+            sub.note_repair();
+        }
+        Ok(Daemon {
+            sub,
+            cfg: cfg.clone(),
+            registered: None,
+            switch_owed,
+            prepare: false,
+            first_prepare: true,
+        })
+    }
+
+    /// One iteration: catch up, record it in `shared`, run the hooks after a
+    /// switch, refresh the registration when due. Returns what the catch-up
+    /// did and what the hooks did (`None` when the bucket has no version).
+    pub async fn iterate(
+        &mut self,
+        shared: &Shared,
+        thorough: bool,
+    ) -> Result<Option<(CaughtUp, hooks::Report)>> {
+        let started = Instant::now();
+        let caught = self.sub.catch_up(thorough).await;
+        let requests = self.sub.fetcher.requests();
+        if let Ok(mut s) = shared.status.lock() {
+            s.store_requests = requests;
+        }
+        let Some(c) = caught? else {
+            return Ok(None);
+        };
+        let switched =
+            c.previous != Some(c.version) || c.from_anchor || std::mem::take(&mut self.switch_owed);
+        if let Ok(mut s) = shared.status.lock() {
+            let changed = s.version != Some(c.version);
+            s.version = Some(c.version);
+            s.newest = Some(s.newest.map_or(c.version, |v| v.max(c.version)));
+            s.lag = s.newest.map(|n| n.saturating_sub(c.version));
+            s.last_error = None;
+            s.bytes_downloaded += c.downloaded;
+            s.bytes_written += c.written_bytes;
+            s.bytes_journal += c.journal_bytes;
+            s.repairs += c.repairs;
+            if changed || switched {
+                s.versions_applied += c.deltas_applied.max(1);
+                s.last_apply_seconds = started.elapsed().as_secs_f64();
+            }
+        }
+        let mut report = hooks::Report::default();
+        if switched {
+            tracing::info!(
+                version = c.version,
+                downloaded = c.downloaded,
+                from_anchor = c.from_anchor,
+                written_bytes = c.written_bytes,
+                journal_bytes = c.journal_bytes,
+                cloned_bytes = c.cloned_bytes,
+                slot = c.slot.as_deref().unwrap_or(""),
+                "caught up"
+            );
+            let event = hooks::Event {
+                version: c.version,
+                dir: self.sub.sink.current_dir(),
+                changed_tensors: c.changed_tensors.clone(),
+            };
+            report = hooks::run(&self.cfg.hooks, &event).await;
+            if let Ok(mut s) = shared.status.lock() {
+                s.last_pause_seconds = report.pause_seconds;
+                s.hook_failures += report.failed as u64;
+            }
+        }
+        self.register(c.version).await;
+        if let Ok(mut s) = shared.status.lock() {
+            s.store_requests = self.sub.fetcher.requests();
+        }
+        if self.prepare && (switched || self.first_prepare) {
+            self.first_prepare = false;
+            // The hooks ran: the files of the slot the next update writes
+            // may change now.
+            let started = Instant::now();
+            let p = self.sub.sink.prepare()?;
+            tracing::debug!(
+                journal_bytes = p.journal_bytes,
+                cloned_bytes = p.cloned_bytes,
+                seconds = started.elapsed().as_secs_f64(),
+                "standby slot brought forward"
+            );
+            if let Ok(mut s) = shared.status.lock() {
+                s.bytes_written += p.written_bytes;
+                s.bytes_journal += p.journal_bytes;
+            }
+        }
+        Ok(Some((c, report)))
+    }
+
+    /// Rewrites the registration when the version changed or it is due.
+    async fn register(&mut self, version: u64) {
+        let Some(id) = &self.cfg.id else {
+            return;
+        };
+        let due = self
+            .registered
+            .is_none_or(|(v, at)| v != version || at.elapsed() >= REGISTRATION_REFRESH);
+        if !due {
+            return;
+        }
+        let reg = crate::protocol::Registration {
+            id: id.clone(),
+            notify_url: self.cfg.notify_url.clone(),
+            version: Some(version),
+            updated_at: crate::notify::unix_now(),
+        };
+        self.sub.fetcher.count(1);
+        match crate::protocol::register(self.sub.fetcher.store(), &reg).await {
+            Ok(()) => self.registered = Some((version, Instant::now())),
+            Err(e) => tracing::warn!(error = %e, "registration failed"),
+        }
+    }
+}
+
+/// Runs the subscriber until `shutdown` completes: after each catch-up it
+/// waits for a notification or the (jittered) poll interval, whichever comes
+/// first (bursts of notifications coalesce). Updates the shared status and,
+/// with an id, the bucket registration. Stopping mid-update is safe: the
+/// slot being written stays marked dirty and is rebuilt later; `current` is
+/// untouched. Errors only when the output directory cannot be opened.
+pub async fn run(
+    store: &Store,
+    cfg: &DaemonConfig,
+    shared: &Shared,
+    shutdown: impl Future<Output = ()>,
+) -> Result<()> {
+    let mut d = Daemon::open(store, cfg)?;
+    d.prepare = true;
+    tokio::pin!(shutdown);
+    let mut thorough = true;
+    loop {
+        let done = tokio::select! {
+            _ = &mut shutdown => None,
+            r = d.iterate(shared, thorough) => Some(r),
+        };
+        match done {
+            None => {
+                d.sub.sink.abort();
+                return Ok(());
+            }
+            Some(Err(e)) => {
+                tracing::error!(error = %e, "catch-up failed; keeping the current version");
+                if let Ok(mut s) = shared.status.lock() {
+                    s.failures += 1;
+                    s.last_error = Some(e.to_string());
+                }
+            }
+            Some(Ok(_)) => {}
+        }
+        thorough = tokio::select! {
+            _ = &mut shutdown => return Ok(()),
+            woken = d.sub.source.wait(&shared.wake) => woken,
+        };
+    }
+}
+
+/// One iteration of the daemon (`subscribe --once`): opens the output
+/// directory (verifying the current slot, and repairing it if damaged),
+/// catches up, runs the hooks after a switch, registers when configured.
+/// `None` when the bucket has no version yet.
+pub async fn once(store: &Store, cfg: &DaemonConfig) -> Result<Option<(CaughtUp, hooks::Report)>> {
+    let shared = Shared::new(store.url(), None);
+    let mut d = Daemon::open(store, cfg)?;
+    d.iterate(&shared, true).await
+}

@@ -1,0 +1,1134 @@
+//! [`DirSink`]: the output directory, as alternating slots patched in place.
+//!
+//! ```text
+//! DIR/current -> slots/<name>          symlink, switched atomically (rename of a new symlink)
+//! DIR/slots/<a|b|...>/<files>          the checkpoint's own file names, in each slot
+//! DIR/.state.json                      per slot: version, dirty flag, per-file layout, digests, BLAKE3s
+//! DIR/.journal/<version:020>.json      the manifest of a version applied recently
+//! DIR/.journal/<version:020>/<name>    its verified delta and file objects
+//! DIR/.tmp/                            anchors being downloaded
+//! DIR/.lock                            held (flock) while a subscriber uses DIR
+//! ```
+//!
+//! The slot `current` points to is never written. A new version is produced
+//! in the oldest other slot: it is marked dirty (state fsynced), brought
+//! forward to the held version by applying the journal's objects (nothing
+//! downloaded), the new version's deltas are applied to its files in place
+//! through a shared memory map (no copy of the model; memory in proportion to
+//! the changes), files the version no longer lists are removed, everything is
+//! flushed (msync, fsync), the slot's version is recorded and its dirty flag
+//! cleared (state fsynced), and `current` is switched to it. A slot found
+//! dirty, or whose files changed behind the state's back (size, inode, times),
+//! or which the journal cannot bring forward, is rebuilt: cloned from the
+//! current slot (a reflink where the filesystem shares extents), then brought
+//! forward. A bootstrap downloads each anchor into `.tmp/`, verifies it, turns
+//! its header into the output header in place and renames it into the slot.
+//!
+//! Output files are plain safetensors files Hugging Face loaders accept: the
+//! anchor's `__metadata__` without the `weightcast.*` keys (so `format=pt` and
+//! the trainer's own keys), the header padded with spaces (which safetensors
+//! allows) to the anchor's header length, so the data never moves.
+//!
+//! With N slots, files an engine opened for a version stay untouched until N−1
+//! newer versions have been switched in.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::codec::ApplyReport;
+use crate::digest::Digest;
+use crate::dtype::Dtype;
+use crate::error::{Error, Result};
+use crate::protocol::{Manifest, ObjectRole, is_safe_file_name};
+use crate::tensors::{Digests, TensorSet, safetensors_header};
+
+use super::sink::{
+    AnchorDest, AnchorObject, Produced, Sink, apply_checked, check_version, decode_anchor,
+    output_metadata, patched_bytes,
+};
+
+/// Value of the state's `format`.
+pub const STATE_FORMAT: &str = "weightcast-subscriber-state/2";
+/// Default number of slots.
+pub const DEFAULT_SLOTS: usize = 2;
+/// Most slots a directory may have (named `a` to `z`).
+pub const MAX_SLOTS: usize = 26;
+
+/// `DIR/.state.json`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DirState {
+    format: String,
+    slots: BTreeMap<String, SlotState>,
+    /// Versions whose manifests and objects are in `.journal/`, ascending.
+    #[serde(default)]
+    journal: Vec<u64>,
+}
+
+/// What a slot holds.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SlotState {
+    /// The version its files hold (`None`: nothing usable).
+    version: Option<u64>,
+    /// Set before the slot is written, cleared once it holds `version` durably.
+    dirty: bool,
+    /// Tensor files.
+    tensors: BTreeMap<String, TensorFile>,
+    /// Non-tensor files.
+    files: BTreeMap<String, PlainFile>,
+}
+
+/// A safetensors file of a slot.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TensorFile {
+    size: u64,
+    /// Offset of the tensor data (8 + header length).
+    data_start: u64,
+    /// BLAKE3 of the bytes before the data (length and header).
+    header_blake3: String,
+    stamp: Stamp,
+    /// Tensor name → its bytes in the file and its digest.
+    tensors: BTreeMap<String, TensorSlot>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TensorSlot {
+    digest: String,
+    start: u64,
+    end: u64,
+}
+
+/// A non-tensor file of a slot.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PlainFile {
+    size: u64,
+    blake3: String,
+    stamp: Stamp,
+}
+
+/// What `stat` says about a file once it was written and synced: any later
+/// write or replacement changes one of these.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Stamp {
+    ino: u64,
+    mtime_ns: i64,
+    ctime_ns: i64,
+}
+
+impl Stamp {
+    fn of(p: &Path) -> Option<(u64, Stamp)> {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::symlink_metadata(p).ok()?;
+        if !m.is_file() {
+            return None;
+        }
+        let ns = |s: i64, n: i64| s.saturating_mul(1_000_000_000).saturating_add(n);
+        Some((
+            m.len(),
+            Stamp {
+                ino: m.ino(),
+                mtime_ns: ns(m.mtime(), m.mtime_nsec()),
+                ctime_ns: ns(m.ctime(), m.ctime_nsec()),
+            },
+        ))
+    }
+}
+
+impl SlotState {
+    fn names(&self) -> BTreeSet<String> {
+        self.tensors
+            .keys()
+            .chain(self.files.keys())
+            .cloned()
+            .collect()
+    }
+
+    /// Non-tensor files as (size, BLAKE3).
+    fn plain(&self) -> BTreeMap<String, (u64, String)> {
+        self.files
+            .iter()
+            .map(|(n, f)| (n.clone(), (f.size, f.blake3.clone())))
+            .collect()
+    }
+
+    /// Whether every file is still exactly as recorded (stat only).
+    fn stamps_hold(&self, dir: &Path) -> bool {
+        let sizes = self
+            .tensors
+            .iter()
+            .map(|(n, t)| (n, t.size, t.stamp))
+            .chain(self.files.iter().map(|(n, f)| (n, f.size, f.stamp)));
+        for (n, size, stamp) in sizes {
+            if Stamp::of(&dir.join(n)) != Some((size, stamp)) {
+                return false;
+            }
+        }
+        list_files(dir).is_ok_and(|l| l == self.names())
+    }
+
+    /// Records the stamps of the files as they are now.
+    fn restamp(&mut self, dir: &Path) -> Result<()> {
+        let stamp = |n: &str| {
+            Stamp::of(&dir.join(n)).map(|(_, s)| s).ok_or_else(|| {
+                Error::io(
+                    format!("reading {}", dir.join(n).display()),
+                    std::io::Error::from(std::io::ErrorKind::NotFound),
+                )
+            })
+        };
+        for (n, t) in &mut self.tensors {
+            t.stamp = stamp(n)?;
+        }
+        for (n, f) in &mut self.files {
+            f.stamp = stamp(n)?;
+        }
+        Ok(())
+    }
+}
+
+impl TensorFile {
+    /// The record of `set`, mapped from a file of `size` bytes whose bytes
+    /// before the data hash to `header_blake3`.
+    fn of(set: &TensorSet, size: u64, header_blake3: String) -> TensorFile {
+        let data_start = set.tensors().iter().map(|t| t.range.start as u64).min();
+        TensorFile {
+            size,
+            data_start: data_start.unwrap_or(size),
+            header_blake3,
+            stamp: Stamp::default(),
+            tensors: set
+                .tensors()
+                .iter()
+                .map(|t| {
+                    let slot = TensorSlot {
+                        digest: t.digest.to_string(),
+                        start: t.range.start as u64,
+                        end: t.range.end as u64,
+                    };
+                    (t.name.clone(), slot)
+                })
+                .collect(),
+        }
+    }
+
+    /// Whether `set` (parsed from this file) has the recorded layout.
+    fn same_layout(&self, set: &TensorSet) -> bool {
+        set.len() == self.tensors.len()
+            && set.tensors().iter().all(|t| {
+                self.tensors
+                    .get(&t.name)
+                    .is_some_and(|s| (s.start, s.end) == (t.range.start as u64, t.range.end as u64))
+            })
+    }
+
+    /// The recorded digests, in the set's tensor order.
+    fn digests(&self, set: &TensorSet) -> Option<Vec<Digest>> {
+        set.tensors()
+            .iter()
+            .map(|t| Digest::parse(&self.tensors.get(&t.name)?.digest))
+            .collect()
+    }
+}
+
+fn io_err(what: &str, p: &Path, e: std::io::Error) -> Error {
+    Error::io(format!("{what} {}", p.display()), e)
+}
+
+/// Flushes a directory's entries (creations, renames) to stable storage.
+fn sync_dir(p: &Path) -> Result<()> {
+    std::fs::File::open(p)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| io_err("syncing directory", p, e))
+}
+
+fn sync_file(p: &Path) -> Result<()> {
+    std::fs::File::open(p)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| io_err("syncing", p, e))
+}
+
+/// Every regular file under `dir`, as relative paths (directories walked,
+/// symlinks and other entries counted as files so that they never verify).
+fn list_files(dir: &Path) -> std::io::Result<BTreeSet<String>> {
+    let mut out = BTreeSet::new();
+    let mut todo = vec![PathBuf::new()];
+    while let Some(rel) = todo.pop() {
+        for e in std::fs::read_dir(dir.join(&rel))? {
+            let e = e?;
+            let name = rel.join(e.file_name());
+            if e.file_type()?.is_dir() {
+                todo.push(name);
+            } else {
+                out.insert(name.to_string_lossy().into_owned());
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Every directory under `dir` (itself included), deepest first.
+fn list_dirs(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d)? {
+            let e = e?;
+            if e.file_type()?.is_dir() {
+                todo.push(e.path());
+            }
+        }
+        out.push(d);
+    }
+    out.reverse();
+    Ok(out)
+}
+
+/// Checks a slot's files against its record, reading every byte: the
+/// listing, each tensor file's header bytes, layout and every tensor digest
+/// (over a read-only mapping, in parallel), each other file's BLAKE3.
+fn verify_slot(dir: &Path, rec: &SlotState) -> std::result::Result<(), String> {
+    let listed = list_files(dir).map_err(|e| format!("listing {}: {e}", dir.display()))?;
+    if listed != rec.names() {
+        return Err(format!(
+            "holds files {listed:?}, the state records {:?}",
+            rec.names()
+        ));
+    }
+    for (name, t) in &rec.tensors {
+        let p = dir.join(name);
+        let set = TensorSet::map(&p, false, Digests::Skip).map_err(|e| e.to_string())?;
+        let size = Stamp::of(&p).map(|(s, _)| s);
+        if size != Some(t.size) || !t.same_layout(&set) {
+            return Err(format!("{name}: size or layout differs from the state"));
+        }
+        let head = std::fs::File::open(&p)
+            .and_then(|f| {
+                let mut b = vec![0u8; t.data_start.min(t.size) as usize];
+                std::os::unix::fs::FileExt::read_exact_at(&f, &mut b, 0)?;
+                Ok(b)
+            })
+            .map_err(|e| format!("{name}: {e}"))?;
+        if blake3::hash(&head).to_hex().as_str() != t.header_blake3 {
+            return Err(format!("{name}: header differs from the state"));
+        }
+        let want = t
+            .digests(&set)
+            .ok_or(format!("{name}: bad digest in the state"))?;
+        if set.full_digests() != want {
+            return Err(format!("{name}: tensor digests differ from the state"));
+        }
+    }
+    for (name, f) in &rec.files {
+        let p = dir.join(name);
+        let mut h = blake3::Hasher::new();
+        h.update_mmap_rayon(&p)
+            .map_err(|e| format!("{name}: {e}"))?;
+        let size = Stamp::of(&p).map(|(s, _)| s);
+        if size != Some(f.size) || h.finalize().to_hex().as_str() != f.blake3 {
+            return Err(format!("{name}: content differs from the state"));
+        }
+    }
+    Ok(())
+}
+
+/// The output header for `set` (in its file's order) with `metadata`, padded
+/// with spaces to exactly `len` bytes; `None` if it does not fit.
+fn padded_header(
+    set: &TensorSet,
+    metadata: &BTreeMap<String, String>,
+    len: usize,
+) -> Result<Option<Vec<u8>>> {
+    let mut order: Vec<usize> = (0..set.len()).collect();
+    order.sort_by_key(|&i| set.tensors()[i].range.start);
+    let views: Vec<(&str, Dtype, &[usize], &[u8])> = order
+        .iter()
+        .map(|&i| {
+            let t = &set.tensors()[i];
+            (t.name.as_str(), t.dtype, t.shape.as_slice(), set.data(i))
+        })
+        .collect();
+    let mut h = safetensors_header(&views, metadata)?;
+    if h.len() > len {
+        return Ok(None);
+    }
+    h.resize(len, b' ');
+    Ok(Some(h))
+}
+
+/// A file of the update that must be synced before the slot is recorded.
+#[derive(Debug, Default)]
+struct Work {
+    slot: String,
+    dir: PathBuf,
+    /// The slot as it is being built (`version`: reached so far).
+    rec: SlotState,
+    /// Tensor files mapped for writing.
+    open: BTreeMap<String, TensorSet>,
+    /// Tensor files given an object in the version being applied.
+    touched: BTreeSet<String>,
+    /// Whether the version being applied is a bootstrap's anchor version.
+    bootstrap: bool,
+    /// Versions journaled by this update (downloaded, not replayed from the journal).
+    journaled: Vec<u64>,
+    /// The journal restarts (a bootstrap: older versions cannot reach this slot).
+    journal_reset: bool,
+    /// Files written other than through a mapping, to sync.
+    to_sync: BTreeSet<PathBuf>,
+    produced: Produced,
+    tmp_files: u64,
+}
+
+/// The output directory (see the module documentation).
+#[derive(Debug)]
+pub struct DirSink {
+    out: PathBuf,
+    names: Vec<String>,
+    state: DirState,
+    /// The slot `current` points to (verified when `held` is set).
+    current: Option<String>,
+    held: Option<u64>,
+    damaged: bool,
+    finished_switch: bool,
+    /// Each slot's tensor files, still mapped from the update that last
+    /// wrote them (flushed): the next update of that slot reuses them, so
+    /// that its pages are not faulted in again (on tmpfs they stay
+    /// writable) and a 2 GB mapping is not torn down per version.
+    maps: BTreeMap<String, BTreeMap<String, TensorSet>>,
+    work: Option<Work>,
+    _lock: std::fs::File,
+}
+
+impl DirSink {
+    /// Opens (creating) the output directory `out` with `slots` slots: takes
+    /// its lock, loads the state, and verifies the current slot in full (a
+    /// digest pass over every byte; damage means nothing is held, so the
+    /// next update bootstraps into another slot). A switch interrupted by a
+    /// crash (a newer slot recorded clean) is finished here, after that slot
+    /// verifies.
+    pub fn open(out: &Path, slots: usize) -> Result<DirSink> {
+        if !(2..=MAX_SLOTS).contains(&slots) {
+            return Err(Error::Config(format!(
+                "--slots {slots}: between 2 and {MAX_SLOTS} output slots"
+            )));
+        }
+        let slots_dir = out.join("slots");
+        std::fs::create_dir_all(&slots_dir).map_err(|e| io_err("creating", &slots_dir, e))?;
+        let lock_path = out.join(".lock");
+        let lock =
+            std::fs::File::create(&lock_path).map_err(|e| io_err("creating", &lock_path, e))?;
+        lock.try_lock().map_err(|_| {
+            Error::Config(format!(
+                "{} is in use by another subscriber (its lock {} is held); give each subscriber its own --out",
+                out.display(),
+                lock_path.display()
+            ))
+        })?;
+        let names: Vec<String> = (0..slots)
+            .map(|i| char::from(b'a' + i as u8).to_string())
+            .collect();
+        let mut state: DirState = std::fs::read(out.join(".state.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .filter(|s: &DirState| s.format == STATE_FORMAT)
+            .unwrap_or_default();
+        state.format = STATE_FORMAT.to_string();
+        // Whatever `current` points to is never written, recorded or not (an
+        // engine may be reading it): without a record it is merely untrusted.
+        let current = std::fs::read_link(out.join("current")).ok().and_then(|t| {
+            let rest = t.strip_prefix("slots").ok()?.to_str()?.to_string();
+            (rest.len() == 1 && rest.bytes().all(|b| b.is_ascii_lowercase())).then_some(rest)
+        });
+        if let Some(c) = &current {
+            state.slots.entry(c.clone()).or_default();
+        }
+        // Slots beyond the configured count go, unless current.
+        let extra: Vec<String> = state
+            .slots
+            .keys()
+            .filter(|n| !names.contains(n) && Some(*n) != current.as_ref())
+            .cloned()
+            .collect();
+        for n in extra {
+            state.slots.remove(&n);
+            let _ = std::fs::remove_dir_all(slots_dir.join(&n));
+        }
+        // Names that are not slots of this state (older runs, strays).
+        if let Ok(entries) = std::fs::read_dir(&slots_dir) {
+            for e in entries.flatten() {
+                let n = e.file_name().to_string_lossy().into_owned();
+                if !names.contains(&n) && Some(&n) != current.as_ref() {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
+        for n in &names {
+            state.slots.entry(n.clone()).or_default();
+            let d = slots_dir.join(n);
+            std::fs::create_dir_all(&d).map_err(|e| io_err("creating", &d, e))?;
+        }
+        let _ = std::fs::remove_dir_all(out.join(".tmp"));
+        let mut sink = DirSink {
+            out: out.to_path_buf(),
+            names,
+            state,
+            current,
+            held: None,
+            damaged: false,
+            finished_switch: false,
+            maps: BTreeMap::new(),
+            work: None,
+            _lock: lock,
+        };
+        sink.verify_current()?;
+        Ok(sink)
+    }
+
+    /// Verifies the current slot in full — or, when a crash interrupted a
+    /// switch, the newer clean slot, and switches to it.
+    fn verify_current(&mut self) -> Result<()> {
+        let cur_version = self
+            .current
+            .as_ref()
+            .and_then(|c| self.state.slots[c].version);
+        let newer = self
+            .state
+            .slots
+            .iter()
+            .filter(|(n, s)| Some(*n) != self.current.as_ref() && !s.dirty)
+            .filter_map(|(n, s)| Some((s.version?, n.clone())))
+            .filter(|&(v, _)| cur_version.is_none_or(|c| v > c))
+            .max();
+        let mut candidates: Vec<String> = newer.into_iter().map(|(_, n)| n).collect();
+        candidates.extend(self.current.clone());
+        let had_current = self.current.is_some();
+        for name in candidates {
+            let rec = &self.state.slots[&name];
+            let Some(version) = rec.version.filter(|_| !rec.dirty) else {
+                continue;
+            };
+            let dir = self.slot_dir(&name);
+            match verify_slot(&dir, rec) {
+                Ok(()) => {
+                    let mut rec = rec.clone();
+                    rec.restamp(&dir)?;
+                    self.state.slots.insert(name.clone(), rec);
+                    if self.current.as_ref() != Some(&name) {
+                        tracing::info!(slot = %name, version, "finishing a switch a crash interrupted");
+                        self.save_state()?;
+                        self.switch(&name)?;
+                        self.finished_switch = true;
+                    }
+                    self.held = Some(version);
+                    return Ok(());
+                }
+                Err(why) => {
+                    tracing::warn!(slot = %name, version, %why, "output slot does not verify; it will be rebuilt");
+                    self.state.slots.insert(name.clone(), SlotState::default());
+                    self.save_state()?;
+                }
+            }
+        }
+        self.damaged = had_current;
+        Ok(())
+    }
+
+    /// The output directory.
+    pub fn out(&self) -> &Path {
+        &self.out
+    }
+
+    /// The directory engines load: `DIR/current`.
+    pub fn current_dir(&self) -> PathBuf {
+        self.out.join("current")
+    }
+
+    /// Whether opening found the current slot damaged (it will be replaced
+    /// by a bootstrap into another slot).
+    pub fn found_damaged(&self) -> bool {
+        self.damaged
+    }
+
+    /// Whether opening finished a switch a crash had interrupted (`current`
+    /// moved to a newer version then: engines have not been told yet).
+    pub fn finished_switch(&self) -> bool {
+        self.finished_switch
+    }
+
+    /// The slot `current` points to.
+    pub fn current_slot(&self) -> Option<&str> {
+        self.current.as_deref()
+    }
+
+    fn slot_dir(&self, name: &str) -> PathBuf {
+        self.out.join("slots").join(name)
+    }
+
+    fn journal_dir(&self) -> PathBuf {
+        self.out.join(".journal")
+    }
+
+    fn save_state(&self) -> Result<()> {
+        let p = self.out.join(".state.json");
+        let tmp = self.out.join(".state.json.tmp");
+        let body = serde_json::to_vec_pretty(&self.state)
+            .map_err(|e| Error::metadata("state", format!("cannot serialize: {e}")))?;
+        std::fs::File::create(&tmp)
+            .and_then(|mut f| {
+                use std::io::Write;
+                f.write_all(&body)?;
+                f.sync_all()
+            })
+            .map_err(|e| io_err("writing", &tmp, e))?;
+        std::fs::rename(&tmp, &p).map_err(|e| io_err("renaming", &tmp, e))?;
+        sync_dir(&self.out)
+    }
+
+    /// Points `current` at slot `name` (a new symlink renamed over the old).
+    fn switch(&mut self, name: &str) -> Result<()> {
+        let link = self.out.join("current");
+        let tmp = self.out.join(".current.tmp");
+        let _ = std::fs::remove_file(&tmp);
+        std::os::unix::fs::symlink(Path::new("slots").join(name), &tmp)
+            .map_err(|e| io_err("linking", &tmp, e))?;
+        std::fs::rename(&tmp, &link).map_err(|e| io_err("switching", &link, e))?;
+        sync_dir(&self.out)?;
+        self.current = Some(name.to_string());
+        Ok(())
+    }
+
+    /// The slot the next version is produced in: the oldest one that is not
+    /// current (dirty and empty slots first).
+    fn next_slot(&self) -> String {
+        self.names
+            .iter()
+            .filter(|n| Some(*n) != self.current.as_ref())
+            .min_by_key(|n| {
+                let s = &self.state.slots[*n];
+                s.version.filter(|_| !s.dirty).map_or(-1, |v| v as i128)
+            })
+            .cloned()
+            .expect("at least two slots")
+    }
+
+    /// Brings the work slot to the held version `held`: from the journal
+    /// when the slot is trustworthy and the journal covers the gap, otherwise
+    /// by cloning the current slot.
+    fn bring_forward(
+        &mut self,
+        work: &mut Work,
+        held: u64,
+        was_dirty: bool,
+        mapped: BTreeMap<String, TensorSet>,
+    ) -> Result<()> {
+        let from = work.rec.version.filter(|_| !was_dirty);
+        let journaled: BTreeSet<u64> = self.state.journal.iter().copied().collect();
+        let usable = from.is_some_and(|v| {
+            v <= held
+                && (v + 1..=held).all(|x| journaled.contains(&x))
+                && work.rec.stamps_hold(&work.dir)
+        });
+        if usable {
+            let v = from.expect("checked");
+            // The files are as recorded (stamps): their mappings from the
+            // last update of this slot are too.
+            work.open = mapped;
+            match self.replay_journal(work, v, held) {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    tracing::warn!(slot = %work.slot, error = %e, "journal replay failed; cloning the current slot");
+                }
+            }
+        } else {
+            tracing::info!(slot = %work.slot, version = ?from, held, "cloning the current slot");
+        }
+        self.clone_current(work)
+    }
+
+    fn replay_journal(&self, work: &mut Work, from: u64, to: u64) -> Result<()> {
+        let jdir = self.journal_dir();
+        for v in from + 1..=to {
+            let key = format!("{v:020}.json");
+            let p = jdir.join(&key);
+            let bytes = std::fs::read(&p).map_err(|e| io_err("reading", &p, e))?;
+            let m = Manifest::parse(&bytes, &key)?;
+            if m.version != v {
+                return Err(Error::metadata(key, format!("holds version {}", m.version)));
+            }
+            for o in m.replay_objects() {
+                let p = jdir.join(format!("{v:020}")).join(&o.name);
+                let body = std::fs::read(&p).map_err(|e| io_err("reading", &p, e))?;
+                let hash = blake3::hash(&body).to_hex();
+                if body.len() as u64 != o.size || hash.as_str() != o.blake3 {
+                    return Err(Error::Integrity {
+                        scope: format!("journal object {}", p.display()),
+                        expected: o.blake3.clone(),
+                        actual: hash.to_string(),
+                    });
+                }
+                work.produced.journal_bytes += o.size;
+                match o.role {
+                    ObjectRole::Delta => {
+                        Self::apply_to_slot(work, v, &o.name, &body)?;
+                    }
+                    ObjectRole::File => Self::write_to_slot(work, &o.name, &body)?,
+                    ObjectRole::Anchor => {}
+                }
+            }
+            Self::finish_version(work, &m)?;
+        }
+        Ok(())
+    }
+
+    /// Rebuilds the work slot as a copy of the current one (reflinks where
+    /// the filesystem can).
+    fn clone_current(&self, work: &mut Work) -> Result<()> {
+        work.open.clear();
+        let cur = self
+            .current
+            .clone()
+            .ok_or_else(|| Error::BadRequest("no current slot to clone from".to_string()))?;
+        let src = self.slot_dir(&cur);
+        let _ = std::fs::remove_dir_all(&work.dir);
+        std::fs::create_dir_all(&work.dir).map_err(|e| io_err("creating", &work.dir, e))?;
+        let rec = self.state.slots[&cur].clone();
+        for name in rec.names() {
+            let (from, to) = (src.join(&name), work.dir.join(&name));
+            if let Some(parent) = to.parent() {
+                std::fs::create_dir_all(parent).map_err(|e| io_err("creating", parent, e))?;
+            }
+            let copied = reflink_copy::reflink_or_copy(&from, &to)
+                .map_err(|e| io_err("cloning", &from, e))?;
+            let copied = copied.unwrap_or(0);
+            work.produced.cloned_bytes += copied;
+            work.produced.written_bytes += copied;
+            work.to_sync.insert(to);
+        }
+        work.rec = rec;
+        Ok(())
+    }
+
+    /// Maps tensor file `name` of the work slot for writing, with the
+    /// recorded digests (checked layout; no pass over the data).
+    fn open_mapped<'w>(work: &'w mut Work, name: &str) -> Result<&'w mut TensorSet> {
+        if !work.open.contains_key(name) {
+            let rec = work.rec.tensors.get(name).ok_or_else(|| {
+                Error::metadata(
+                    "manifest",
+                    format!("delta for `{name}`, which the base does not have"),
+                )
+            })?;
+            let p = work.dir.join(name);
+            let mut set = TensorSet::map(&p, true, Digests::Skip)?;
+            let digests = rec
+                .digests(&set)
+                .filter(|_| rec.same_layout(&set))
+                .ok_or_else(|| Error::Integrity {
+                    scope: format!("output file {}", p.display()),
+                    expected: "the layout recorded in the state".into(),
+                    actual: "another layout".into(),
+                })?;
+            set.assume_digests(&digests)?;
+            work.open.insert(name.to_string(), set);
+        }
+        Ok(work.open.get_mut(name).expect("inserted above"))
+    }
+
+    fn apply_to_slot(
+        work: &mut Work,
+        version: u64,
+        name: &str,
+        delta: &[u8],
+    ) -> Result<ApplyReport> {
+        let set = Self::open_mapped(work, name)?;
+        let started = std::time::Instant::now();
+        let report = apply_checked(set, version, name, delta)?;
+        tracing::debug!(
+            file = name,
+            version,
+            changed = report.changed,
+            seconds = started.elapsed().as_secs_f64(),
+            "applied in place"
+        );
+        work.produced.written_bytes += patched_bytes(set, delta);
+        work.touched.insert(name.to_string());
+        Ok(report)
+    }
+
+    fn write_to_slot(work: &mut Work, name: &str, body: &[u8]) -> Result<()> {
+        let p = work.dir.join(name);
+        if let Some(parent) = p.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| io_err("creating", parent, e))?;
+        }
+        std::fs::write(&p, body).map_err(|e| io_err("writing", &p, e))?;
+        work.to_sync.insert(p);
+        work.produced.written_bytes += body.len() as u64;
+        work.rec.files.insert(
+            name.to_string(),
+            PlainFile {
+                size: body.len() as u64,
+                blake3: blake3::hash(body).to_hex().to_string(),
+                stamp: Stamp::default(),
+            },
+        );
+        Ok(())
+    }
+
+    fn remove_from_slot(work: &mut Work, name: &str) {
+        work.open.remove(name);
+        work.rec.tensors.remove(name);
+        work.rec.files.remove(name);
+        let p = work.dir.join(name);
+        let _ = std::fs::remove_file(&p);
+        // Empty directories the file leaves behind go too.
+        let mut d = p.parent();
+        while let Some(dir) = d.filter(|d| *d != work.dir) {
+            if std::fs::remove_dir(dir).is_err() {
+                break;
+            }
+            d = dir.parent();
+        }
+    }
+
+    /// The end of one version in the work slot: checks it is complete and
+    /// removes the files it no longer has.
+    fn finish_version(work: &mut Work, m: &Manifest) -> Result<()> {
+        if work.bootstrap {
+            let gone: Vec<String> = work
+                .rec
+                .tensors
+                .keys()
+                .filter(|n| !work.touched.contains(*n))
+                .cloned()
+                .collect();
+            for n in gone {
+                Self::remove_from_slot(work, &n);
+            }
+        }
+        let gone = check_version(
+            m,
+            work.bootstrap,
+            work.rec.tensors.keys().cloned(),
+            &work.touched,
+            &work.rec.plain(),
+        )?;
+        for n in gone {
+            Self::remove_from_slot(work, &n);
+        }
+        work.rec.version = Some(m.version);
+        work.touched.clear();
+        work.bootstrap = false;
+        Ok(())
+    }
+
+    /// Writes an object of a downloaded version into the journal (not
+    /// synced: journal objects are checked against their manifest when used).
+    fn journal_object(&self, version: u64, name: &str, body: &[u8]) -> Result<()> {
+        let p = self.journal_dir().join(format!("{version:020}")).join(name);
+        if let Some(parent) = p.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| io_err("creating", parent, e))?;
+        }
+        std::fs::write(&p, body).map_err(|e| io_err("writing", &p, e))
+    }
+
+    /// Keeps the journal versions some other slot still needs; removes the rest.
+    fn prune_journal(&mut self) {
+        let current = self.current.clone();
+        let oldest = self
+            .state
+            .slots
+            .iter()
+            .filter(|(n, s)| Some(*n) != current.as_ref() && !s.dirty)
+            .filter_map(|(_, s)| s.version)
+            .min();
+        self.state
+            .journal
+            .retain(|&v| oldest.is_some_and(|o| v > o));
+        let keep: BTreeSet<String> = self
+            .state
+            .journal
+            .iter()
+            .flat_map(|v| [format!("{v:020}"), format!("{v:020}.json")])
+            .collect();
+        if let Ok(entries) = std::fs::read_dir(self.journal_dir()) {
+            for e in entries.flatten() {
+                if !keep.contains(&*e.file_name().to_string_lossy()) {
+                    let p = e.path();
+                    let _ = std::fs::remove_dir_all(&p).or_else(|_| std::fs::remove_file(&p));
+                }
+            }
+        }
+    }
+
+    fn work(&mut self) -> Result<&mut Work> {
+        self.work
+            .as_mut()
+            .ok_or_else(|| Error::BadRequest("no update in progress (call begin first)".into()))
+    }
+}
+
+fn check_name(name: &str) -> Result<()> {
+    if is_safe_file_name(name) {
+        Ok(())
+    } else {
+        Err(Error::metadata(
+            "manifest",
+            format!("unsafe file name `{name}`"),
+        ))
+    }
+}
+
+impl Sink for DirSink {
+    fn held(&self) -> Option<u64> {
+        self.held
+    }
+
+    fn begin(&mut self, base: Option<u64>) -> Result<()> {
+        self.abort();
+        if base.is_some() && base != self.held {
+            return Err(Error::BadRequest(format!(
+                "update from version {base:?}, the output holds {:?}",
+                self.held
+            )));
+        }
+        let slot = self.next_slot();
+        let dir = self.slot_dir(&slot);
+        let was = self.state.slots[&slot].clone();
+        // Dirty before the first write, durably.
+        self.state.slots.get_mut(&slot).expect("a slot").dirty = true;
+        self.save_state()?;
+        if base.is_none() {
+            // A bootstrap replaces everything: start from an empty slot.
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        std::fs::create_dir_all(&dir).map_err(|e| io_err("creating", &dir, e))?;
+        let mut work = Work {
+            slot,
+            dir,
+            rec: if base.is_none() {
+                SlotState::default()
+            } else {
+                was.clone()
+            },
+            bootstrap: base.is_none(),
+            journal_reset: base.is_none(),
+            ..Work::default()
+        };
+        let mapped = self.maps.remove(&work.slot).unwrap_or_default();
+        if let Some(held) = base {
+            self.bring_forward(&mut work, held, was.dirty, mapped)?;
+        }
+        work.produced.slot = Some(work.slot.clone());
+        self.work = Some(work);
+        Ok(())
+    }
+
+    fn anchor_dest(&mut self, name: &str) -> Result<AnchorDest> {
+        check_name(name)?;
+        let tmp = self.out.join(".tmp");
+        std::fs::create_dir_all(&tmp).map_err(|e| io_err("creating", &tmp, e))?;
+        let w = self.work()?;
+        w.tmp_files += 1;
+        Ok(AnchorDest::File(
+            tmp.join(format!("{}-{}.download", w.slot, w.tmp_files)),
+        ))
+    }
+
+    fn anchor(&mut self, name: &str, object: AnchorObject) -> Result<()> {
+        check_name(name)?;
+        let path = match object {
+            AnchorObject::File(p) => p,
+            AnchorObject::Bytes(b) => {
+                let AnchorDest::File(p) = self.anchor_dest(name)? else {
+                    unreachable!("a DirSink downloads into files")
+                };
+                std::fs::write(&p, &b).map_err(|e| io_err("writing", &p, e))?;
+                p
+            }
+        };
+        let work = self.work()?;
+        work.open.remove(name);
+        let (_, set) = decode_anchor(name, AnchorObject::File(path.clone()))?;
+        let size = std::fs::metadata(&path)
+            .map_err(|e| io_err("reading", &path, e))?
+            .len();
+        let data_start = size - set.total_bytes();
+        let metadata = output_metadata(set.metadata());
+        let header = padded_header(&set, &metadata, data_start as usize - 8)?.ok_or_else(|| {
+            Error::metadata(
+                "anchor",
+                format!("`{name}`: the output header does not fit in the anchor's"),
+            )
+        })?;
+        let mut head = (header.len() as u64).to_le_bytes().to_vec();
+        head.extend_from_slice(&header);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .and_then(|f| {
+                std::os::unix::fs::FileExt::write_all_at(&f, &head, 0)?;
+                f.sync_all()
+            })
+            .map_err(|e| io_err("writing the header of", &path, e))?;
+        let dest = work.dir.join(name);
+        if let Some(parent) = dest.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| io_err("creating", parent, e))?;
+        }
+        std::fs::rename(&path, &dest).map_err(|e| io_err("renaming", &path, e))?;
+        work.rec.files.remove(name);
+        work.rec.tensors.insert(
+            name.to_string(),
+            TensorFile::of(&set, size, blake3::hash(&head).to_hex().to_string()),
+        );
+        work.open.insert(name.to_string(), set);
+        work.touched.insert(name.to_string());
+        work.produced.written_bytes += size;
+        Ok(())
+    }
+
+    fn delta(&mut self, version: u64, name: &str, delta: &[u8]) -> Result<ApplyReport> {
+        check_name(name)?;
+        self.journal_object(version, name, delta)?;
+        Self::apply_to_slot(self.work()?, version, name, delta)
+    }
+
+    fn file(&mut self, version: u64, name: &str, body: &[u8]) -> Result<()> {
+        check_name(name)?;
+        self.journal_object(version, name, body)?;
+        let work = self.work()?;
+        if work.rec.tensors.contains_key(name) {
+            Self::remove_from_slot(work, name);
+        }
+        Self::write_to_slot(work, name, body)
+    }
+
+    fn version_done(&mut self, m: &Manifest) -> Result<()> {
+        let p = self.journal_dir().join(format!("{:020}.json", m.version));
+        let body = serde_json::to_vec_pretty(m).expect("manifest serializes");
+        std::fs::create_dir_all(self.journal_dir())
+            .and_then(|()| std::fs::write(&p, body))
+            .map_err(|e| io_err("writing", &p, e))?;
+        let work = self.work()?;
+        Self::finish_version(work, m)?;
+        work.journaled.push(m.version);
+        Ok(())
+    }
+
+    fn commit(&mut self) -> Result<Produced> {
+        self.finish(true)
+    }
+
+    /// Brings the slot the next update will write forward to the held
+    /// version now (from the journal, or by a clone of the current slot), so
+    /// that the next update applies only the new version's objects. Writes
+    /// that slot: call it only once its files may change (after the hooks
+    /// of the last switch ran).
+    fn prepare(&mut self) -> Result<Produced> {
+        let Some(held) = self.held else {
+            return Ok(Produced::default());
+        };
+        let slot = self.next_slot();
+        let rec = &self.state.slots[&slot];
+        if !rec.dirty && rec.version == Some(held) && rec.stamps_hold(&self.slot_dir(&slot)) {
+            return Ok(Produced::default());
+        }
+        self.begin(Some(held))?;
+        self.finish(false)
+    }
+
+    fn abort(&mut self) {
+        if let Some(work) = self.work.take() {
+            drop(work);
+            let _ = std::fs::remove_dir_all(self.out.join(".tmp"));
+            // The slot stays marked dirty in the state: it is rebuilt before
+            // it is used again.
+        }
+    }
+}
+
+impl DirSink {
+    /// Ends the update: flushes the work slot, records it clean at its
+    /// version and, with `switch`, points `current` at it.
+    fn finish(&mut self, switch: bool) -> Result<Produced> {
+        let mut work = self
+            .work
+            .take()
+            .ok_or_else(|| Error::BadRequest("no update in progress".into()))?;
+        let result = (|| {
+            // Data first: mapped files (msync), then written and cloned files,
+            // then the directories that name them.
+            let started = std::time::Instant::now();
+            for (name, set) in &work.open {
+                set.flush()?;
+                if let Some(rec) = work.rec.tensors.get_mut(name) {
+                    for t in set.tensors() {
+                        if let Some(s) = rec.tensors.get_mut(&t.name) {
+                            s.digest = t.digest.to_string();
+                        }
+                    }
+                }
+            }
+            for p in std::mem::take(&mut work.to_sync) {
+                if p.exists() {
+                    sync_file(&p)?;
+                }
+            }
+            for d in list_dirs(&work.dir).map_err(|e| io_err("listing", &work.dir, e))? {
+                sync_dir(&d)?;
+            }
+            tracing::debug!(
+                slot = %work.slot,
+                seconds = started.elapsed().as_secs_f64(),
+                "slot flushed"
+            );
+            if work.rec.version.is_none() {
+                return Err(Error::BadRequest(
+                    "update committed without a version".into(),
+                ));
+            }
+            // Then the record (the slot is clean at its version)...
+            work.rec.restamp(&work.dir)?;
+            work.rec.dirty = false;
+            self.state.slots.insert(work.slot.clone(), work.rec.clone());
+            if work.journal_reset {
+                self.state.journal.clear();
+            }
+            self.state.journal.extend(&work.journaled);
+            self.state.journal.sort_unstable();
+            self.state.journal.dedup();
+            self.save_state()?;
+            // ...then the switch.
+            if switch {
+                self.switch(&work.slot)?;
+                self.held = work.rec.version;
+                self.damaged = false;
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            // The slot stays dirty in the state: rebuilt next time.
+            self.work = Some(work);
+            self.abort();
+            return Err(e);
+        }
+        let mapped = std::mem::take(&mut work.open);
+        self.maps.insert(work.slot.clone(), mapped);
+        self.prune_journal();
+        if let Err(e) = self.save_state() {
+            tracing::warn!(error = %e, "could not record the pruned journal");
+        }
+        // Leftovers: downloads, and the directory layout of older releases.
+        let _ = std::fs::remove_dir_all(self.out.join(".tmp"));
+        let legacy = self.out.join("versions");
+        if legacy.is_dir() {
+            let _ = std::fs::remove_dir_all(&legacy);
+        }
+        Ok(work.produced)
+    }
+}

@@ -1,0 +1,181 @@
+//! The fetcher: the subscriber's only reader of the store. Manifests and
+//! listings go through it so that every request is counted; objects come
+//! back only after their size and BLAKE3 matched the manifest entry.
+//!
+//! Small objects (deltas, non-tensor files) are read into memory, bounded by
+//! the size the manifest gives. Large objects (anchors, from
+//! [`LARGE_OBJECT`] bytes) are downloaded as concurrent ranged GETs of
+//! [`PART_SIZE`] bytes, [`PARTS_IN_FLIGHT`] at a time, each streamed straight
+//! into its place in a file (or a buffer): memory is a few network chunks
+//! per part in flight, whatever the object's size. The file's BLAKE3 is then
+//! computed over a memory map on every core.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::Bytes;
+
+use crate::error::{Error, Result};
+use crate::protocol::{Latest, Manifest, ObjectEntry, read_latest, read_manifest, versions_after};
+use crate::store::Store;
+
+/// Objects at least this large are downloaded in ranged parts.
+pub const LARGE_OBJECT: u64 = 64 << 20;
+/// Bytes per ranged GET.
+pub const PART_SIZE: u64 = 16 << 20;
+/// Ranged GETs in flight per object.
+pub const PARTS_IN_FLIGHT: usize = 8;
+
+/// Reads the store for a subscriber, counting requests.
+#[derive(Clone, Debug)]
+pub struct Fetcher {
+    store: Store,
+    requests: Arc<AtomicU64>,
+    /// Objects at least this large are downloaded in ranged parts ([`LARGE_OBJECT`]).
+    pub large_object: u64,
+    /// Bytes per ranged GET ([`PART_SIZE`]).
+    pub part_size: u64,
+    /// Ranged GETs in flight ([`PARTS_IN_FLIGHT`]).
+    pub parts_in_flight: usize,
+}
+
+impl Fetcher {
+    /// A fetcher of `store` with the default part sizes.
+    pub fn new(store: Store) -> Fetcher {
+        Fetcher {
+            store,
+            requests: Arc::new(AtomicU64::new(0)),
+            large_object: LARGE_OBJECT,
+            part_size: PART_SIZE,
+            parts_in_flight: PARTS_IN_FLIGHT,
+        }
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Store requests made so far (by this fetcher and its clones).
+    pub fn requests(&self) -> u64 {
+        self.requests.load(Ordering::Relaxed)
+    }
+
+    /// Counts `n` requests made through [`Fetcher::store`] directly.
+    pub(crate) fn count(&self, n: u64) {
+        self.requests.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Committed versions after `after` (all when `None`): one listing.
+    pub async fn versions_after(&self, after: Option<u64>) -> Result<Vec<u64>> {
+        self.count(1);
+        versions_after(&self.store, after).await
+    }
+
+    /// The manifest of `version`, validated; `None` if not committed.
+    pub async fn manifest(&self, version: u64) -> Result<Option<Manifest>> {
+        self.count(1);
+        read_manifest(&self.store, version).await
+    }
+
+    /// The `latest.json` hint unless it still has ETag `known` (see
+    /// [`read_latest`]).
+    pub async fn latest(&self, known: Option<&str>) -> Result<Option<(Latest, Option<String>)>> {
+        self.count(1);
+        read_latest(&self.store, known).await
+    }
+
+    /// Downloads an object into memory and checks it against its entry.
+    /// Large objects come down in ranged parts into a buffer sized from the
+    /// entry (refused cleanly if that much memory cannot be had).
+    pub async fn bytes(&self, o: &ObjectEntry) -> Result<Bytes> {
+        let body = if o.size < self.large_object {
+            self.count(1);
+            // The manifest's size bounds the read: an object that grew is
+            // refused from its reported size, before its body is buffered.
+            self.store
+                .get_at_most(&o.key, o.size)
+                .await?
+                .ok_or_else(|| self.missing(o))?
+        } else {
+            let mut buf = Vec::new();
+            buf.try_reserve_exact(o.size as usize).map_err(|_| {
+                Error::io(
+                    format!("buffering object {} ({} bytes)", o.key, o.size),
+                    std::io::Error::from(std::io::ErrorKind::OutOfMemory),
+                )
+            })?;
+            buf.resize(o.size as usize, 0);
+            let buf = std::sync::Mutex::new(buf);
+            let n = self
+                .store
+                .download_ranges(
+                    &o.key,
+                    o.size,
+                    self.part_size,
+                    self.parts_in_flight,
+                    |at, b| {
+                        let mut buf = buf.lock().expect("not poisoned");
+                        buf[at as usize..at as usize + b.len()].copy_from_slice(b);
+                        Ok(())
+                    },
+                )
+                .await?;
+            self.count(n);
+            Bytes::from(buf.into_inner().expect("not poisoned"))
+        };
+        let mut h = blake3::Hasher::new();
+        h.update_rayon(&body);
+        self.check(o, body.len() as u64, h.finalize())?;
+        Ok(body)
+    }
+
+    /// Downloads an object into the file at `path` (created or truncated)
+    /// and checks it against its entry; on a mismatch the file is removed.
+    /// The file is not synced: the caller decides when it must be durable.
+    pub async fn to_file(&self, o: &ObjectEntry, path: &Path) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let io = |e| Error::io(format!("writing {}", path.display()), e);
+        let file = std::fs::File::create(path).map_err(io)?;
+        if o.size < self.large_object {
+            let body = self.bytes(o).await?;
+            file.write_all_at(&body, 0).map_err(io)?;
+            return Ok(());
+        }
+        file.set_len(o.size).map_err(io)?;
+        let n = self
+            .store
+            .download_to(&o.key, o.size, &file, self.part_size, self.parts_in_flight)
+            .await?;
+        self.count(n);
+        let len = file.metadata().map_err(io)?.len();
+        let mut h = blake3::Hasher::new();
+        h.update_mmap_rayon(path)
+            .map_err(|e| Error::io(format!("hashing {}", path.display()), e))?;
+        let checked = self.check(o, len, h.finalize());
+        if checked.is_err() {
+            let _ = std::fs::remove_file(path);
+        }
+        checked
+    }
+
+    fn missing(&self, o: &ObjectEntry) -> Error {
+        Error::NotFound(format!(
+            "object `{}` is missing from `{}`",
+            o.key,
+            self.store.url()
+        ))
+    }
+
+    fn check(&self, o: &ObjectEntry, len: u64, hash: blake3::Hash) -> Result<()> {
+        if len != o.size || hash.to_hex().as_str() != o.blake3 {
+            return Err(Error::Integrity {
+                scope: format!("object {} at `{}`", o.key, self.store.url()),
+                expected: format!("{} bytes, BLAKE3 {}", o.size, o.blake3),
+                actual: format!("{len} bytes, BLAKE3 {}", hash.to_hex()),
+            });
+        }
+        Ok(())
+    }
+}

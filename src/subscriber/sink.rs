@@ -1,0 +1,474 @@
+//! Sinks: where verified versions go.
+//!
+//! A [`Sink`] receives one update at a time, as calls in this order:
+//!
+//! ```text
+//! begin(base)                      base = Some(held) to replay onto what it holds, None to bootstrap
+//! ( anchor_dest(name), anchor(name, object) | delta(v, name, bytes) | file(v, name, bytes) )*
+//! version_done(manifest)           after each version's objects: the sink is now at that version
+//! ...                              (more versions)
+//! commit()  |  abort()             make the result visible, or drop it
+//! prepare()                        optional, between updates: idle work that makes the next one cheaper
+//! ```
+//!
+//! Every object handed to a sink has already been checked against its
+//! manifest entry (size, BLAKE3) by the fetcher; the sink checks every delta
+//! against its base (digests, through [`crate::codec::apply_delta`]) and
+//! every anchor against its own header ([`decode_anchor`]).
+//!
+//! Two sinks: [`DirSink`](super::dir::DirSink) (an output directory with A/B
+//! slots, patched in place, switched atomically) and [`MemorySink`]
+//! (in-memory tensors, patched in place). A sink over buffers a caller owns —
+//! an engine's or Python's tensors — is a [`MemorySink`] started from sets
+//! built with [`TensorSet::from_external`] ([`MemorySink::with_state`]): deltas
+//! are applied in the caller's memory, and an anchor of the same structure is
+//! copied into it rather than replacing it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+
+use serde::Serialize;
+
+use crate::codec::{ApplyReport, apply_delta, inspect};
+use crate::digest::Digest;
+use crate::dtype::word_bytes;
+use crate::error::{Error, Result};
+use crate::format::{Header, Kind};
+use crate::protocol::{Manifest, ObjectRole};
+use crate::tensors::{Digests, TensorSet};
+
+/// An anchor object, downloaded and checked against its manifest entry.
+#[derive(Debug)]
+pub enum AnchorObject {
+    /// In memory.
+    Bytes(Vec<u8>),
+    /// In a file the sink asked for ([`AnchorDest::File`]); the sink owns it
+    /// from now on (it may map it, rewrite its header and rename it).
+    File(PathBuf),
+}
+
+/// Where a sink wants an anchor object downloaded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AnchorDest {
+    /// Into memory.
+    Memory,
+    /// Into this file (created or truncated by the fetcher).
+    File(PathBuf),
+}
+
+/// What producing a version cost the sink.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Produced {
+    /// Bytes the sink wrote: anchors, non-tensor files, changed elements
+    /// patched in place (changed words × word width), rewritten headers,
+    /// copies made to rebuild a slot.
+    pub written_bytes: u64,
+    /// Bytes of journal objects (verified deltas and files kept from earlier
+    /// updates) applied to bring an output slot forward to the held version.
+    pub journal_bytes: u64,
+    /// Bytes copied from the current slot to rebuild another (0 where the
+    /// filesystem shares extents: reflinks).
+    pub cloned_bytes: u64,
+    /// The output slot now current, for sinks that have slots.
+    pub slot: Option<String>,
+}
+
+/// Where verified versions go (see the module documentation for the call order).
+pub trait Sink {
+    /// The verified version the sink holds and can replay onto (`None`:
+    /// nothing, or nothing trustworthy — the next update must bootstrap).
+    fn held(&self) -> Option<u64>;
+    /// Starts an update: onto the held version (`Some(held)`), or from
+    /// scratch (`None`, the first objects are a version's anchors).
+    fn begin(&mut self, base: Option<u64>) -> Result<()>;
+    /// Where the anchor object for tensor file `name` should be downloaded.
+    fn anchor_dest(&mut self, name: &str) -> Result<AnchorDest>;
+    /// The anchor object for tensor file `name` (verified against its
+    /// manifest entry, not yet against its own header).
+    fn anchor(&mut self, name: &str, object: AnchorObject) -> Result<()>;
+    /// Applies the delta object of version `version` for tensor file `name`.
+    fn delta(&mut self, version: u64, name: &str, delta: &[u8]) -> Result<ApplyReport>;
+    /// The non-tensor file `name` as of version `version`.
+    fn file(&mut self, version: u64, name: &str, body: &[u8]) -> Result<()>;
+    /// Every object of `m` was given: the sink is now at `m.version`. Files
+    /// the version does not list are removed.
+    fn version_done(&mut self, m: &Manifest) -> Result<()>;
+    /// Makes the update visible (durably, for sinks with storage).
+    fn commit(&mut self) -> Result<Produced>;
+    /// Drops the update; what was visible stays as it was.
+    fn abort(&mut self);
+    /// Idle work between updates that makes the next one cheaper (a
+    /// [`DirSink`](super::dir::DirSink) brings the slot the next update will
+    /// write forward to the held version). Nothing visible changes. The
+    /// default does nothing.
+    fn prepare(&mut self) -> Result<Produced> {
+        Ok(Produced::default())
+    }
+}
+
+/// Decodes an anchor object into a verified tensor set: every tensor's
+/// digest is computed (a full pass) and checked against the anchor's header.
+/// A file is mapped for writing (no copy; the set's writes reach the file).
+///
+/// This is the one place the form of an anchor object is known: a
+/// compressed anchor would be decoded here.
+pub fn decode_anchor(name: &str, object: AnchorObject) -> Result<(Header, TensorSet)> {
+    let set = match object {
+        AnchorObject::Bytes(b) => {
+            let b = match crate::codec::planes::decode_object_if_planes(&b)? {
+                Some(raw) => raw,
+                None => b,
+            };
+            TensorSet::from_safetensors(b, Digests::Compute)?
+        }
+        AnchorObject::File(p) => {
+            expand_planes(&p)?;
+            TensorSet::map(&p, true, Digests::Compute)?
+        }
+    };
+    let header = verify_anchor(&set).map_err(|e| match e {
+        Error::Metadata { field, reason } => {
+            Error::metadata(field, format!("anchor `{name}`: {reason}"))
+        }
+        other => other,
+    })?;
+    Ok((header, set))
+}
+
+/// Turns a compressed (`planes`, docs/format.md §5.1) anchor object in a
+/// file into the raw anchor it stands for, in place: decoded (every chunk and
+/// digest checked) into a new file through a writable map — page cache, not
+/// the heap — then renamed over the object. A raw anchor is left as it is.
+pub fn expand_planes(path: &std::path::Path) -> Result<()> {
+    use crate::codec::planes;
+    let io = |what: &str, e| Error::io(format!("{what} {}", path.display()), e);
+    let file = std::fs::File::open(path).map_err(|e| io("opening", e))?;
+    // SAFETY: the file is the sink's own download (its `.tmp` directory),
+    // which nothing else writes or truncates while it is mapped.
+    let object = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| io("mapping", e))?;
+    let (_, header) = inspect(&object)?;
+    if !header.as_ref().is_some_and(planes::is_planes) {
+        return Ok(());
+    }
+    let layout = planes::PlanesLayout::parse(&object[..planes::prefix_len(&object)? as usize])?;
+    let prefix = layout.raw_prefix()?;
+    let total = prefix.len() as u64 + layout.decoded_len();
+    let tmp = path.with_extension("raw");
+    let out = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&tmp)
+        .map_err(|e| io("creating", e))?;
+    out.set_len(total).map_err(|e| io("sizing", e))?;
+    {
+        // SAFETY: a file this function just created in the sink's own
+        // directory; nothing else knows it until the rename below.
+        let mut map = unsafe { memmap2::MmapMut::map_mut(&out) }.map_err(|e| io("mapping", e))?;
+        map[..prefix.len()].copy_from_slice(&prefix);
+        layout.decode_all(&object, &mut map[prefix.len()..])?;
+        map.flush().map_err(|e| io("writing", e))?;
+    }
+    drop(object);
+    std::fs::rename(&tmp, path).map_err(|e| io("renaming", e))
+}
+
+/// Checks a set's computed digests against its own weightcast anchor header.
+fn verify_anchor(set: &TensorSet) -> Result<Header> {
+    let h = Header::from_metadata(set.metadata())?
+        .ok_or_else(|| Error::metadata("weightcast.format", "missing: not a weightcast anchor"))?;
+    if h.kind != Kind::Anchor {
+        return Err(Error::metadata("weightcast.kind", "a delta, not an anchor"));
+    }
+    if h.tensor_count != set.len() as u64 || h.tensors.len() != set.len() {
+        return Err(Error::metadata(
+            "weightcast.tensors",
+            format!(
+                "header lists {} tensors (count {}), the file holds {}",
+                h.tensors.len(),
+                h.tensor_count,
+                set.len()
+            ),
+        ));
+    }
+    for t in set.tensors() {
+        let e = h
+            .tensors
+            .get(&t.name)
+            .ok_or_else(|| Error::tensor(&t.name, "not described in weightcast.tensors"))?;
+        let shape: Vec<u64> = t.shape.iter().map(|&d| d as u64).collect();
+        if e.dtype != t.dtype.to_string() || e.shape != shape || e.elements != t.elements() {
+            return Err(Error::tensor(
+                &t.name,
+                format!(
+                    "header describes {} {:?}, the file holds {} {:?}",
+                    e.dtype, e.shape, t.dtype, t.shape
+                ),
+            ));
+        }
+        if Digest::parse(&e.digest) != Some(t.digest) {
+            return Err(Error::Integrity {
+                scope: format!("tensor {}", t.name),
+                expected: e.digest.clone(),
+                actual: t.digest.to_string(),
+            });
+        }
+    }
+    if set.digest() != h.digest {
+        return Err(Error::Integrity {
+            scope: "file".into(),
+            expected: h.digest.to_string(),
+            actual: set.digest().to_string(),
+        });
+    }
+    Ok(h)
+}
+
+/// The `__metadata__` of an output file: the anchor's, without the
+/// `weightcast.*` keys (`format=pt` and whatever the trainer wrote stay).
+pub fn output_metadata(anchor: &BTreeMap<String, String>) -> BTreeMap<String, String> {
+    anchor
+        .iter()
+        .filter(|(k, _)| !k.starts_with("weightcast."))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
+
+/// Applies a delta object of `version` for file `name` to `set`, and refuses
+/// anything but a verified delta to exactly that version.
+pub(crate) fn apply_checked(
+    set: &mut TensorSet,
+    version: u64,
+    name: &str,
+    delta: &[u8],
+) -> Result<ApplyReport> {
+    let report = apply_delta(set, delta)?;
+    if !report.verified || report.model_version != Some(version) {
+        return Err(Error::metadata(
+            "delta",
+            format!("the delta for `{name}` is not a verified delta to version {version}"),
+        ));
+    }
+    Ok(report)
+}
+
+/// Bytes an apply of `delta` wrote into `set`: changed words × word width,
+/// from the delta's header.
+pub(crate) fn patched_bytes(set: &TensorSet, delta: &[u8]) -> u64 {
+    let Ok((_, Some(h))) = inspect(delta) else {
+        return 0;
+    };
+    h.tensors
+        .iter()
+        .filter_map(|(n, e)| {
+            let t = &set.tensors()[set.position(n)?];
+            Some(e.changed * word_bytes(t.dtype) as u64)
+        })
+        .sum()
+}
+
+/// Checks a finished version's files against its manifest: a replayed
+/// version moved every tensor file the sink holds (`touched`), and every
+/// non-tensor file the manifest lists as unchanged is held with its size and
+/// BLAKE3 (`have`). Returns the non-tensor files held that the version no
+/// longer lists (to delete).
+pub(crate) fn check_version(
+    m: &Manifest,
+    bootstrap: bool,
+    tensors: impl IntoIterator<Item = String>,
+    touched: &BTreeSet<String>,
+    have: &BTreeMap<String, (u64, String)>,
+) -> Result<Vec<String>> {
+    if !bootstrap && let Some(stale) = tensors.into_iter().find(|n| !touched.contains(n)) {
+        return Err(Error::metadata(
+            "manifest",
+            format!("version {} has no delta for `{stale}`", m.version),
+        ));
+    }
+    for f in &m.files {
+        if have.get(&f.name) != Some(&(f.size, f.blake3.clone())) {
+            return Err(Error::metadata(
+                "manifest",
+                format!(
+                    "version {} lists `{}` ({} bytes, BLAKE3 {}), which the base does not hold",
+                    m.version, f.name, f.size, f.blake3
+                ),
+            ));
+        }
+    }
+    let listed: BTreeSet<&str> = m.files.iter().map(|f| f.name.as_str()).collect();
+    Ok(have
+        .keys()
+        .filter(|n| !listed.contains(n.as_str()))
+        .cloned()
+        .collect())
+}
+
+/// In-memory tensors and files, patched in place.
+#[derive(Debug, Default)]
+pub struct MemorySink {
+    version: Option<u64>,
+    tensors: BTreeMap<String, TensorSet>,
+    files: BTreeMap<String, Vec<u8>>,
+    touched: BTreeSet<String>,
+    bootstrap: bool,
+    working: bool,
+    written: u64,
+}
+
+impl MemorySink {
+    /// An empty sink (the first update bootstraps).
+    pub fn new() -> MemorySink {
+        MemorySink::default()
+    }
+
+    /// A sink over existing tensor sets (e.g. the caller's buffers, built
+    /// with [`TensorSet::from_external`]) and non-tensor files. With
+    /// `Some(version)` they hold that version and each set must have valid
+    /// digests (computed, or assumed from a trusted record with
+    /// [`TensorSet::assume_digests`]); with `None` the first update
+    /// bootstraps, copying each anchor into the set of the same name and
+    /// structure instead of replacing it.
+    pub fn with_state(
+        version: Option<u64>,
+        tensors: BTreeMap<String, TensorSet>,
+        files: BTreeMap<String, Vec<u8>>,
+    ) -> Result<MemorySink> {
+        if version.is_some()
+            && let Some((n, _)) = tensors.iter().find(|(_, s)| !s.has_digests())
+        {
+            return Err(Error::BadRequest(format!(
+                "tensor file `{n}` has no digests: compute or assume them first"
+            )));
+        }
+        Ok(MemorySink {
+            version,
+            tensors,
+            files,
+            ..MemorySink::default()
+        })
+    }
+
+    /// The tensor files (valid when [`Sink::held`] is `Some`).
+    pub fn tensors(&self) -> &BTreeMap<String, TensorSet> {
+        &self.tensors
+    }
+
+    /// The non-tensor files.
+    pub fn files(&self) -> &BTreeMap<String, Vec<u8>> {
+        &self.files
+    }
+}
+
+impl Sink for MemorySink {
+    fn held(&self) -> Option<u64> {
+        self.version
+    }
+
+    fn begin(&mut self, base: Option<u64>) -> Result<()> {
+        if base.is_some() && base != self.version {
+            return Err(Error::BadRequest(format!(
+                "update from version {base:?}, the sink holds {:?}",
+                self.version
+            )));
+        }
+        self.working = true;
+        self.bootstrap = base.is_none();
+        self.touched.clear();
+        self.written = 0;
+        Ok(())
+    }
+
+    fn anchor_dest(&mut self, _name: &str) -> Result<AnchorDest> {
+        Ok(AnchorDest::Memory)
+    }
+
+    fn anchor(&mut self, name: &str, object: AnchorObject) -> Result<()> {
+        let (_, mut set) = decode_anchor(name, object)?;
+        set.set_metadata(output_metadata(set.metadata()));
+        self.written += set.total_bytes();
+        self.touched.insert(name.to_string());
+        match self.tensors.get_mut(name) {
+            // Memory someone else owns (caller buffers) with the same
+            // tensors: copied into, not replaced.
+            Some(held) if held.is_shared() && held.same_structure(&set).is_ok() => {
+                for i in 0..set.len() {
+                    held.data_mut(i).copy_from_slice(set.data(i));
+                }
+                let digests: Vec<Digest> = set.tensors().iter().map(|t| t.digest).collect();
+                held.assume_digests(&digests)
+            }
+            _ => {
+                self.tensors.insert(name.to_string(), set);
+                Ok(())
+            }
+        }
+    }
+
+    fn delta(&mut self, version: u64, name: &str, delta: &[u8]) -> Result<ApplyReport> {
+        let set = self.tensors.get_mut(name).ok_or_else(|| {
+            Error::metadata(
+                "manifest",
+                format!("delta for `{name}`, which the base does not have"),
+            )
+        })?;
+        let report = apply_checked(set, version, name, delta)?;
+        self.written += patched_bytes(set, delta);
+        self.touched.insert(name.to_string());
+        Ok(report)
+    }
+
+    fn file(&mut self, _version: u64, name: &str, body: &[u8]) -> Result<()> {
+        self.written += body.len() as u64;
+        self.files.insert(name.to_string(), body.to_vec());
+        Ok(())
+    }
+
+    fn version_done(&mut self, m: &Manifest) -> Result<()> {
+        let anchors = m.objects.iter().any(|o| o.role == ObjectRole::Anchor);
+        let bootstrap = self.bootstrap && anchors;
+        if bootstrap {
+            let touched = &self.touched;
+            self.tensors.retain(|n, _| touched.contains(n));
+        }
+        let have = self
+            .files
+            .iter()
+            .map(|(n, b)| {
+                let h = blake3::hash(b).to_hex().to_string();
+                (n.clone(), (b.len() as u64, h))
+            })
+            .collect();
+        let gone = check_version(
+            m,
+            bootstrap,
+            self.tensors.keys().cloned(),
+            &self.touched,
+            &have,
+        )?;
+        for n in gone {
+            self.files.remove(&n);
+        }
+        self.version = Some(m.version);
+        self.bootstrap = false;
+        self.touched.clear();
+        Ok(())
+    }
+
+    fn commit(&mut self) -> Result<Produced> {
+        self.working = false;
+        Ok(Produced {
+            written_bytes: std::mem::take(&mut self.written),
+            ..Produced::default()
+        })
+    }
+
+    fn abort(&mut self) {
+        // Patched in place: a half-applied update leaves nothing to trust.
+        if self.working {
+            self.version = None;
+            self.working = false;
+        }
+    }
+}
