@@ -15,6 +15,7 @@ use super::fetch::Fetcher;
 use super::sink::Sink;
 use super::source::VersionSource;
 use super::status::Shared;
+use super::trl::TrlFollower;
 use super::{CaughtUp, Subscriber};
 
 /// How often a subscriber that stays at one version rewrites its registration
@@ -75,6 +76,9 @@ pub struct Daemon {
     /// Whether no iteration has prepared yet (a daemon started on an
     /// up-to-date output prepares once).
     first_prepare: bool,
+    /// Set when the bucket is in TRL's own layout (no manifests): the output
+    /// follows it as a single-file checkpoint instead ([`super::trl`]).
+    trl: Option<TrlFollower>,
 }
 
 impl Daemon {
@@ -90,6 +94,9 @@ impl Daemon {
         if damaged {
             sub.note_repair();
         }
+        let trl = TrlFollower::is_output(&cfg.out)
+            .then(|| TrlFollower::open(&cfg.out))
+            .transpose()?;
         Ok(Daemon {
             sub,
             cfg: cfg.clone(),
@@ -97,6 +104,7 @@ impl Daemon {
             switch_owed,
             prepare: false,
             first_prepare: true,
+            trl,
         })
     }
 
@@ -109,7 +117,21 @@ impl Daemon {
         thorough: bool,
     ) -> Result<Option<(CaughtUp, hooks::Report)>> {
         let started = Instant::now();
-        let caught = self.sub.catch_up(thorough).await;
+        // A bucket in TRL's layout is recognized by its keys, while nothing
+        // is held yet.
+        if self.trl.is_none()
+            && self.sub.sink.held().is_none()
+            && crate::protocol::trl::is_trl_bucket(self.sub.fetcher.store()).await?
+        {
+            tracing::info!(
+                "the bucket is in TRL's layout; following it as a single-file checkpoint"
+            );
+            self.trl = Some(TrlFollower::open(&self.cfg.out)?);
+        }
+        let caught = match &mut self.trl {
+            Some(t) => t.catch_up(self.sub.fetcher.store()).await,
+            None => self.sub.catch_up(thorough).await,
+        };
         let requests = self.sub.fetcher.requests();
         if let Ok(mut s) = shared.status.lock() {
             s.store_requests = requests;
@@ -146,9 +168,13 @@ impl Daemon {
                 slot = c.slot.as_deref().unwrap_or(""),
                 "caught up"
             );
+            let dir = match &self.trl {
+                Some(t) => t.current_dir(),
+                None => self.sub.sink.current_dir(),
+            };
             let event = hooks::Event {
                 version: c.version,
-                dir: self.sub.sink.current_dir(),
+                dir,
                 changed_tensors: c.changed_tensors.clone(),
             };
             report = hooks::run(&self.cfg.hooks, &event).await;
@@ -161,7 +187,7 @@ impl Daemon {
         if let Ok(mut s) = shared.status.lock() {
             s.store_requests = self.sub.fetcher.requests();
         }
-        if self.prepare && (switched || self.first_prepare) {
+        if self.prepare && self.trl.is_none() && (switched || self.first_prepare) {
             self.first_prepare = false;
             // The hooks ran: the files of the slot the next update writes
             // may change now.
