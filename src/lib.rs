@@ -48,7 +48,7 @@
 //! - [`bench`](mod@bench): the codec benchmark behind `weightcast bench codec`.
 //! - [`demo`]: the end-to-end demo behind `weightcast demo`.
 //!
-//! The binary (`src/bin/weightcast.rs`) is a thin command-line layer over these.
+//! The binary (`src/bin/weightcast/`) is a thin command-line layer over these.
 //!
 //! ## Example
 //!
