@@ -120,6 +120,28 @@ pub struct PublisherConfig {
     pub trl: crate::format::TrlOptions,
 }
 
+impl PublisherConfig {
+    /// Defaults with the snapshot in `state_dir`: `compact` deltas, an anchor
+    /// every 10 versions (`planes`-compressed), the weightcast layout, no
+    /// notifications, no automatic retention, checkpoint directories read
+    /// with the default excludes.
+    pub fn new(state_dir: impl Into<std::path::PathBuf>) -> PublisherConfig {
+        PublisherConfig {
+            state_dir: state_dir.into(),
+            encoding: Encoding::Compact,
+            anchors: AnchorPolicy::default(),
+            single_writer: false,
+            notify_urls: Vec::new(),
+            notify_key: None,
+            retention: None,
+            checkpoint: CheckpointOptions::default(),
+            anchor_encoding: AnchorEncoding::default(),
+            layout: crate::protocol::Layout::default(),
+            trl: crate::format::TrlOptions::default(),
+        }
+    }
+}
+
 /// Per-publish options.
 #[derive(Clone, Debug, Default)]
 pub struct PublishOptions {
