@@ -40,6 +40,8 @@ pub struct DaemonConfig {
     pub notify_url: Option<String>,
     /// What runs after each new version (engine reloads, webhooks, commands).
     pub hooks: Vec<Hook>,
+    /// Timeouts, retry budget and SGLang pause mode of the hooks.
+    pub hook_policy: hooks::HookPolicy,
 }
 
 impl DaemonConfig {
@@ -54,6 +56,7 @@ impl DaemonConfig {
             id: None,
             notify_url: None,
             hooks: Vec::new(),
+            hook_policy: hooks::HookPolicy::default(),
         }
     }
 }
@@ -76,6 +79,10 @@ pub struct Daemon {
     /// Whether no iteration has prepared yet (a daemon started on an
     /// up-to-date output prepares once).
     first_prepare: bool,
+    /// Hooks that failed for the version `current` holds: the engine has not
+    /// confirmed it, so the previous version's files must stay as they are;
+    /// they run again before anything else.
+    hooks_owed: Option<hooks::Event>,
     /// Set when the bucket is in TRL's own layout (no manifests): the output
     /// follows it as a single-file checkpoint instead ([`super::trl`]).
     trl: Option<TrlFollower>,
@@ -104,6 +111,7 @@ impl Daemon {
             switch_owed,
             prepare: false,
             first_prepare: true,
+            hooks_owed: None,
             trl,
         })
     }
@@ -117,6 +125,22 @@ impl Daemon {
         thorough: bool,
     ) -> Result<Option<(CaughtUp, hooks::Report)>> {
         let started = Instant::now();
+        // An engine that has not confirmed the current version may still read
+        // the previous one's files: nothing changes until its hooks succeed.
+        if let Some(event) = self.hooks_owed.clone() {
+            let report = hooks::run(&self.cfg.hooks, &event, &self.cfg.hook_policy).await;
+            self.record_hooks(shared, &report);
+            if report.failed > 0 {
+                return Err(crate::Error::Conflict(format!(
+                    "the engine has not confirmed version {} ({}); the previous version is \
+                     kept and the hooks run again",
+                    event.version,
+                    report.error().unwrap_or_default()
+                )));
+            }
+            self.hooks_owed = None;
+            tracing::info!(version = event.version, "the engine confirmed the version");
+        }
         // A bucket in TRL's layout is recognized by its keys, while nothing
         // is held yet.
         if self.trl.is_none()
@@ -177,17 +201,21 @@ impl Daemon {
                 dir,
                 changed_tensors: c.changed_tensors.clone(),
             };
-            report = hooks::run(&self.cfg.hooks, &event).await;
-            if let Ok(mut s) = shared.status.lock() {
-                s.last_pause_seconds = report.pause_seconds;
-                s.hook_failures += report.failed as u64;
+            report = hooks::run(&self.cfg.hooks, &event, &self.cfg.hook_policy).await;
+            self.record_hooks(shared, &report);
+            if report.failed > 0 {
+                self.hooks_owed = Some(event);
             }
         }
         self.register(c.version).await;
         if let Ok(mut s) = shared.status.lock() {
             s.store_requests = self.sub.fetcher.requests();
         }
-        if self.prepare && self.trl.is_none() && (switched || self.first_prepare) {
+        if self.prepare
+            && self.trl.is_none()
+            && self.hooks_owed.is_none()
+            && (switched || self.first_prepare)
+        {
             self.first_prepare = false;
             // The hooks ran: the files of the slot the next update writes
             // may change now.
@@ -205,6 +233,15 @@ impl Daemon {
             }
         }
         Ok(Some((c, report)))
+    }
+
+    fn record_hooks(&self, shared: &Shared, report: &hooks::Report) {
+        if let Ok(mut s) = shared.status.lock() {
+            s.last_pause_seconds = report.pause_seconds;
+            s.hook_failures += report.failed as u64;
+            s.hook_runs += 1;
+            s.last_hook_error = report.error();
+        }
     }
 
     /// Rewrites the registration when the version changed or it is due.

@@ -171,6 +171,19 @@ pub enum Command {
         /// webhook:URL or command:CMD.
         #[arg(long = "hook")]
         hooks: Vec<weightcast::hooks::Hook>,
+        /// Per-request timeout of the hooks, seconds (a reload of a large
+        /// model takes minutes).
+        #[arg(long, default_value_t = 600.0)]
+        hook_timeout: f64,
+        /// Total time one hook may take, retries with backoff included,
+        /// seconds; after it the engine has not confirmed the version: the
+        /// previous version's files stay untouched and the hooks run again.
+        #[arg(long, default_value_t = 1800.0)]
+        hook_budget: f64,
+        /// SGLang's pause mode for the sglang hook: abort, retract (requests
+        /// kept, their KV cache recomputed with the new weights) or in_place.
+        #[arg(long, default_value = "retract")]
+        sglang_pause_mode: weightcast::hooks::SglangPause,
     },
     /// Retention: keep the newest K anchors and every version after the oldest
     /// of them, plus the deltas registered lagging subscribers still replay;

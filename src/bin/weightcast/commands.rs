@@ -85,7 +85,17 @@ pub async fn run(command: Command) -> Result<()> {
             id,
             advertise,
             hooks,
+            hook_timeout,
+            hook_budget,
+            sglang_pause_mode,
         } => {
+            let seconds = |v: f64, flag: &str| -> Result<std::time::Duration> {
+                if v > 0.0 && v.is_finite() {
+                    Ok(std::time::Duration::from_secs_f64(v))
+                } else {
+                    bail!("{flag} must be a positive number of seconds")
+                }
+            };
             if !(poll_interval > 0.0 && poll_interval.is_finite()) {
                 bail!("--poll-interval must be a positive number of seconds");
             }
@@ -98,6 +108,12 @@ pub async fn run(command: Command) -> Result<()> {
             cfg.poll_jitter = poll_jitter;
             cfg.id = id;
             cfg.hooks = hooks;
+            cfg.hook_policy = weightcast::hooks::HookPolicy {
+                timeout: seconds(hook_timeout, "--hook-timeout")?,
+                budget: seconds(hook_budget, "--hook-budget")?,
+                sglang_pause: sglang_pause_mode,
+                ..Default::default()
+            };
             cfg.notify_url = advertise;
             if once {
                 subscribe_once(&store, &cfg).await
