@@ -6,6 +6,7 @@
 mod common;
 
 mod cli_signals;
+mod conformance;
 mod deploy_files;
 mod docs_flags;
 mod gc;
