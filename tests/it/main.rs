@@ -13,6 +13,7 @@ mod faultproxy;
 mod gc;
 mod gcs;
 mod hooks;
+mod hostile;
 mod malformed;
 mod notify;
 mod protocol;
