@@ -31,6 +31,18 @@ struct Expect {
     writes: Writes,
 }
 
+impl Expect {
+    /// What a faithful store does: enforces creates, answers 304, takes
+    /// object_store's writes.
+    fn faithful() -> Expect {
+        Expect {
+            conditional: ConditionalWrites::Enforced,
+            not_modified: true,
+            writes: Writes::ObjectStore,
+        }
+    }
+}
+
 enum Writes {
     /// Through object_store, like the publisher.
     ObjectStore,
@@ -386,11 +398,7 @@ async fn conformance_memory() {
     suite(&Backend {
         name: "memory",
         store: Store::open("memory:///conformance").unwrap(),
-        expect: Expect {
-            conditional: ConditionalWrites::Enforced,
-            not_modified: true,
-            writes: Writes::ObjectStore,
-        },
+        expect: Expect::faithful(),
     })
     .await;
 }
@@ -401,11 +409,7 @@ async fn conformance_local() {
     suite(&Backend {
         name: "local",
         store,
-        expect: Expect {
-            conditional: ConditionalWrites::Enforced,
-            not_modified: true,
-            writes: Writes::ObjectStore,
-        },
+        expect: Expect::faithful(),
     })
     .await;
 }
@@ -415,11 +419,7 @@ async fn conformance_s3_moto() {
     suite(&Backend {
         name: "moto",
         store: common::moto_store("conformance", "run").await,
-        expect: Expect {
-            conditional: ConditionalWrites::Enforced,
-            not_modified: true,
-            writes: Writes::ObjectStore,
-        },
+        expect: Expect::faithful(),
     })
     .await;
 }
@@ -468,11 +468,7 @@ async fn conformance_azure_azurite() {
     suite(&Backend {
         name: "azurite",
         store: common::azurite_store("conformance", "run"),
-        expect: Expect {
-            conditional: ConditionalWrites::Enforced,
-            not_modified: true,
-            writes: Writes::ObjectStore,
-        },
+        expect: Expect::faithful(),
     })
     .await;
 }

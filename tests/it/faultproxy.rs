@@ -329,28 +329,51 @@ async fn proxied(bucket: &str) -> (Arc<FaultProxy>, Store) {
     (proxy, store)
 }
 
-/// A burst of 503s and connection resets on every request, longer than
-/// object_store's default retry window (10 retries: 1.4–5.5 s, 12 s at the
-/// 99th percentile), while a publisher commits and a subscriber catches up:
-/// both succeed once the store recovers, and the subscriber is exact.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_burst_of_store_failures_longer_than_the_default_retry_window_fails_nothing() {
-    let (proxy, store) = proxied("fp-burst").await;
+/// A publisher on `store` that committed version 0 of a fresh trainer, and a
+/// subscriber (`work/sub`) that caught up to it.
+struct Started {
+    work: tempfile::TempDir,
+    publisher: Publisher,
+    trainer: common::Trainer,
+    sub: std::path::PathBuf,
+}
+
+async fn started(store: &Store, seed: u64) -> Started {
     let work = tempfile::tempdir().unwrap();
-    let mut p = Publisher::open(
+    let mut publisher = Publisher::open(
         store.clone(),
         common::publisher_config(&work.path().join("state"), 10, None),
     )
     .await
     .unwrap();
-    let mut t = common::Trainer::new(31);
-    p.publish(t.checkpoint(), &Default::default())
+    let trainer = common::Trainer::new(seed);
+    publisher
+        .publish(trainer.checkpoint(), &Default::default())
         .await
         .unwrap();
     let sub = work.path().join("sub");
-    weightcast::subscriber::catch_up(&store, &sub)
-        .await
-        .unwrap();
+    weightcast::subscriber::catch_up(store, &sub).await.unwrap();
+    Started {
+        work,
+        publisher,
+        trainer,
+        sub,
+    }
+}
+
+/// A burst of 503s and connection resets on every request, longer than
+/// object_store's default retry window (10 retries: gave up after 1.7–8.3 s
+/// when measured), while a publisher commits and a subscriber catches up:
+/// both succeed once the store recovers, and the subscriber is exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_store_failures_longer_than_the_default_retry_window_fails_nothing() {
+    let (proxy, store) = proxied("fp-burst").await;
+    let Started {
+        mut publisher,
+        trainer: mut t,
+        sub,
+        work: _work,
+    } = started(&store, 31).await;
     t.step();
 
     let burst = Duration::from_secs(common::scaled(15, 40));
@@ -363,7 +386,7 @@ async fn a_burst_of_store_failures_longer_than_the_default_retry_window_fails_no
     let started = Instant::now();
     let opts = Default::default();
     let (published, caught) = tokio::join!(
-        p.publish(t.checkpoint(), &opts),
+        publisher.publish(t.checkpoint(), &opts),
         weightcast::subscriber::catch_up(&store, &sub)
     );
     let took = started.elapsed();
@@ -386,21 +409,12 @@ async fn a_burst_of_store_failures_longer_than_the_default_retry_window_fails_no
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn truncated_or_corrupted_bodies_are_never_accepted() {
     let (proxy, store) = proxied("fp-bodies").await;
-    let work = tempfile::tempdir().unwrap();
-    let mut p = Publisher::open(
-        store.clone(),
-        common::publisher_config(&work.path().join("state"), 10, None),
-    )
-    .await
-    .unwrap();
-    let mut t = common::Trainer::new(32);
-    let sub = work.path().join("sub");
-    p.publish(t.checkpoint(), &Default::default())
-        .await
-        .unwrap();
-    weightcast::subscriber::catch_up(&store, &sub)
-        .await
-        .unwrap();
+    let Started {
+        publisher: mut p,
+        trainer: mut t,
+        sub,
+        work: _work,
+    } = started(&store, 32).await;
     let mut held = (t.weights(), t.config());
     let mut refused = 0;
     for (round, fault) in [Fault::Truncate, Fault::Corrupt, Fault::ResetMidBody]
@@ -509,17 +523,12 @@ async fn a_commit_applied_but_not_acknowledged_is_neither_lost_nor_doubled() {
         common::moto_bucket(&bucket).await;
         let proxy = FaultProxy::start(common::moto().port).await;
         let store = proxied_store(&proxy, &bucket, &[("timeout", "2s")]);
-        let work = tempfile::tempdir().unwrap();
-        let mut p = Publisher::open(
-            store.clone(),
-            common::publisher_config(&work.path().join("state"), 10, None),
-        )
-        .await
-        .unwrap();
-        let mut t = common::Trainer::new(33);
-        p.publish(t.checkpoint(), &Default::default())
-            .await
-            .unwrap();
+        let Started {
+            publisher: mut p,
+            trainer: mut t,
+            sub,
+            work: _work,
+        } = started(&store, 33).await;
         t.step();
         proxy.add(
             Rule::new(fault.clone())
@@ -566,7 +575,6 @@ async fn a_commit_applied_but_not_acknowledged_is_neither_lost_nor_doubled() {
             (2, weightcast::protocol::VersionKind::Delta),
             "{what}"
         );
-        let sub = work.path().join("sub");
         let c = weightcast::subscriber::catch_up(&store, &sub)
             .await
             .unwrap()
