@@ -38,6 +38,9 @@ enum Damage {
     ManifestOf(u64),
     /// Edit the bytes of each of its objects under this prefix.
     Objects(&'static str, fn(&mut Vec<u8>)),
+    /// Edit the bytes of the anchor objects of version 0 (what a fresh
+    /// subscriber bootstraps from).
+    Anchor(fn(&mut Vec<u8>)),
     /// Delete its objects under this prefix.
     Delete(&'static str),
     /// Delete every object under this prefix, of every version.
@@ -127,6 +130,19 @@ impl Bucket {
             Damage::ManifestOf(v) => {
                 let other = self.store.get(&manifest_key(*v)).await.unwrap().unwrap();
                 self.store.put(&key2, other).await.unwrap();
+            }
+            Damage::Anchor(edit) => {
+                for o in self
+                    .manifest(0)
+                    .await
+                    .objects
+                    .iter()
+                    .filter(|o| o.key.starts_with("anchors/"))
+                {
+                    let mut b = self.store.get(&o.key).await.unwrap().unwrap().to_vec();
+                    edit(&mut b);
+                    self.store.put(&o.key, Bytes::from(b)).await.unwrap();
+                }
             }
             Damage::Objects(prefix, edit) => {
                 for o in m2.objects.iter().filter(|o| o.key.starts_with(prefix)) {
@@ -382,6 +398,21 @@ async fn damaged_or_missing_objects_are_refused_and_the_next_anchor_recovers() {
         ("every anchor deleted", Damage::DeletePrefix("anchors")),
         ("every manifest deleted", Damage::DeletePrefix("versions")),
         ("a delta made for another base", Damage::ForeignDelta),
+        (
+            "a truncated anchor",
+            Damage::Anchor(|b| b.truncate(b.len() - 1)),
+        ),
+        (
+            "a bit-flipped anchor",
+            Damage::Anchor(|b| {
+                let i = b.len() / 2;
+                b[i] ^= 0x80;
+            }),
+        ),
+        (
+            "an anchor's header rewritten",
+            Damage::Anchor(|b| b[10] = b'!'),
+        ),
     ];
     for (i, (name, d)) in cases.into_iter().enumerate() {
         scenario(name, d, 400 + i as u64).await;
