@@ -673,7 +673,10 @@ pub fn assert_dashboard_covers(families: &[String], owned: impl Fn(&str) -> bool
         }
     }
     let queried: Vec<&String> = queried.iter().filter(|f| owned(f)).collect();
-    assert!(!queried.is_empty(), "the dashboard queries none of these series");
+    assert!(
+        !queried.is_empty(),
+        "the dashboard queries none of these series"
+    );
     for f in &queried {
         assert!(
             families.contains(f),
