@@ -68,6 +68,32 @@ fn main() -> Result<(), Error> {
         }
     }
 
+    // TRL's other generations and index codings (the loop above wrote the
+    // default, v3 with gap_delta indices).
+    for (name, new) in [&targets[0], &targets[3], &targets[4]] {
+        for (label, trl) in [
+            ("v1", weightcast::format::TrlOptions::V1),
+            (
+                "v3-raw",
+                weightcast::format::TrlOptions {
+                    generation: weightcast::format::TrlGeneration::V3,
+                    index: weightcast::format::TrlIndexEncoding::Raw,
+                },
+            ),
+        ] {
+            let mut new = new.clone();
+            let opts = DeltaOptions {
+                encoding: Encoding::Trl,
+                model_version: 1,
+                base_version: 0,
+                trl,
+            };
+            let (bytes, _) = encode_delta(&v0, &mut new, &opts)?;
+            check_applies(&v0, &bytes, &new)?;
+            seeds.write("apply_trl", &format!("{name}-trl-{label}"), &bytes)?;
+        }
+    }
+
     // Compact deltas with small blocks (the writer always uses 2^22 words).
     for (name, new) in [&targets[0], &targets[3], &targets[4]] {
         for bw in [1000u64, 4096] {

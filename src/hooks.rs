@@ -232,6 +232,7 @@ pub async fn run(hooks: &[Hook], event: &Event, policy: &HookPolicy) -> Report {
     if hooks.is_empty() {
         return report;
     }
+    crate::store::install_crypto_provider();
     let client = match reqwest::Client::builder()
         .timeout(policy.timeout)
         .connect_timeout(Duration::from_secs(5))

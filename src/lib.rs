@@ -83,6 +83,12 @@
 //! # }
 //! ```
 //!
+//! TLS: weightcast builds one crypto stack, `ring` (for rustls and the
+//! stores' request signing); [`store::Store::open`] installs it as the
+//! process's rustls provider. An application that builds its own `reqwest`
+//! client before opening a store calls [`store::install_crypto_provider`]
+//! first (or installs a provider of its own).
+//!
 //! The codec alone (no store): a delta between two tensor sets, applied and
 //! verified.
 //!

@@ -136,6 +136,7 @@ pub struct Delivery {
 /// Sends `n` to every URL concurrently: 2 s timeout per attempt, up to three
 /// attempts with backoff. Never fails: deliveries are reported, errors logged.
 pub async fn send(urls: &[String], key: &Key, n: &Notification) -> Vec<Delivery> {
+    crate::store::install_crypto_provider();
     let client = match reqwest::Client::builder()
         .timeout(Duration::from_secs(2))
         .redirect(reqwest::redirect::Policy::none())

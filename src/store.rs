@@ -239,6 +239,16 @@ fn hf_credentials(
     )))
 }
 
+/// Makes `ring` the process's TLS crypto provider (rustls needs one chosen
+/// when more than none is compiled in; weightcast builds only `ring`). An
+/// application that installed its own first keeps it.
+pub fn install_crypto_provider() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
 /// What to tell an operator about a store failure, beyond the backend's own
 /// words: the setting that most likely fixes it.
 fn store_hint(url: &str, e: &object_store::Error) -> String {
@@ -387,6 +397,7 @@ impl Store {
     /// `aws_allow_http`, `google_base_url`, `azure_storage_account_name`, …),
     /// plus `hf_endpoint` for `hf://` stores (the gateway, without the namespace).
     pub fn open_with(url: &str, options: &[(&str, &str)]) -> Result<Store> {
+        install_crypto_provider();
         let parsed =
             url::Url::parse(url).map_err(|e| Error::Config(format!("store URL `{url}`: {e}")))?;
         let bad = |e: object_store::Error| Error::Config(format!("store URL `{url}`: {e}"));

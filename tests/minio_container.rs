@@ -280,7 +280,10 @@ async fn publish_subscribe_on_minio_skipped_without_docker() {
     let endpoint = format!("http://{host}:{port}");
 
     // Ready when the health endpoint says so.
-    let http = reqwest::Client::new();
+    let http = {
+        weightcast::store::install_crypto_provider();
+        reqwest::Client::new()
+    };
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let ready = http

@@ -201,10 +201,13 @@ async fn main() -> Result<()> {
         "trainer loop starting"
     );
     let mut g = tokio::task::block_in_place(|| Generator::new(model));
-    let client = reqwest::Client::builder()
-        .connect_timeout(Duration::from_secs(5))
-        .timeout(Duration::from_secs(1800))
-        .build()?;
+    let client = {
+        weightcast::store::install_crypto_provider();
+        reqwest::Client::builder()
+    }
+    .connect_timeout(Duration::from_secs(5))
+    .timeout(Duration::from_secs(1800))
+    .build()?;
 
     let mut kept: VecDeque<PathBuf> = VecDeque::new();
     let mut step = 0u64;

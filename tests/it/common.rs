@@ -119,11 +119,14 @@ pub fn moto() -> &'static Server {
 /// Creates an S3 bucket on moto (moto accepts unsigned requests).
 pub async fn moto_bucket(name: &str) {
     let port = moto().port;
-    let r = reqwest::Client::new()
-        .put(format!("http://127.0.0.1:{port}/{name}"))
-        .send()
-        .await
-        .expect("moto create-bucket request");
+    let r = {
+        weightcast::store::install_crypto_provider();
+        reqwest::Client::new()
+    }
+    .put(format!("http://127.0.0.1:{port}/{name}"))
+    .send()
+    .await
+    .expect("moto create-bucket request");
     assert!(
         r.status().is_success(),
         "moto create bucket {name}: {}",
@@ -356,13 +359,16 @@ pub fn fake_gcs() -> &'static Server {
 /// Creates a bucket on fake-gcs-server (JSON API).
 pub async fn fake_gcs_bucket(name: &str) {
     let port = fake_gcs().port;
-    let r = reqwest::Client::new()
-        .post(format!("http://127.0.0.1:{port}/storage/v1/b"))
-        .body(format!("{{\"name\":\"{name}\"}}"))
-        .header("content-type", "application/json")
-        .send()
-        .await
-        .expect("fake-gcs create-bucket request");
+    let r = {
+        weightcast::store::install_crypto_provider();
+        reqwest::Client::new()
+    }
+    .post(format!("http://127.0.0.1:{port}/storage/v1/b"))
+    .body(format!("{{\"name\":\"{name}\"}}"))
+    .header("content-type", "application/json")
+    .send()
+    .await
+    .expect("fake-gcs create-bucket request");
     assert!(
         r.status().is_success(),
         "create bucket {name}: {}",
@@ -379,12 +385,15 @@ pub async fn fake_gcs_upload(bucket: &str, key: &str, body: Vec<u8>) {
         &[("uploadType", "media"), ("name", key)],
     )
     .unwrap();
-    let r = reqwest::Client::new()
-        .post(url)
-        .body(body)
-        .send()
-        .await
-        .expect("fake-gcs upload request");
+    let r = {
+        weightcast::store::install_crypto_provider();
+        reqwest::Client::new()
+    }
+    .post(url)
+    .body(body)
+    .send()
+    .await
+    .expect("fake-gcs upload request");
     assert!(r.status().is_success(), "upload {key}: {}", r.status());
 }
 

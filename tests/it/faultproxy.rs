@@ -131,10 +131,13 @@ impl FaultProxy {
         let proxy = Arc::new(FaultProxy {
             port: listener.local_addr().unwrap().port(),
             upstream: format!("http://127.0.0.1:{upstream_port}"),
-            client: reqwest::Client::builder()
-                .redirect(reqwest::redirect::Policy::none())
-                .build()
-                .unwrap(),
+            client: {
+                weightcast::store::install_crypto_provider();
+                reqwest::Client::builder()
+            }
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .unwrap(),
             rules: Mutex::new(Vec::new()),
             seen: Mutex::new(Vec::new()),
         });

@@ -122,7 +122,10 @@ async fn notifications_wake_subscribers_and_bad_ones_are_refused() {
             .notified,
         0
     );
-    let client = reqwest::Client::new();
+    let client = {
+        weightcast::store::install_crypto_provider();
+        reqwest::Client::new()
+    };
     let body = format!(
         r#"{{"store":"{}","version":2,"anchor_version":0}}"#,
         store.url()

@@ -49,7 +49,10 @@ async fn publish_over_http() {
     ));
 
     let mut g = Generator::new(GeneratorConfig::tiny(8));
-    let client = reqwest::Client::new();
+    let client = {
+        weightcast::store::install_crypto_provider();
+        reqwest::Client::new()
+    };
     let post = |token: &'static str, body: serde_json::Value| {
         client
             .post(format!("{base}/v1/publish"))
