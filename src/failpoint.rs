@@ -6,7 +6,8 @@
 //!
 //! Points: `publisher.before_commit` (objects and journal written, manifest
 //! not), `publisher.after_commit` (manifest created, snapshot not yet
-//! updated), `publisher.after_latest` (hint written, snapshot not updated).
+//! updated), `publisher.after_latest` (hint written, snapshot not updated),
+//! `relay.before_commit` (a version's objects copied, its manifest not).
 
 use std::sync::OnceLock;
 
