@@ -253,20 +253,9 @@ impl Relay {
     /// Copies the objects of `m`, [`RelayConfig::objects_in_flight`] at a
     /// time, skipping those already in place.
     async fn copy_objects(&self, m: &Manifest, report: &mut RelayReport) -> Result<()> {
-        let (from, to, ahead) = (&self.from, &self.to, self.cfg.parts_ahead);
-        let mut copies = futures::stream::iter(&m.objects)
-            .map(|o| async move {
-                if to.head(&o.key).await? == Some(o.size)
-                    && let Some((size, hash)) = to.measure(&o.key).await?
-                    && size == o.size
-                    && hash == o.blake3
-                {
-                    return Ok::<_, Error>((false, o.size));
-                }
-                from.copy_verified(to, &o.key, (o.size, &o.blake3), ahead)
-                    .await?;
-                Ok((true, o.size))
-            })
+        let ahead = self.cfg.parts_ahead;
+        let mut copies = futures::stream::iter(m.objects.clone())
+            .map(|o| copy_one(self.from.clone(), self.to.clone(), o, ahead))
             .buffer_unordered(self.cfg.objects_in_flight.max(1));
         while let Some(r) = copies.next().await {
             let (copied, size) = r.map_err(|e| {
@@ -386,4 +375,24 @@ impl Relay {
             };
         }
     }
+}
+
+/// Copies one object unless the destination already holds it with the
+/// manifest's size and BLAKE3; returns whether it was copied, and its size.
+async fn copy_one(
+    from: Store,
+    to: Store,
+    o: crate::protocol::ObjectEntry,
+    ahead: usize,
+) -> Result<(bool, u64)> {
+    if to.head(&o.key).await? == Some(o.size)
+        && let Some((size, hash)) = to.measure(&o.key).await?
+        && size == o.size
+        && hash == o.blake3
+    {
+        return Ok((false, o.size));
+    }
+    from.copy_verified(&to, &o.key, (o.size, &o.blake3), ahead)
+        .await?;
+    Ok((true, o.size))
 }

@@ -1124,6 +1124,63 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn copy_verified_streams_large_objects_and_refuses_mismatches() {
+        let (from, to) = (
+            Store::open("memory://").unwrap(),
+            Store::open("memory://").unwrap(),
+        );
+        // Above the multipart threshold, not a whole number of parts.
+        let len = MULTIPART_THRESHOLD + PART_SIZE + 12345;
+        let body: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+        let hash = blake3::hash(&body).to_hex().to_string();
+        from.put("anchors/a", Bytes::from(body.clone()))
+            .await
+            .unwrap();
+        from.put("deltas/d", Bytes::from_static(b"small"))
+            .await
+            .unwrap();
+        let small = blake3::hash(b"small").to_hex().to_string();
+
+        // A wrong hash or size: an Integrity error naming the object, and
+        // nothing at the destination (the multipart upload was aborted).
+        let wrong = blake3::hash(b"other").to_hex().to_string();
+        for (key, size, h) in [
+            ("anchors/a", len as u64, wrong.as_str()),
+            ("anchors/a", len as u64 - 1, hash.as_str()),
+            ("deltas/d", 5, wrong.as_str()),
+        ] {
+            let e = from
+                .copy_verified(&to, key, (size, h), 2)
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(&e, Error::Integrity { scope, .. } if scope.contains(key)),
+                "{e}"
+            );
+            assert_eq!(to.head(key).await.unwrap(), None, "{key} left behind");
+        }
+        let e = from
+            .copy_verified(&to, "deltas/none", (5, &small), 2)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, Error::NotFound(_)), "{e}");
+
+        from.copy_verified(&to, "anchors/a", (len as u64, &hash), 2)
+            .await
+            .unwrap();
+        from.copy_verified(&to, "deltas/d", (5, &small), 2)
+            .await
+            .unwrap();
+        assert_eq!(to.get("anchors/a").await.unwrap().unwrap(), body);
+        assert_eq!(
+            to.measure("anchors/a").await.unwrap(),
+            Some((len as u64, hash))
+        );
+        assert_eq!(to.measure("deltas/d").await.unwrap(), Some((5, small)));
+        assert_eq!(to.measure("nothing").await.unwrap(), None);
+    }
+
+    #[tokio::test]
     async fn probe_detects_a_store_that_ignores_conditions() {
         let lying =
             Store::from_object_store(Arc::new(IgnoresConditions(InMemory::new())), "lying://");

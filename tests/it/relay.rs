@@ -315,3 +315,92 @@ async fn retention_applies_at_the_destination_only() {
     run.assert_followed(&dest, out.path(), 4, "after retention")
         .await;
 }
+
+const SECRET: &str = "a-relay-test-secret-of-length";
+
+/// The daemon: a wake-up (what the origin publisher's notification does on
+/// `--listen`) makes it sync, and its notification makes the region's
+/// subscriber catch up; both poll hourly, so nothing else could.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_relays_on_wake_up_and_notifies_the_region() {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+    use weightcast::notify::Key;
+    use weightcast::subscriber::status::Shared;
+    use weightcast::subscriber::{DaemonConfig, run};
+
+    let (origin, _o) = common::local_store();
+    let (dest, _d) = common::local_store();
+    let mut trainer_run = Run::start(&origin, 10).await;
+    trainer_run.publish(2).await;
+
+    // The region's subscriber, listening for notifications.
+    let out = tempfile::tempdir().unwrap();
+    let shared = Shared::new(dest.url(), Some(Key::new(SECRET).unwrap()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let notify_url = format!("http://{}/v1/notify", listener.local_addr().unwrap());
+    tokio::spawn(weightcast::http::subscriber::serve(
+        listener,
+        shared.clone(),
+        std::future::pending(),
+    ));
+    let cfg = DaemonConfig {
+        poll_interval: Duration::from_secs(3600),
+        hooks: Vec::new(),
+        ..DaemonConfig::new(out.path())
+    };
+    let (st, sh) = (dest.clone(), shared.clone());
+    tokio::spawn(async move { run(&st, &cfg, &sh, std::future::pending()).await });
+
+    let relay_cfg = RelayConfig {
+        interval: Duration::from_secs(3600),
+        notify_urls: vec![notify_url],
+        notify_key: Some(Key::new(SECRET).unwrap()),
+        ..RelayConfig::default()
+    };
+    let wake = Arc::new(tokio::sync::Notify::new());
+    let synced = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (w, s) = (wake.clone(), synced.clone());
+    let relay = Relay::new(origin.clone(), dest.clone(), relay_cfg);
+    tokio::spawn(async move {
+        relay
+            .run(
+                &w,
+                |r| {
+                    s.lock()
+                        .unwrap()
+                        .push(r.as_ref().map(|r| r.versions.clone()).ok())
+                },
+                std::future::pending(),
+            )
+            .await
+    });
+    let wait = |v: u64| {
+        let shared = shared.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while shared.status.lock().unwrap().version != Some(v) {
+                assert!(
+                    Instant::now() < deadline,
+                    "the subscriber did not reach v{v}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    // The first sync runs at start.
+    wait(1).await;
+    trainer_run.publish(2).await;
+    wake.notify_one();
+    wait(3).await;
+    common::assert_replica(
+        out.path(),
+        &trainer_run.trainer.weights(),
+        &trainer_run.trainer.config(),
+        "the region's subscriber after the daemon's relay",
+    );
+    assert_eq!(
+        *synced.lock().unwrap(),
+        vec![Some(vec![0, 1]), Some(vec![2, 3])]
+    );
+}
