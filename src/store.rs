@@ -450,6 +450,16 @@ impl Store {
         Path::parse(key).map_err(|e| Error::Config(format!("invalid object key `{key}`: {e}")))
     }
 
+    /// Starts a multipart upload to `path` (`key`) in [`PART_SIZE`] parts.
+    async fn multipart(&self, path: &Path, key: &str) -> Result<WriteMultipart> {
+        let upload = self
+            .inner
+            .put_multipart(path)
+            .await
+            .map_err(|e| self.err("start multipart upload", key, e))?;
+        Ok(WriteMultipart::new_with_chunk_size(upload, PART_SIZE))
+    }
+
     /// Writes an object, overwriting any previous one. Objects of
     /// [`MULTIPART_THRESHOLD`] bytes or more go up in [`PART_SIZE`] parts,
     /// [`PART_CONCURRENCY`] at a time; an incomplete upload is aborted.
@@ -469,12 +479,7 @@ impl Store {
             }
             return Ok(());
         }
-        let upload = self
-            .inner
-            .put_multipart(&path)
-            .await
-            .map_err(|e| self.err("start multipart upload", key, e))?;
-        let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_SIZE);
+        let mut writer = self.multipart(&path, key).await?;
         for chunk in bytes.chunks(PART_SIZE) {
             writer
                 .wait_for_capacity(PART_CONCURRENCY)
@@ -510,12 +515,7 @@ impl Store {
         if let Some(pr) = &self.progress {
             pr.started(key, len);
         }
-        let upload = self
-            .inner
-            .put_multipart(&p)
-            .await
-            .map_err(|e| self.err("start multipart upload", key, e))?;
-        let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_SIZE);
+        let mut writer = self.multipart(&p, key).await?;
         let mut sent = 0u64;
         loop {
             let mut part = Vec::with_capacity(PART_SIZE);
@@ -580,12 +580,7 @@ impl Store {
         if let Some(p) = &self.progress {
             p.started(key, total);
         }
-        let upload = self
-            .inner
-            .put_multipart(&path)
-            .await
-            .map_err(|e| self.err("start multipart upload", key, e))?;
-        let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_SIZE);
+        let mut writer = self.multipart(&path, key).await?;
         for s in sources {
             let mut at = 0;
             while at < s.len() {
@@ -948,13 +943,7 @@ impl Store {
             }
             return to.put(key, bytes).await;
         }
-        let path = Self::path(key)?;
-        let upload = to
-            .inner
-            .put_multipart(&path)
-            .await
-            .map_err(|e| to.err("start multipart upload", key, e))?;
-        let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_SIZE);
+        let mut writer = to.multipart(&Self::path(key)?, key).await?;
         let mut parts = std::pin::pin!(self.read_parts(key, size, ahead));
         while let Some(piece) = parts.next().await {
             let piece = match piece {
