@@ -279,6 +279,97 @@ pub async fn fleet_urls(
 mod tests {
     use super::*;
 
+    /// A loopback HTTP server: answers every request with `status` (reading
+    /// nothing of it), or never answers when `status` is `None`.
+    async fn server(status: Option<u16>) -> String {
+        use tokio::io::AsyncWriteExt;
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/v1/notify", l.local_addr().unwrap());
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((mut c, _)) = l.accept().await {
+                match status {
+                    Some(s) => {
+                        // Read the request (headers, then the body) first.
+                        use tokio::io::AsyncReadExt;
+                        let mut req = Vec::new();
+                        let mut buf = [0u8; 4096];
+                        loop {
+                            let Ok(k) = c.read(&mut buf).await else { break };
+                            req.extend_from_slice(&buf[..k]);
+                            let text = String::from_utf8_lossy(&req).to_lowercase();
+                            if let Some(end) = text.find("\r\n\r\n") {
+                                let len: usize = text
+                                    .split("content-length:")
+                                    .nth(1)
+                                    .and_then(|v| v.lines().next())
+                                    .and_then(|v| v.trim().parse().ok())
+                                    .unwrap_or(0);
+                                if req.len() >= end + 4 + len {
+                                    break;
+                                }
+                            }
+                            if k == 0 {
+                                break;
+                            }
+                        }
+                        let r = format!(
+                            "HTTP/1.1 {s} X\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                        );
+                        c.write_all(r.as_bytes()).await.ok();
+                    }
+                    None => held.push(c),
+                }
+            }
+        });
+        url
+    }
+
+    #[tokio::test]
+    async fn a_silent_subscriber_hits_its_deadline_and_slows_no_other() {
+        let key = Key::new("0123456789abcdef-secret").unwrap();
+        let n = Notification {
+            store: "memory://".into(),
+            version: 1,
+            anchor_version: 0,
+        };
+        let (silent, ok, refused) = (
+            server(None).await,
+            server(Some(200)).await,
+            server(Some(403)).await,
+        );
+        let policy = SendPolicy {
+            concurrency: 2,
+            attempt_timeout: Duration::from_secs(30),
+            attempts: 3,
+            deadline: Duration::from_millis(300),
+        };
+        let t = std::time::Instant::now();
+        let urls = [silent.clone(), ok.clone(), refused.clone(), ok.clone()];
+        let mut got = send_with(&urls, &key, &n, &policy).await;
+        let took = t.elapsed();
+        got.sort_by(|a, b| a.url.cmp(&b.url));
+        let by = |u: &str| {
+            got.iter()
+                .filter(|d| d.url == u)
+                .cloned()
+                .collect::<Vec<_>>()
+        };
+        assert!(
+            by(&silent).iter().all(|d| !d.ok && d.attempts == 1),
+            "{got:?}"
+        );
+        assert!(by(&ok).iter().all(|d| d.ok && d.attempts == 1), "{got:?}");
+        assert!(
+            by(&refused).iter().all(|d| !d.ok && d.attempts == 1),
+            "{got:?}"
+        );
+        assert_eq!(got.len(), 4);
+        // The silent one held one of the two slots for its deadline only.
+        assert!(took < Duration::from_secs(5), "{took:?}");
+        assert!(took >= Duration::from_millis(300), "{took:?}");
+    }
+
     #[test]
     fn signatures_verify_and_reject() {
         let k = Key::new("0123456789abcdef-secret").unwrap();
