@@ -294,8 +294,7 @@ mod tests {
                         use tokio::io::AsyncReadExt;
                         let mut req = Vec::new();
                         let mut buf = [0u8; 4096];
-                        loop {
-                            let Ok(k) = c.read(&mut buf).await else { break };
+                        while let Ok(k) = c.read(&mut buf).await {
                             req.extend_from_slice(&buf[..k]);
                             let text = String::from_utf8_lossy(&req).to_lowercase();
                             if let Some(end) = text.find("\r\n\r\n") {
