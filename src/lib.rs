@@ -31,7 +31,9 @@
 //!   a memory-mapped snapshot patched in place; [`subscriber`]: a version
 //!   source, a planner, a fetcher and sinks (A/B output slots patched in
 //!   place; memory) composed by [`subscriber::Subscriber`], and the daemon
-//!   loop; [`hooks`]: engine hand-off after each version.
+//!   loop; [`hooks`]: engine hand-off after each version; [`relay`]: mirrors
+//!   committed versions from an origin prefix into a regional one (verified
+//!   on the way, same commit protocol), for fleets in several regions.
 //! - [`http`]: the daemons' HTTP surfaces, each `serve(listener, state,
 //!   shutdown)`.
 //! - Tools: [`generator`] (synthetic RL steps), [`bench`](mod@bench),
@@ -134,6 +136,8 @@ pub mod platform;
 pub mod protocol;
 #[cfg(feature = "store")]
 pub mod publisher;
+#[cfg(feature = "store")]
+pub mod relay;
 #[cfg(feature = "store")]
 pub mod store;
 #[cfg(feature = "store")]

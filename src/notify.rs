@@ -133,12 +133,51 @@ pub struct Delivery {
     pub attempts: u32,
 }
 
-/// Sends `n` to every URL concurrently: 2 s timeout per attempt, up to three
-/// attempts with backoff. Never fails: deliveries are reported, errors logged.
+/// How notifications go out: at most `concurrency` subscribers at once, each
+/// attempt bounded by `attempt_timeout`, up to `attempts` attempts with
+/// exponential backoff (200 ms, 400 ms, …), and all of one subscriber's
+/// attempts within `deadline`. A 4xx answer is final (no retry).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SendPolicy {
+    /// Subscribers notified at once.
+    pub concurrency: usize,
+    /// Longest one attempt may take.
+    pub attempt_timeout: Duration,
+    /// Attempts per subscriber.
+    pub attempts: u32,
+    /// Longest one subscriber may take, retries included.
+    pub deadline: Duration,
+}
+
+impl Default for SendPolicy {
+    fn default() -> Self {
+        SendPolicy {
+            concurrency: 32,
+            attempt_timeout: Duration::from_secs(2),
+            attempts: 3,
+            deadline: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Sends `n` to every URL with the default [`SendPolicy`]. Never fails:
+/// deliveries are reported, errors logged.
 pub async fn send(urls: &[String], key: &Key, n: &Notification) -> Vec<Delivery> {
+    send_with(urls, key, n, &SendPolicy::default()).await
+}
+
+/// Sends `n` to every URL under `policy` (see [`SendPolicy`]). Never fails:
+/// deliveries are reported, errors logged.
+pub async fn send_with(
+    urls: &[String],
+    key: &Key,
+    n: &Notification,
+    policy: &SendPolicy,
+) -> Vec<Delivery> {
+    use futures::StreamExt;
     crate::store::install_crypto_provider();
     let client = match reqwest::Client::builder()
-        .timeout(Duration::from_secs(2))
+        .timeout(policy.attempt_timeout)
         .redirect(reqwest::redirect::Policy::none())
         .build()
     {
@@ -149,46 +188,187 @@ pub async fn send(urls: &[String], key: &Key, n: &Notification) -> Vec<Delivery>
         }
     };
     let body = serde_json::to_vec(n).expect("notification serializes");
-    let tasks = urls.iter().map(|url| {
-        let (client, body, url) = (client.clone(), body.clone(), url.clone());
+    let one = |url: String| {
+        let (client, body) = (client.clone(), body.clone());
         async move {
-            let mut attempts = 0;
-            loop {
-                attempts += 1;
-                let ts = unix_now();
-                let r = client
-                    .post(&url)
-                    .header("content-type", "application/json")
-                    .header(TIMESTAMP_HEADER, ts.to_string())
-                    .header(SIGNATURE_HEADER, key.sign(ts, &body))
-                    .body(body.clone())
-                    .send()
-                    .await;
-                match r {
-                    Ok(resp) if resp.status().is_success() => {
-                        return Delivery { url, ok: true, attempts };
-                    }
-                    Ok(resp) if resp.status().is_client_error() => {
-                        tracing::warn!(%url, status = %resp.status(), "notification refused");
-                        return Delivery { url, ok: false, attempts };
-                    }
-                    other => {
-                        if attempts >= 3 {
-                            tracing::warn!(%url, result = ?other.map(|r| r.status()), "notification not delivered");
-                            return Delivery { url, ok: false, attempts };
+            let attempts = std::sync::atomic::AtomicU32::new(0);
+            let tries = async {
+                loop {
+                    let made = attempts.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+                    let ts = unix_now();
+                    let r = client
+                        .post(&url)
+                        .header("content-type", "application/json")
+                        .header(TIMESTAMP_HEADER, ts.to_string())
+                        .header(SIGNATURE_HEADER, key.sign(ts, &body))
+                        .body(body.clone())
+                        .send()
+                        .await;
+                    match r {
+                        Ok(resp) if resp.status().is_success() => return true,
+                        Ok(resp) if resp.status().is_client_error() => {
+                            tracing::warn!(%url, status = %resp.status(), "notification refused");
+                            return false;
                         }
-                        tokio::time::sleep(Duration::from_millis(200 << attempts)).await;
+                        other => {
+                            if made >= policy.attempts.max(1) {
+                                tracing::warn!(%url, result = ?other.map(|r| r.status()), "notification not delivered");
+                                return false;
+                            }
+                            tokio::time::sleep(Duration::from_millis(100 << made.min(8))).await;
+                        }
                     }
                 }
+            };
+            let ok = match tokio::time::timeout(policy.deadline, tries).await {
+                Ok(ok) => ok,
+                Err(_) => {
+                    tracing::warn!(%url, deadline = ?policy.deadline, "notification not delivered within its deadline");
+                    false
+                }
+            };
+            Delivery {
+                url,
+                ok,
+                attempts: attempts.into_inner(),
             }
         }
-    });
-    futures::future::join_all(tasks).await
+    };
+    futures::stream::iter(urls.iter().cloned())
+        .map(one)
+        .buffer_unordered(policy.concurrency.max(1))
+        .collect()
+        .await
+}
+
+/// How old a registration may be and still be notified: the retention's
+/// registration horizon (a day by default), so that a subscriber retention
+/// has given up on is not sent POSTs either.
+pub fn registration_horizon(retention: Option<&crate::protocol::Retention>) -> u64 {
+    retention
+        .and_then(|r| r.registration_max_age_s)
+        .or(crate::protocol::Retention::default().registration_max_age_s)
+        .unwrap_or(u64::MAX)
+}
+
+/// The notify URLs of a store's fleet: `static_urls` plus those of the
+/// subscribers registered in `store` whose registration was refreshed
+/// within `max_age_s` seconds (an older one belongs to a subscriber that
+/// went away: not worth a POST), sorted, without duplicates. A registry that
+/// cannot be listed is logged and leaves the static URLs.
+pub async fn fleet_urls(
+    store: &crate::store::Store,
+    static_urls: &[String],
+    max_age_s: u64,
+) -> Vec<String> {
+    let mut urls = static_urls.to_vec();
+    let now = unix_now();
+    match crate::protocol::registrations(store).await {
+        Ok(regs) => urls.extend(
+            regs.into_iter()
+                .filter(|r| now.saturating_sub(r.updated_at) <= max_age_s)
+                .filter_map(|r| r.notify_url),
+        ),
+        Err(e) => tracing::warn!(error = %e, "cannot list subscriber registrations"),
+    }
+    urls.sort();
+    urls.dedup();
+    urls
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A loopback HTTP server: answers every request with `status` (reading
+    /// nothing of it), or never answers when `status` is `None`.
+    async fn server(status: Option<u16>) -> String {
+        use tokio::io::AsyncWriteExt;
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/v1/notify", l.local_addr().unwrap());
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((mut c, _)) = l.accept().await {
+                match status {
+                    Some(s) => {
+                        // Read the request (headers, then the body) first.
+                        use tokio::io::AsyncReadExt;
+                        let mut req = Vec::new();
+                        let mut buf = [0u8; 4096];
+                        while let Ok(k) = c.read(&mut buf).await {
+                            req.extend_from_slice(&buf[..k]);
+                            let text = String::from_utf8_lossy(&req).to_lowercase();
+                            if let Some(end) = text.find("\r\n\r\n") {
+                                let len: usize = text
+                                    .split("content-length:")
+                                    .nth(1)
+                                    .and_then(|v| v.lines().next())
+                                    .and_then(|v| v.trim().parse().ok())
+                                    .unwrap_or(0);
+                                if req.len() >= end + 4 + len {
+                                    break;
+                                }
+                            }
+                            if k == 0 {
+                                break;
+                            }
+                        }
+                        let r = format!(
+                            "HTTP/1.1 {s} X\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                        );
+                        c.write_all(r.as_bytes()).await.ok();
+                    }
+                    None => held.push(c),
+                }
+            }
+        });
+        url
+    }
+
+    #[tokio::test]
+    async fn a_silent_subscriber_hits_its_deadline_and_slows_no_other() {
+        let key = Key::new("0123456789abcdef-secret").unwrap();
+        let n = Notification {
+            store: "memory://".into(),
+            version: 1,
+            anchor_version: 0,
+        };
+        let (silent, ok, refused) = (
+            server(None).await,
+            server(Some(200)).await,
+            server(Some(403)).await,
+        );
+        let policy = SendPolicy {
+            concurrency: 2,
+            attempt_timeout: Duration::from_secs(30),
+            attempts: 3,
+            deadline: Duration::from_millis(300),
+        };
+        let t = std::time::Instant::now();
+        let urls = [silent.clone(), ok.clone(), refused.clone(), ok.clone()];
+        let mut got = send_with(&urls, &key, &n, &policy).await;
+        let took = t.elapsed();
+        got.sort_by(|a, b| a.url.cmp(&b.url));
+        let by = |u: &str| {
+            got.iter()
+                .filter(|d| d.url == u)
+                .cloned()
+                .collect::<Vec<_>>()
+        };
+        assert!(
+            by(&silent).iter().all(|d| !d.ok && d.attempts == 1),
+            "{got:?}"
+        );
+        assert!(by(&ok).iter().all(|d| d.ok && d.attempts == 1), "{got:?}");
+        assert!(
+            by(&refused).iter().all(|d| !d.ok && d.attempts == 1),
+            "{got:?}"
+        );
+        assert_eq!(got.len(), 4);
+        // The silent one held one of the two slots for its deadline only.
+        assert!(took < Duration::from_secs(5), "{took:?}");
+        assert!(took >= Duration::from_millis(300), "{took:?}");
+    }
 
     #[test]
     fn signatures_verify_and_reject() {

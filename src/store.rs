@@ -552,6 +552,16 @@ impl Store {
         Path::parse(key).map_err(|e| Error::Config(format!("invalid object key `{key}`: {e}")))
     }
 
+    /// Starts a multipart upload to `path` (`key`) in [`PART_SIZE`] parts.
+    async fn multipart(&self, path: &Path, key: &str) -> Result<WriteMultipart> {
+        let upload = self
+            .inner
+            .put_multipart(path)
+            .await
+            .map_err(|e| self.err("start multipart upload", key, e))?;
+        Ok(WriteMultipart::new_with_chunk_size(upload, PART_SIZE))
+    }
+
     /// Writes an object, overwriting any previous one. Objects of
     /// [`MULTIPART_THRESHOLD`] bytes or more go up in [`PART_SIZE`] parts,
     /// [`PART_CONCURRENCY`] at a time; an incomplete upload is aborted.
@@ -571,12 +581,7 @@ impl Store {
             }
             return Ok(());
         }
-        let upload = self
-            .inner
-            .put_multipart(&path)
-            .await
-            .map_err(|e| self.err("start multipart upload", key, e))?;
-        let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_SIZE);
+        let mut writer = self.multipart(&path, key).await?;
         for chunk in bytes.chunks(PART_SIZE) {
             writer
                 .wait_for_capacity(PART_CONCURRENCY)
@@ -612,12 +617,7 @@ impl Store {
         if let Some(pr) = &self.progress {
             pr.started(key, len);
         }
-        let upload = self
-            .inner
-            .put_multipart(&p)
-            .await
-            .map_err(|e| self.err("start multipart upload", key, e))?;
-        let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_SIZE);
+        let mut writer = self.multipart(&p, key).await?;
         let mut sent = 0u64;
         loop {
             let mut part = Vec::with_capacity(PART_SIZE);
@@ -682,12 +682,7 @@ impl Store {
         if let Some(p) = &self.progress {
             p.started(key, total);
         }
-        let upload = self
-            .inner
-            .put_multipart(&path)
-            .await
-            .map_err(|e| self.err("start multipart upload", key, e))?;
-        let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_SIZE);
+        let mut writer = self.multipart(&path, key).await?;
         for s in sources {
             let mut at = 0;
             while at < s.len() {
@@ -699,11 +694,7 @@ impl Store {
                     }
                 };
                 at += chunk.len() as u64;
-                if chunk.len() >= 1 << 20 {
-                    hasher.update_rayon(&chunk);
-                } else {
-                    hasher.update(&chunk);
-                }
+                hash_piece(&mut hasher, &chunk);
                 if let Err(e) = writer.wait_for_capacity(PART_CONCURRENCY).await {
                     writer.abort().await.ok();
                     return Err(self.err("upload part", key, e));
@@ -986,6 +977,117 @@ impl Store {
         Ok(out)
     }
 
+    /// The bytes of the first `size` bytes of an object as an ordered stream
+    /// of pieces of at most [`PART_SIZE`], read as ranged GETs with
+    /// `ahead` of them in flight: memory is about `ahead` × [`PART_SIZE`]
+    /// whatever the object's size. A short object is an error naming the key.
+    pub fn read_parts<'a>(
+        &'a self,
+        key: &'a str,
+        size: u64,
+        ahead: usize,
+    ) -> impl futures::Stream<Item = Result<Bytes>> + 'a {
+        use futures::StreamExt;
+        let part = PART_SIZE as u64;
+        futures::stream::iter(0..size.div_ceil(part))
+            .map(move |i| self.get_range(key, i * part..((i + 1) * part).min(size)))
+            .buffered(ahead.max(1))
+    }
+
+    /// Size and BLAKE3 of an object, read in parts ([`Store::read_parts`]);
+    /// `None` when it does not exist.
+    pub async fn measure(&self, key: &str) -> Result<Option<(u64, String)>> {
+        use futures::StreamExt;
+        let Some(size) = self.head(key).await? else {
+            return Ok(None);
+        };
+        let mut hasher = blake3::Hasher::new();
+        let mut parts = std::pin::pin!(self.read_parts(key, size, 2));
+        while let Some(b) = parts.next().await {
+            hash_piece(&mut hasher, &b?);
+        }
+        Ok(Some((size, hasher.finalize().to_hex().to_string())))
+    }
+
+    /// Copies object `key` of this store to the same key of `to`, checking
+    /// its size and BLAKE3 against `expected` as the bytes pass: the copy
+    /// becomes visible only when both matched (a mismatch is an
+    /// [`Error::Integrity`] naming the object, and a multipart upload is
+    /// aborted, so nothing is left under the key). Small objects are read
+    /// whole (below [`MULTIPART_THRESHOLD`]); larger ones stream through as
+    /// ranged reads, `ahead` parts of [`PART_SIZE`] read ahead and as many
+    /// uploading: memory is about 2 × `ahead` × [`PART_SIZE`] per copy,
+    /// whatever the object's size.
+    pub async fn copy_verified(
+        &self,
+        to: &Store,
+        key: &str,
+        expected: (u64, &str),
+        ahead: usize,
+    ) -> Result<()> {
+        use futures::StreamExt;
+        let (size, blake3) = expected;
+        let mismatch = |expected: String, actual: String| Error::Integrity {
+            scope: format!("object {key} at `{}` (not copied)", self.url),
+            expected,
+            actual,
+        };
+        let missing = || Error::NotFound(format!("object `{key}` is missing from `{}`", self.url));
+        let found = self.head(key).await?.ok_or_else(missing)?;
+        if found != size {
+            return Err(mismatch(format!("{size} bytes"), format!("{found} bytes")));
+        }
+        let mut hasher = blake3::Hasher::new();
+        if size < MULTIPART_THRESHOLD as u64 {
+            let bytes = self.get_at_most(key, size).await?.ok_or_else(missing)?;
+            if bytes.len() as u64 != size {
+                return Err(mismatch(
+                    format!("{size} bytes"),
+                    format!("{} bytes", bytes.len()),
+                ));
+            }
+            hash_piece(&mut hasher, &bytes);
+            let got = hasher.finalize().to_hex();
+            if got.as_str() != blake3 {
+                return Err(mismatch(
+                    format!("BLAKE3 {blake3}"),
+                    format!("BLAKE3 {got}"),
+                ));
+            }
+            return to.put(key, bytes).await;
+        }
+        let mut writer = to.multipart(&Self::path(key)?, key).await?;
+        let mut parts = std::pin::pin!(self.read_parts(key, size, ahead));
+        while let Some(piece) = parts.next().await {
+            let piece = match piece {
+                Ok(p) => p,
+                Err(e) => {
+                    writer.abort().await.ok();
+                    return Err(e);
+                }
+            };
+            hash_piece(&mut hasher, &piece);
+            if let Err(e) = writer.wait_for_capacity(ahead.max(1)).await {
+                writer.abort().await.ok();
+                return Err(to.err("upload part", key, e));
+            }
+            writer.put(piece);
+        }
+        let got = hasher.finalize().to_hex();
+        if got.as_str() != blake3 {
+            writer.abort().await.ok();
+            return Err(mismatch(
+                format!("BLAKE3 {blake3}"),
+                format!("BLAKE3 {got}"),
+            ));
+        }
+        writer
+            .finish()
+            .await
+            .map_err(|e| to.err("complete multipart upload", key, e))?;
+        Ok(())
+    }
+
     /// Deletes an object (missing objects are not an error).
     pub async fn delete(&self, key: &str) -> Result<()> {
         let path = Self::path(key)?;
@@ -1017,6 +1119,15 @@ impl Store {
             (Created::AlreadyExists, Some(b"first")) => ConditionalWrites::Enforced,
             _ => ConditionalWrites::Ignored,
         })
+    }
+}
+
+/// Feeds `piece` to `hasher`, on every core when it is large.
+fn hash_piece(hasher: &mut blake3::Hasher, piece: &[u8]) {
+    if piece.len() >= 1 << 20 {
+        hasher.update_rayon(piece);
+    } else {
+        hasher.update(piece);
     }
 }
 
@@ -1169,6 +1280,63 @@ mod tests {
         ) -> object_store::Result<()> {
             self.0.copy_opts(from, to, options).await
         }
+    }
+
+    #[tokio::test]
+    async fn copy_verified_streams_large_objects_and_refuses_mismatches() {
+        let (from, to) = (
+            Store::open("memory://").unwrap(),
+            Store::open("memory://").unwrap(),
+        );
+        // Above the multipart threshold, not a whole number of parts.
+        let len = MULTIPART_THRESHOLD + PART_SIZE + 12345;
+        let body: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+        let hash = blake3::hash(&body).to_hex().to_string();
+        from.put("anchors/a", Bytes::from(body.clone()))
+            .await
+            .unwrap();
+        from.put("deltas/d", Bytes::from_static(b"small"))
+            .await
+            .unwrap();
+        let small = blake3::hash(b"small").to_hex().to_string();
+
+        // A wrong hash or size: an Integrity error naming the object, and
+        // nothing at the destination (the multipart upload was aborted).
+        let wrong = blake3::hash(b"other").to_hex().to_string();
+        for (key, size, h) in [
+            ("anchors/a", len as u64, wrong.as_str()),
+            ("anchors/a", len as u64 - 1, hash.as_str()),
+            ("deltas/d", 5, wrong.as_str()),
+        ] {
+            let e = from
+                .copy_verified(&to, key, (size, h), 2)
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(&e, Error::Integrity { scope, .. } if scope.contains(key)),
+                "{e}"
+            );
+            assert_eq!(to.head(key).await.unwrap(), None, "{key} left behind");
+        }
+        let e = from
+            .copy_verified(&to, "deltas/none", (5, &small), 2)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, Error::NotFound(_)), "{e}");
+
+        from.copy_verified(&to, "anchors/a", (len as u64, &hash), 2)
+            .await
+            .unwrap();
+        from.copy_verified(&to, "deltas/d", (5, &small), 2)
+            .await
+            .unwrap();
+        assert_eq!(to.get("anchors/a").await.unwrap().unwrap(), body);
+        assert_eq!(
+            to.measure("anchors/a").await.unwrap(),
+            Some((len as u64, hash))
+        );
+        assert_eq!(to.measure("deltas/d").await.unwrap(), Some((5, small)));
+        assert_eq!(to.measure("nothing").await.unwrap(), None);
     }
 
     #[tokio::test]

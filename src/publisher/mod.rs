@@ -796,30 +796,8 @@ impl Publisher {
         let Some(key) = &self.cfg.notify_key else {
             return 0;
         };
-        let mut urls = self.cfg.notify_urls.clone();
-        // A registration not refreshed within the retention's horizon (a day by
-        // default) belongs to a subscriber that went away: not worth a POST.
-        let max_age = self
-            .cfg
-            .retention
-            .as_ref()
-            .and_then(|r| r.registration_max_age_s)
-            .unwrap_or(
-                crate::protocol::Retention::default()
-                    .registration_max_age_s
-                    .unwrap_or(u64::MAX),
-            );
-        let now = crate::notify::unix_now();
-        match crate::protocol::registrations(&self.store).await {
-            Ok(regs) => urls.extend(
-                regs.into_iter()
-                    .filter(|r| now.saturating_sub(r.updated_at) <= max_age)
-                    .filter_map(|r| r.notify_url),
-            ),
-            Err(e) => tracing::warn!(error = %e, "cannot list subscriber registrations"),
-        }
-        urls.sort();
-        urls.dedup();
+        let max_age = crate::notify::registration_horizon(self.cfg.retention.as_ref());
+        let urls = crate::notify::fleet_urls(&self.store, &self.cfg.notify_urls, max_age).await;
         let n = crate::notify::Notification {
             store: self.store.url().to_string(),
             version,

@@ -189,6 +189,44 @@ pub enum Command {
         #[arg(long, short)]
         quiet: bool,
     },
+    /// Mirror committed versions from an origin prefix to a regional prefix
+    /// (any store kinds), verified on the way, and notify the region's
+    /// subscribers. With --once, sync once, print one JSON line, exit.
+    Relay {
+        /// The origin store URL (see `publish`).
+        #[arg(long)]
+        from: String,
+        /// The destination (regional) store URL; written by this relay only.
+        #[arg(long)]
+        to: String,
+        /// Sync once and exit (non-zero if a version could not be relayed).
+        #[arg(long)]
+        once: bool,
+        /// Seconds between polls of the origin.
+        #[arg(long, default_value_t = 5.0)]
+        interval: f64,
+        /// Subscriber notify URL of the region (repeatable), besides those
+        /// registered in the destination.
+        #[arg(long = "notify")]
+        notify: Vec<String>,
+        /// Shared secret for notifications (16+ characters): signs those sent
+        /// to the region, and checks those received on --listen.
+        #[arg(long, env = "WEIGHTCAST_NOTIFY_KEY", hide_env_values = true)]
+        notify_key: Option<String>,
+        /// Serve /v1/notify on this address: a notification from the origin's
+        /// publisher makes the relay sync at once instead of at the next poll.
+        #[arg(long)]
+        listen: Option<std::net::SocketAddr>,
+        /// Retention at the destination after each relayed anchor: keep this
+        /// many anchors, plus what the region's registered lagging subscribers
+        /// still replay (off when absent; the origin is never touched).
+        #[arg(long)]
+        keep_anchors: Option<usize>,
+        /// With --keep-anchors: registrations older than this many seconds pin
+        /// nothing (0: ignore registrations).
+        #[arg(long, default_value_t = 86400)]
+        registration_max_age: u64,
+    },
     /// Retention: keep the newest K anchors and every version after the oldest
     /// of them, plus the deltas registered lagging subscribers still replay;
     /// remove older versions and unreferenced objects. Prints JSON.
@@ -239,7 +277,7 @@ impl RetentionOpts {
     }
 }
 
-fn retention(keep_anchors: usize, max_age: u64) -> Result<weightcast::protocol::Retention> {
+pub fn retention(keep_anchors: usize, max_age: u64) -> Result<weightcast::protocol::Retention> {
     if keep_anchors == 0 {
         bail!("--keep-anchors must be at least 1");
     }

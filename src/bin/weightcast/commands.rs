@@ -152,6 +152,43 @@ pub async fn run(command: Command) -> Result<()> {
             weightcast::http::publisher::serve(listener, shared, stop).await?;
             Ok(())
         }
+        Command::Relay {
+            from,
+            to,
+            once,
+            interval,
+            notify,
+            notify_key,
+            listen,
+            keep_anchors,
+            registration_max_age,
+        } => {
+            if !(interval > 0.0 && interval.is_finite()) {
+                bail!("--interval must be a positive number of seconds");
+            }
+            let key = notify_key
+                .as_deref()
+                .map(weightcast::notify::Key::new)
+                .transpose()?;
+            let cfg = weightcast::relay::RelayConfig {
+                notify_urls: notify,
+                notify_key: key.clone(),
+                retention: keep_anchors
+                    .map(|k| crate::cli::retention(k, registration_max_age))
+                    .transpose()?,
+                interval: std::time::Duration::from_secs_f64(interval),
+                ..Default::default()
+            };
+            let from = weightcast::store::Store::open(&from)?;
+            let to = weightcast::store::Store::open(&to)?;
+            relay(
+                weightcast::relay::Relay::new(from, to, cfg),
+                once,
+                listen,
+                key,
+            )
+            .await
+        }
         Command::Status { store } => {
             let store = weightcast::store::Store::open(&store)?;
             emit(serde_json::to_string_pretty(
@@ -173,6 +210,54 @@ pub async fn run(command: Command) -> Result<()> {
         }
         Command::Inspect { path, full } => inspect(&path, full),
     }
+}
+
+/// `relay`: one sync (`--once`, its report on stdout, then the
+/// notifications it started are awaited) or the daemon until a signal.
+async fn relay(
+    mut relay: weightcast::relay::Relay,
+    once: bool,
+    listen: Option<std::net::SocketAddr>,
+    key: Option<weightcast::notify::Key>,
+) -> Result<()> {
+    if once {
+        let report = relay.sync_once().await?;
+        emit(serde_json::to_string(&report)?);
+        relay.notifications_settled().await;
+        return Ok(());
+    }
+    let stop = shutdown()?;
+    let shared = weightcast::subscriber::status::Shared::new(relay.from().url(), key);
+    if let Some(addr) = listen {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding {addr}"))?;
+        tracing::info!(addr = %listener.local_addr()?, "serving /v1/notify");
+        tokio::spawn(weightcast::http::subscriber::serve(
+            listener,
+            shared.clone(),
+            std::future::pending(),
+        ));
+    }
+    let on_sync = |r: &weightcast::Result<weightcast::relay::RelayReport>| match r {
+        Ok(rep) => {
+            if let Ok(mut s) = shared.status.lock() {
+                s.version = rep.destination;
+            }
+            if !rep.versions.is_empty() {
+                emit(serde_json::to_string(rep).unwrap_or_default());
+            }
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "relay sync failed; retrying at the next poll");
+            if let Ok(mut s) = shared.status.lock() {
+                s.failures += 1;
+                s.last_error = Some(e.to_string());
+            }
+        }
+    };
+    relay.run(&shared.wake, on_sync, stop).await;
+    Ok(())
 }
 
 /// Prints one line on stdout. A closed stdout (the reader went away, EPIPE)

@@ -1,0 +1,406 @@
+//! The relay: a published run mirrored into a second bucket (file → file,
+//! S3 on moto → file, and a chain of two relays), a subscriber of the mirror
+//! bit-identical at the last version and catching up after more versions;
+//! a corrupt origin object refused (nothing committed) until the origin's
+//! next anchor; a relay killed before a commit resumes without recopying
+//! (through the real binary); retention at the destination only.
+
+use crate::common;
+
+use std::path::Path;
+use std::process::Command;
+
+use weightcast::error::ErrorKind;
+use weightcast::protocol::{Manifest, Retention, newest_version, read_manifest, versions_after};
+use weightcast::publisher::{PublishOptions, Publisher};
+use weightcast::relay::{Relay, RelayConfig};
+use weightcast::store::Store;
+
+/// A trainer publishing into `store`, an anchor every `anchor_every` versions.
+struct Run {
+    trainer: common::Trainer,
+    publisher: Publisher,
+    _state: tempfile::TempDir,
+}
+
+impl Run {
+    async fn start(store: &Store, anchor_every: u64) -> Run {
+        let state = tempfile::tempdir().unwrap();
+        let publisher = Publisher::open(
+            store.clone(),
+            common::publisher_config(state.path(), anchor_every, None),
+        )
+        .await
+        .unwrap();
+        Run {
+            trainer: common::Trainer::new(11),
+            publisher,
+            _state: state,
+        }
+    }
+
+    /// Publishes `n` more versions (a training step before each but the first).
+    async fn publish(&mut self, n: usize) -> u64 {
+        let mut last = 0;
+        for _ in 0..n {
+            if self.publisher.version().is_some() {
+                self.trainer.step();
+            }
+            last = self
+                .publisher
+                .publish(self.trainer.checkpoint(), &PublishOptions::default())
+                .await
+                .unwrap()
+                .version;
+        }
+        last
+    }
+
+    /// Asserts that a subscriber of `store` into `out` reaches `version` and
+    /// holds exactly the trainer's current weights and config.
+    async fn assert_followed(&self, store: &Store, out: &Path, version: u64, what: &str) {
+        let caught = weightcast::subscriber::catch_up(store, out)
+            .await
+            .unwrap_or_else(|e| panic!("{what}: catch-up: {e}"))
+            .expect("a version");
+        assert_eq!(caught.version, version, "{what}");
+        common::assert_replica(out, &self.trainer.weights(), &self.trainer.config(), what);
+    }
+}
+
+async fn manifest(store: &Store, v: u64) -> Manifest {
+    read_manifest(store, v).await.unwrap().expect("committed")
+}
+
+fn relay(from: &Store, to: &Store) -> Relay {
+    Relay::new(from.clone(), to.clone(), RelayConfig::default())
+}
+
+/// Publishes 5 versions (anchors at 0 and 3), relays once, follows the
+/// mirror; then 3 more versions (anchor at 6), relays, follows again.
+async fn mirror_and_follow(origin: &Store, dest: &Store) {
+    let mut run = Run::start(origin, 3).await;
+    let out = tempfile::tempdir().unwrap();
+    assert_eq!(run.publish(5).await, 4);
+    let mut r = relay(origin, dest);
+    let rep = r.sync_once().await.unwrap();
+    // An empty destination starts at the origin's newest anchor, not at 0.
+    assert_eq!(rep.versions, vec![3, 4], "{rep:?}");
+    assert_eq!((rep.origin, rep.destination), (Some(4), Some(4)));
+    let mut objects = 0;
+    let mut bytes = 0;
+    for v in [3, 4] {
+        let m = manifest(origin, v).await;
+        assert_eq!(manifest(dest, v).await, m, "v{v} manifest copied as is");
+        objects += m.objects.len() as u64;
+        bytes += m.objects.iter().map(|o| o.size).sum::<u64>();
+    }
+    assert_eq!((rep.objects, rep.bytes, rep.skipped), (objects, bytes, 0));
+    assert_eq!(versions_after(dest, None).await.unwrap(), vec![3, 4]);
+    run.assert_followed(dest, out.path(), 4, "mirror at v4")
+        .await;
+
+    // Nothing new: nothing copied.
+    let idle = r.sync_once().await.unwrap();
+    assert!(idle.versions.is_empty() && idle.objects == 0, "{idle:?}");
+
+    assert_eq!(run.publish(3).await, 7);
+    let rep = r.sync_once().await.unwrap();
+    assert_eq!(rep.versions, vec![5, 6, 7], "{rep:?}");
+    assert_eq!(rep.skipped, 0);
+    run.assert_followed(dest, out.path(), 7, "mirror at v7")
+        .await;
+    let latest = weightcast::protocol::read_latest(dest, None)
+        .await
+        .unwrap()
+        .unwrap()
+        .0;
+    assert_eq!((latest.version, latest.anchor_version), (7, 6));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_to_file_mirror_is_followed_bit_identically() {
+    let (origin, _o) = common::local_store();
+    let (dest, _d) = common::local_store();
+    mirror_and_follow(&origin, &dest).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_to_file_mirror_is_followed_bit_identically() {
+    let origin = common::moto_store("relay-origin", "policy").await;
+    let (dest, _d) = common::local_store();
+    mirror_and_follow(&origin, &dest).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_of_two_relays_reaches_the_zone() {
+    let (origin, _o) = common::local_store();
+    let (region, _r) = common::local_store();
+    let (zone, _z) = common::local_store();
+    let mut run = Run::start(&origin, 4).await;
+    let out = tempfile::tempdir().unwrap();
+    let (mut hop1, mut hop2) = (relay(&origin, &region), relay(&region, &zone));
+    run.publish(2).await;
+    assert_eq!(hop1.sync_once().await.unwrap().versions, vec![0, 1]);
+    assert_eq!(hop2.sync_once().await.unwrap().versions, vec![0, 1]);
+    run.assert_followed(&zone, out.path(), 1, "zone at v1")
+        .await;
+    run.publish(4).await;
+    let a = hop1.sync_once().await.unwrap();
+    let b = hop2.sync_once().await.unwrap();
+    assert_eq!(a.versions, vec![2, 3, 4, 5]);
+    // The zone's hop moves exactly what the region's hop moved.
+    assert_eq!(
+        (b.versions, b.objects, b.bytes),
+        (a.versions, a.objects, a.bytes)
+    );
+    run.assert_followed(&zone, out.path(), 5, "zone at v5")
+        .await;
+}
+
+/// Flips one byte of `key` in a local store rooted at `dir`.
+fn flip_byte(dir: &Path, key: &str) {
+    let path = dir.join(key);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0x40;
+    std::fs::write(&path, bytes).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_origin_object_is_never_relayed() {
+    let (origin, odir) = common::local_store();
+    let (dest, ddir) = common::local_store();
+    let mut run = Run::start(&origin, 3).await;
+    let out = tempfile::tempdir().unwrap();
+    run.publish(2).await;
+    let mut r = relay(&origin, &dest);
+    assert_eq!(r.sync_once().await.unwrap().versions, vec![0, 1]);
+
+    assert_eq!(run.publish(1).await, 2);
+    let m2 = manifest(&origin, 2).await;
+    let victim = m2
+        .objects
+        .iter()
+        .find(|o| o.name == "model.safetensors")
+        .expect("a delta object")
+        .key
+        .clone();
+    flip_byte(odir.path(), &victim);
+    for _ in 0..2 {
+        let e = r.sync_once().await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+        assert!(e.to_string().contains(&victim), "names the object: {e}");
+        assert_eq!(newest_version(&dest).await.unwrap(), Some(1));
+        assert!(read_manifest(&dest, 2).await.unwrap().is_none());
+        assert!(
+            !ddir.path().join(&victim).exists(),
+            "the corrupt object was written at the destination"
+        );
+    }
+    // The mirror still serves v1.
+    weightcast::subscriber::catch_up(&dest, out.path())
+        .await
+        .unwrap();
+
+    // The origin's next anchor (v3) lets the region move past v2.
+    assert_eq!(run.publish(1).await, 3);
+    let rep = r.sync_once().await.unwrap();
+    assert_eq!((rep.versions, rep.bypassed), (vec![3], vec![2]));
+    assert!(read_manifest(&dest, 2).await.unwrap().is_none());
+    run.assert_followed(&dest, out.path(), 3, "mirror past the corrupt version")
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_killed_before_a_commit_resumes_without_recopying() {
+    let (origin, _o) = common::local_store();
+    let (dest, _d) = common::local_store();
+    let mut run = Run::start(&origin, 10).await;
+    run.publish(3).await;
+    let relay_once = |failpoint: Option<&str>| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_weightcast"));
+        c.args([
+            "relay",
+            "--once",
+            "--from",
+            origin.url(),
+            "--to",
+            dest.url(),
+        ])
+        .env_remove("WEIGHTCAST_FAILPOINT");
+        if let Some(f) = failpoint {
+            c.env("WEIGHTCAST_FAILPOINT", f);
+        }
+        c.output().expect("running weightcast relay")
+    };
+    let crashed = relay_once(Some("relay.before_commit"));
+    assert!(!crashed.status.success(), "the failpoint aborts");
+    // Every object of v0 is there, but v0 is not committed.
+    let m0 = manifest(&origin, 0).await;
+    for o in &m0.objects {
+        assert!(
+            dest.head(&o.key).await.unwrap().is_some(),
+            "{} copied",
+            o.key
+        );
+    }
+    assert_eq!(newest_version(&dest).await.unwrap(), None);
+
+    let done = relay_once(None);
+    assert!(
+        done.status.success(),
+        "{}",
+        String::from_utf8_lossy(&done.stderr)
+    );
+    let rep: serde_json::Value =
+        serde_json::from_slice(done.stdout.trim_ascii()).expect("one JSON line");
+    assert_eq!(rep["versions"], serde_json::json!([0, 1, 2]), "{rep}");
+    let (n0, b0) = (
+        m0.objects.len() as u64,
+        m0.objects.iter().map(|o| o.size).sum::<u64>(),
+    );
+    assert_eq!(rep["skipped"].as_u64(), Some(n0), "{rep}");
+    assert_eq!(rep["bytes_skipped"].as_u64(), Some(b0), "{rep}");
+    let mut rest = 0;
+    for v in [1, 2] {
+        rest += manifest(&origin, v).await.objects.len() as u64;
+    }
+    assert_eq!(rep["objects"].as_u64(), Some(rest), "{rep}");
+    let out = tempfile::tempdir().unwrap();
+    run.assert_followed(&dest, out.path(), 2, "after the resumed relay")
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_applies_at_the_destination_only() {
+    let (origin, _o) = common::local_store();
+    let (dest, _d) = common::local_store();
+    let mut run = Run::start(&origin, 2).await;
+    let cfg = RelayConfig {
+        retention: Some(Retention {
+            keep_anchors: 1,
+            registration_max_age_s: None,
+        }),
+        ..RelayConfig::default()
+    };
+    let mut r = Relay::new(origin.clone(), dest.clone(), cfg);
+    for _ in 0..5 {
+        run.publish(1).await;
+        r.sync_once().await.unwrap();
+    }
+    // Anchors at 0, 2, 4: the destination keeps the newest one and after.
+    assert_eq!(versions_after(&dest, None).await.unwrap(), vec![4]);
+    assert_eq!(
+        versions_after(&origin, None).await.unwrap(),
+        vec![0, 1, 2, 3, 4]
+    );
+    let keys = |s: Store| async move {
+        s.list("anchors")
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|l| l.key)
+            .collect::<Vec<_>>()
+    };
+    let anchors = keys(dest.clone()).await;
+    assert!(
+        anchors
+            .iter()
+            .all(|k| k.starts_with("anchors/00000000000000000004-")),
+        "{anchors:?}"
+    );
+    assert_eq!(keys(origin.clone()).await.len(), 3, "origin untouched");
+    let out = tempfile::tempdir().unwrap();
+    run.assert_followed(&dest, out.path(), 4, "after retention")
+        .await;
+}
+
+const SECRET: &str = "a-relay-test-secret-of-length";
+
+/// The daemon: a wake-up (what the origin publisher's notification does on
+/// `--listen`) makes it sync, and its notification makes the region's
+/// subscriber catch up; both poll hourly, so nothing else could.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_relays_on_wake_up_and_notifies_the_region() {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+    use weightcast::notify::Key;
+    use weightcast::subscriber::status::Shared;
+    use weightcast::subscriber::{DaemonConfig, run};
+
+    let (origin, _o) = common::local_store();
+    let (dest, _d) = common::local_store();
+    let mut trainer_run = Run::start(&origin, 10).await;
+    trainer_run.publish(2).await;
+
+    // The region's subscriber, listening for notifications.
+    let out = tempfile::tempdir().unwrap();
+    let shared = Shared::new(dest.url(), Some(Key::new(SECRET).unwrap()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let notify_url = format!("http://{}/v1/notify", listener.local_addr().unwrap());
+    tokio::spawn(weightcast::http::subscriber::serve(
+        listener,
+        shared.clone(),
+        std::future::pending(),
+    ));
+    let cfg = DaemonConfig {
+        poll_interval: Duration::from_secs(3600),
+        hooks: Vec::new(),
+        ..DaemonConfig::new(out.path())
+    };
+    let (st, sh) = (dest.clone(), shared.clone());
+    tokio::spawn(async move { run(&st, &cfg, &sh, std::future::pending()).await });
+
+    let relay_cfg = RelayConfig {
+        interval: Duration::from_secs(3600),
+        notify_urls: vec![notify_url],
+        notify_key: Some(Key::new(SECRET).unwrap()),
+        ..RelayConfig::default()
+    };
+    let wake = Arc::new(tokio::sync::Notify::new());
+    let synced = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (w, s) = (wake.clone(), synced.clone());
+    let relay = Relay::new(origin.clone(), dest.clone(), relay_cfg);
+    tokio::spawn(async move {
+        relay
+            .run(
+                &w,
+                |r| {
+                    s.lock()
+                        .unwrap()
+                        .push(r.as_ref().map(|r| r.versions.clone()).ok())
+                },
+                std::future::pending(),
+            )
+            .await
+    });
+    let wait = |v: u64| {
+        let shared = shared.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while shared.status.lock().unwrap().version != Some(v) {
+                assert!(
+                    Instant::now() < deadline,
+                    "the subscriber did not reach v{v}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    // The first sync runs at start.
+    wait(1).await;
+    trainer_run.publish(2).await;
+    wake.notify_one();
+    wait(3).await;
+    common::assert_replica(
+        out.path(),
+        &trainer_run.trainer.weights(),
+        &trainer_run.trainer.config(),
+        "the region's subscriber after the daemon's relay",
+    );
+    assert_eq!(
+        *synced.lock().unwrap(),
+        vec![Some(vec![0, 1]), Some(vec![2, 3])]
+    );
+}
