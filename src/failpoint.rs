@@ -4,7 +4,8 @@
 //! point costs one cached lookup. The reliability suite drives the real
 //! binary through every point and checks that a restart recovers.
 //!
-//! Points: `publisher.before_commit` (objects and journal written, manifest
+//! Points: `publisher.mid_upload` (the first object of a version uploaded,
+//! the rest not), `publisher.before_commit` (objects and journal written, manifest
 //! not), `publisher.after_commit` (manifest created, snapshot not yet
 //! updated), `publisher.after_latest` (hint written, snapshot not updated).
 

@@ -183,6 +183,7 @@ pub fn publisher_config(
         anchor_encoding: Default::default(),
         layout: Default::default(),
         trl: Default::default(),
+        distributed: None,
     }
 }
 

@@ -112,6 +112,19 @@ pub enum Command {
         /// No upload progress bar (it is drawn only when stderr is a terminal).
         #[arg(long, short)]
         quiet: bool,
+        /// Distributed publish: this process is trainer rank R (0..WORLD) and
+        /// publishes only its own shard files; with --world.
+        #[arg(long, default_value_t = 0)]
+        rank: u32,
+        /// Distributed publish: the number of trainer ranks; all WORLD ranks
+        /// (each with its own --state) commit one version per --step together.
+        /// 1 (the default): publish alone.
+        #[arg(long, default_value_t = 1)]
+        world: u32,
+        /// With --world 2 or more: seconds to wait for the other ranks (their
+        /// intents, then the commit) before giving up on the version.
+        #[arg(long, default_value_t = 600)]
+        rank_timeout: u64,
         #[command(flatten)]
         opts: PublishOpts,
     },
@@ -350,6 +363,16 @@ impl PublishOpts {
     /// Opens the store and the publisher these flags describe; `progress` draws
     /// upload progress bars on a terminal.
     pub async fn open(self, progress: bool) -> Result<weightcast::publisher::Publisher> {
+        self.open_rank(progress, None).await
+    }
+
+    /// [`PublishOpts::open`] for one rank of a distributed publish (`None`:
+    /// publishing alone).
+    pub async fn open_rank(
+        self,
+        progress: bool,
+        distributed: Option<weightcast::publisher::Distributed>,
+    ) -> Result<weightcast::publisher::Publisher> {
         if self.anchor_every == 0 {
             bail!("--anchor-every must be at least 1");
         }
@@ -390,6 +413,7 @@ impl PublishOpts {
                 generation: self.trl_generation,
                 index: self.trl_index,
             },
+            distributed,
         };
         Ok(weightcast::publisher::Publisher::open(store, cfg).await?)
     }

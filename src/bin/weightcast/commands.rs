@@ -64,9 +64,20 @@ pub async fn run(command: Command) -> Result<()> {
             checkpoint,
             step,
             quiet,
+            rank,
+            world,
+            rank_timeout,
             opts,
         } => {
-            let mut p = opts.open(!quiet).await?;
+            let distributed = match (rank, world) {
+                (0, 1) => None,
+                (_, 1) => anyhow::bail!("--rank {rank} needs --world (2 or more ranks)"),
+                _ => Some(weightcast::publisher::Distributed {
+                    timeout: std::time::Duration::from_secs(rank_timeout),
+                    ..weightcast::publisher::Distributed::new(rank, world)?
+                }),
+            };
+            let mut p = opts.open_rank(!quiet, distributed).await?;
             let opts = weightcast::publisher::PublishOptions { step };
             emit(serde_json::to_string(
                 &p.publish_path(&checkpoint, &opts).await?,
