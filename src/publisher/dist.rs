@@ -227,7 +227,7 @@ pub async fn commit(
     loop {
         if let Some(m) = read_manifest(store, version).await? {
             if m.writer == share.writer {
-                return Ok(());
+                return holds_share(&m, share, d);
             }
             taken(store, version, Some(&share.writer)).await?;
         }
@@ -252,6 +252,7 @@ pub async fn commit(
             let manifest = merge(&all)?;
             match crate::protocol::commit(store, &manifest).await? {
                 Commit::Committed => {
+                    holds_share(&manifest, share, d)?;
                     crate::failpoint::hit("publisher.after_commit");
                     write_latest(
                         store,
@@ -276,6 +277,35 @@ pub async fn commit(
         }
         tokio::time::sleep(POLL).await;
     }
+}
+
+/// Checks that the committed manifest holds exactly this rank's share. It
+/// may not when an earlier attempt at the same step (same intents, so the
+/// same writer) left this rank's part with other contents and the version
+/// was committed from it: the snapshot must then not advance with this
+/// attempt's deltas.
+fn holds_share(m: &Manifest, share: &Manifest, d: &Distributed) -> Result<()> {
+    let unbridged = m.kind == crate::protocol::VersionKind::Anchor && m.base_version.is_none();
+    let objects_ok = share.objects.iter().all(|o| {
+        (unbridged && o.role == crate::protocol::ObjectRole::Delta)
+            || m.objects
+                .iter()
+                .any(|c| c.key == o.key && c.blake3 == o.blake3)
+    });
+    let files_ok = share.files.iter().all(|f| {
+        m.files
+            .iter()
+            .any(|c| c.name == f.name && c.blake3 == f.blake3)
+    });
+    if objects_ok && files_ok {
+        return Ok(());
+    }
+    Err(Error::Conflict(format!(
+        "version {} was committed from an earlier attempt of rank {} at the same step, with \
+         other contents than this attempt's; the version stands, and this rank's next version \
+         is an anchor",
+        m.version, d.rank
+    )))
 }
 
 /// After the version is committed, rank 0 removes the records of this and

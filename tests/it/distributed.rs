@@ -456,3 +456,68 @@ async fn mismatched_steps_are_refused() {
     assert!(e.contains("--step"), "{e}");
     assert!(Distributed::new(2, 2).is_err() && Distributed::new(0, 1).is_err());
 }
+
+#[tokio::test]
+async fn gc_removes_parts_that_can_no_longer_commit() {
+    use weightcast::protocol::parts::{INTENT_FORMAT, Intent, intent_key, write_record};
+    let (store, _bucket) = common::local_store();
+    let work = tempfile::tempdir().unwrap();
+    let mut p = Publisher::open(
+        store.clone(),
+        common::publisher_config(work.path(), 10, None),
+    )
+    .await
+    .unwrap();
+    p.publish(
+        common::Trainer::new(25).checkpoint(),
+        &PublishOptions::default(),
+    )
+    .await
+    .unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    // Version 0 is committed: its records are dead. Version 1's are fresh (a
+    // publish in flight); version 2's are two hours old (abandoned).
+    for (version, created_at) in [(0u64, now), (1, now), (2, now - 7200)] {
+        let intent = Intent {
+            format: INTENT_FORMAT.into(),
+            version,
+            rank: 0,
+            world: 2,
+            step: version,
+            token: "0123456789abcdef".into(),
+            anchor: None,
+            created_at,
+        };
+        write_record(&store, &intent_key(version, 0), &intent)
+            .await
+            .unwrap();
+    }
+    let keep = weightcast::protocol::Retention {
+        keep_anchors: 1,
+        registration_max_age_s: None,
+    };
+    let dry = weightcast::protocol::collect_garbage(&store, &keep, true)
+        .await
+        .unwrap();
+    assert_eq!(dry.objects, 2, "{dry:?}");
+    assert_eq!(
+        store.list("parts").await.unwrap().len(),
+        3,
+        "a dry run removes nothing"
+    );
+    weightcast::protocol::collect_garbage(&store, &keep, false)
+        .await
+        .unwrap();
+    let left: Vec<String> = store
+        .list("parts")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|l| l.key)
+        .collect();
+    assert_eq!(left, vec![intent_key(1, 0)]);
+    assert_eq!(versions_after(&store, None).await.unwrap(), vec![0]);
+}
