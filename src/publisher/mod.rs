@@ -193,6 +193,29 @@ pub struct Published {
     pub collected: Option<crate::protocol::Collected>,
 }
 
+impl Published {
+    /// Nothing written: the last committed version `st` answers.
+    fn unchanged(st: &State, total: u64) -> Published {
+        Published {
+            version: st.version,
+            kind: if st.anchor_version == st.version {
+                VersionKind::Anchor
+            } else {
+                VersionKind::Delta
+            },
+            bytes: 0,
+            changed: 0,
+            total,
+            step: st.step,
+            unchanged: true,
+            anchor_reason: None,
+            bridge_bytes: 0,
+            notified: 0,
+            collected: None,
+        }
+    }
+}
+
 fn is_zero(v: &u64) -> bool {
     *v == 0
 }
@@ -425,23 +448,7 @@ impl Publisher {
             } else if changed == 0 && self.cfg.distributed.is_none() && self.files_unchanged(cp)? {
                 // The same content as the last version: nothing to publish.
                 cp.check_unchanged()?;
-                return Ok(Published {
-                    version: st.version,
-                    kind: if st.anchor_version == st.version {
-                        VersionKind::Anchor
-                    } else {
-                        VersionKind::Delta
-                    },
-                    bytes: 0,
-                    changed: 0,
-                    total,
-                    step: st.step,
-                    unchanged: true,
-                    anchor_reason: None,
-                    bridge_bytes: 0,
-                    notified: 0,
-                    collected: None,
-                });
+                return Ok(Published::unchanged(st, total));
             } else if delta_bytes as f64 > self.cfg.anchors.max_delta_fraction * anchor {
                 // Nearly the model: not worth keeping even as a bridge.
                 deltas.clear();
@@ -487,22 +494,9 @@ impl Publisher {
             && opts.step.is_some()
             && st.step == opts.step
             && pos.last == Some(st.version))
-        .then(|| Published {
-            version: st.version,
-            kind: if st.anchor_version == st.version {
-                VersionKind::Anchor
-            } else {
-                VersionKind::Delta
-            },
-            bytes: 0,
-            changed: 0,
-            total: snap.sets.values().map(|s| s.total_elements()).sum(),
-            step: st.step,
-            unchanged: true,
-            anchor_reason: None,
-            bridge_bytes: 0,
-            notified: 0,
-            collected: None,
+        .then(|| {
+            let total = snap.sets.values().map(|s| s.total_elements()).sum();
+            Published::unchanged(st, total)
         })
     }
 

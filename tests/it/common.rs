@@ -647,3 +647,27 @@ pub fn assert_replica(
     names.sort();
     assert_eq!(names, ["config.json", "model.safetensors"], "{what}: files");
 }
+
+/// `weightcast publish --quiet --anchor-every 3` of `ckpt` into `url` with
+/// state `state`, none of the test's own `WEIGHTCAST_*`/`RUST_LOG` settings
+/// inherited, and `WEIGHTCAST_FAILPOINT` set to `failpoint` if given.
+pub fn publish_command(
+    url: &str,
+    state: &std::path::Path,
+    ckpt: &std::path::Path,
+    failpoint: Option<&str>,
+) -> std::process::Command {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_weightcast"));
+    c.args(["publish", "--quiet", "--anchor-every", "3", "--store", url])
+        .arg("--state")
+        .arg(state)
+        .arg("--checkpoint")
+        .arg(ckpt)
+        .env_remove("WEIGHTCAST_STORE")
+        .env_remove("WEIGHTCAST_FAILPOINT")
+        .env_remove("RUST_LOG");
+    if let Some(f) = failpoint {
+        c.env("WEIGHTCAST_FAILPOINT", f);
+    }
+    c
+}

@@ -70,20 +70,8 @@ struct Rank<'a> {
 
 impl Rank<'_> {
     fn command(&self, ckpt: &Path, step: u64, failpoint: Option<&str>) -> Command {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_weightcast"));
+        let mut c = common::publish_command(self.url, &self.state, ckpt, failpoint);
         c.args([
-            "publish",
-            "--quiet",
-            "--anchor-every",
-            "3",
-            "--store",
-            self.url,
-        ])
-        .arg("--state")
-        .arg(&self.state)
-        .arg("--checkpoint")
-        .arg(ckpt)
-        .args([
             "--rank".to_string(),
             self.rank.to_string(),
             "--world".to_string(),
@@ -93,16 +81,10 @@ impl Rank<'_> {
             "--rank-timeout".to_string(),
             "120".to_string(),
         ])
-        .env_remove("WEIGHTCAST_STORE")
-        .env_remove("WEIGHTCAST_FAILPOINT")
-        .env_remove("RUST_LOG")
         .envs(self.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-        if let Some(f) = failpoint {
-            c.env("WEIGHTCAST_FAILPOINT", f);
-        }
         c
     }
 
