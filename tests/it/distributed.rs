@@ -103,20 +103,20 @@ fn published(out: Output, what: &str) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{what}: {e}"))
 }
 
-/// Catches `sub` up and checks it holds exactly every rank's shard of `set`
-/// and the config of `step`, and nothing else.
+/// Catches `sub` up to `version` and checks it holds exactly every rank's
+/// shard of `set` and the config of `step`, and nothing else.
 async fn assert_subscriber_exact(
     store: &Store,
     sub: &Path,
     set: &TensorSet,
-    step: u64,
+    (version, step): (u64, u64),
     world: u32,
 ) {
     let c = weightcast::subscriber::catch_up(store, sub)
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(c.version, step, "the subscriber's version");
+    assert_eq!(c.version, version, "the subscriber's version");
     let cur = sub.join("current");
     let mut seen = 0;
     for r in 0..world {
@@ -212,7 +212,7 @@ fn two_ranks_publish_one_version_per_step() {
         }
         rt.block_on(async {
             assert_versions(&store, step).await;
-            assert_subscriber_exact(&store, &sub, &g.snapshot(), step, 2).await;
+            assert_subscriber_exact(&store, &sub, &g.snapshot(), (step, step), 2).await;
         });
     }
     // A rank rerun at the step just committed (say, restarted after the
@@ -271,7 +271,13 @@ fn four_ranks_on_moto_survive_a_rank_killed_mid_upload() {
 
     let dirs = write_step(work.path(), &g, 0, 4);
     finish(all(&dirs, 0, None), 0, "anchor");
-    rt.block_on(assert_subscriber_exact(&store, &sub, &g.snapshot(), 0, 4));
+    rt.block_on(assert_subscriber_exact(
+        &store,
+        &sub,
+        &g.snapshot(),
+        (0, 0),
+        4,
+    ));
 
     // Step 1: rank 3 dies after its first upload, the others wait.
     let step0 = g.snapshot();
@@ -309,13 +315,19 @@ fn four_ranks_on_moto_survive_a_rank_killed_mid_upload() {
             .unwrap();
         assert_eq!(latest.0.version, 0);
         // A subscriber sees nothing new.
-        assert_subscriber_exact(&store, &sub, &step0, 0, 4).await;
+        assert_subscriber_exact(&store, &sub, &step0, (0, 0), 4).await;
     });
     // Restarted with the same step, rank 3 completes the version.
     let restarted = ranks[3].spawn(&dirs[3], 1);
     finish(vec![(3, restarted)], 1, "delta");
     finish(waiting, 1, "delta");
-    rt.block_on(assert_subscriber_exact(&store, &sub, &g.snapshot(), 1, 4));
+    rt.block_on(assert_subscriber_exact(
+        &store,
+        &sub,
+        &g.snapshot(),
+        (1, 1),
+        4,
+    ));
 
     // Every rank's snapshot stayed trusted: the next step is a delta.
     g.step();
@@ -323,7 +335,7 @@ fn four_ranks_on_moto_survive_a_rank_killed_mid_upload() {
     finish(all(&dirs, 2, None), 2, "delta");
     rt.block_on(async {
         assert_versions(&store, 2).await;
-        assert_subscriber_exact(&store, &sub, &g.snapshot(), 2, 4).await;
+        assert_subscriber_exact(&store, &sub, &g.snapshot(), (2, 2), 4).await;
     });
 }
 
@@ -502,4 +514,105 @@ async fn gc_removes_parts_that_can_no_longer_commit() {
         .collect();
     assert_eq!(left, vec![intent_key(1, 0)]);
     assert_eq!(versions_after(&store, None).await.unwrap(), vec![0]);
+}
+
+/// Rank `rank` of 2 as an in-process publisher with a short timeout.
+async fn open_rank(store: &Store, work: &Path, rank: u32, timeout_s: u64) -> Publisher {
+    let mut cfg = common::publisher_config(&work.join(format!("state-{rank}")), 10, None);
+    cfg.distributed = Some(Distributed {
+        timeout: Duration::from_secs(timeout_s),
+        ..Distributed::new(rank, 2).unwrap()
+    });
+    Publisher::open(store.clone(), cfg).await.unwrap()
+}
+
+/// Rank `rank`'s checkpoint of `set` at `step`: its shard and config.json.
+fn rank_checkpoint(set: &TensorSet, rank: u32, step: u64) -> Checkpoint {
+    Checkpoint::from_sets(
+        [(shard_name(rank, 2), shard(set, rank, 2))].into(),
+        [("config.json".to_string(), bytes::Bytes::from(config(step)))].into(),
+    )
+    .unwrap()
+}
+
+#[tokio::test]
+async fn an_abandoned_step_is_overwritten_and_any_rank_needing_an_anchor_makes_one() {
+    let (store, _bucket) = common::local_store();
+    let work = tempfile::tempdir().unwrap();
+    let sub = work.path().join("sub");
+    let mut g = Generator::new(GeneratorConfig::tiny(26));
+    let both = |set: TensorSet, step: u64| {
+        let store = store.clone();
+        let work = work.path().to_path_buf();
+        async move {
+            let run = |rank: u32| {
+                let (store, work, set) = (store.clone(), work.clone(), set.clone());
+                async move {
+                    let mut p = open_rank(&store, &work, rank, 60).await;
+                    p.publish(
+                        rank_checkpoint(&set, rank, step),
+                        &PublishOptions { step: Some(step) },
+                    )
+                    .await
+                    .unwrap()
+                }
+            };
+            let (a, b) = tokio::join!(run(0), run(1));
+            assert_eq!((a.version, a.kind), (b.version, b.kind), "{a:?} {b:?}");
+            a
+        }
+    };
+    let p = both(g.snapshot(), 0).await;
+    assert_eq!((p.version, p.kind), (0, VersionKind::Anchor));
+
+    // Step 1: rank 1 never comes; rank 0 gives up, nothing is committed.
+    g.step();
+    let mut r0 = open_rank(&store, work.path(), 0, 1).await;
+    let e = r0
+        .publish(
+            rank_checkpoint(&g.snapshot(), 0, 1),
+            &PublishOptions { step: Some(1) },
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("gave up on version 1") && e.contains("[1]"),
+        "{e}"
+    );
+    drop(r0);
+    assert_eq!(versions_after(&store, None).await.unwrap(), vec![0]);
+
+    // Step 2: both ranks; rank 0's stale intent of step 1 is replaced and
+    // version 1 holds step 2, a delta (both snapshots still trusted).
+    g.step();
+    let p = both(g.snapshot(), 2).await;
+    assert_eq!((p.version, p.kind), (1, VersionKind::Delta), "{p:?}");
+    let m = read_manifest(&store, 1).await.unwrap().unwrap();
+    assert_eq!(m.step, Some(2));
+    assert_eq!(m.files.len(), 1, "config.json listed once: {m:?}");
+    assert_subscriber_exact(&store, &sub, &g.snapshot(), (1, 2), 2).await;
+
+    // Rank 1 loses its state: it needs an anchor, so the version is an
+    // anchor for both, without bridges (rank 1 has none).
+    std::fs::remove_dir_all(work.path().join("state-1")).unwrap();
+    g.step();
+    let p = both(g.snapshot(), 3).await;
+    assert_eq!((p.version, p.kind), (2, VersionKind::Anchor), "{p:?}");
+    assert!(
+        p.anchor_reason
+            .as_deref()
+            .unwrap_or("")
+            .starts_with("rank 1:"),
+        "{p:?}"
+    );
+    let m = read_manifest(&store, 2).await.unwrap().unwrap();
+    assert_eq!(m.base_version, None, "unbridged: {m:?}");
+    assert_subscriber_exact(&store, &sub, &g.snapshot(), (2, 3), 2).await;
+
+    // And the next step is a delta again for both.
+    g.step();
+    let p = both(g.snapshot(), 4).await;
+    assert_eq!((p.version, p.kind), (3, VersionKind::Delta), "{p:?}");
+    assert_subscriber_exact(&store, &sub, &g.snapshot(), (3, 4), 2).await;
 }
