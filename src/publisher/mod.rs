@@ -317,9 +317,9 @@ impl Publisher {
         }
         let mut cp = cp;
         if self.cfg.distributed.is_some() && opts.step.is_none() {
-            return Err(Error::Config(
-                "a distributed publish (--world 2 or more) needs the trainer's --step: every \
-                 rank publishes the same step as one version"
+            return Err(Error::BadRequest(
+                "a distributed publish (--world 2 or more) needs the trainer's step (--step, or \
+                 \"step\" in the request): every rank publishes the same step as one version"
                     .into(),
             ));
         }

@@ -64,20 +64,10 @@ pub async fn run(command: Command) -> Result<()> {
             checkpoint,
             step,
             quiet,
-            rank,
-            world,
-            rank_timeout,
+            ranks,
             opts,
         } => {
-            let distributed = match (rank, world) {
-                (0, 1) => None,
-                (_, 1) => anyhow::bail!("--rank {rank} needs --world (2 or more ranks)"),
-                _ => Some(weightcast::publisher::Distributed {
-                    timeout: std::time::Duration::from_secs(rank_timeout),
-                    ..weightcast::publisher::Distributed::new(rank, world)?
-                }),
-            };
-            let mut p = opts.open_rank(!quiet, distributed).await?;
+            let mut p = opts.open(!quiet, &ranks).await?;
             let opts = weightcast::publisher::PublishOptions { step };
             emit(serde_json::to_string(
                 &p.publish_path(&checkpoint, &opts).await?,
@@ -136,12 +126,13 @@ pub async fn run(command: Command) -> Result<()> {
             listen,
             token,
             checkpoint_root,
+            ranks,
             opts,
         } => {
             // First, so a signal during start-up is honoured once it is up
             // instead of killing the process half-way through opening.
             let stop = shutdown()?;
-            let publisher = opts.open(false).await?;
+            let publisher = opts.open(false, &ranks).await?;
             let filters = publisher.checkpoint_options().clone();
             let shared = weightcast::http::publisher::PublisherShared::new(
                 publisher,
