@@ -616,3 +616,60 @@ async fn an_abandoned_step_is_overwritten_and_any_rank_needing_an_anchor_makes_o
     assert_eq!((p.version, p.kind), (3, VersionKind::Delta), "{p:?}");
     assert_subscriber_exact(&store, &sub, &g.snapshot(), (3, 4), 2).await;
 }
+
+#[tokio::test]
+async fn two_publisher_daemons_publish_one_version_per_step() {
+    const TOKEN: &str = "test-token-0123456789";
+    let (store, _bucket) = common::local_store();
+    let work = tempfile::tempdir().unwrap();
+    let root = work.path().join("checkpoints");
+    std::fs::create_dir_all(&root).unwrap();
+    let mut bases = Vec::new();
+    for rank in 0..2 {
+        let p = open_rank(&store, work.path(), rank, 60).await;
+        let shared =
+            weightcast::http::publisher::PublisherShared::new(p, TOKEN, &root, Default::default())
+                .unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        bases.push(format!("http://{}", listener.local_addr().unwrap()));
+        tokio::spawn(weightcast::http::publisher::serve(
+            listener,
+            shared,
+            std::future::pending(),
+        ));
+    }
+    let client = reqwest::Client::new();
+    let post = |rank: usize, body: serde_json::Value| {
+        client
+            .post(format!("{}/v1/publish", bases[rank]))
+            .header("authorization", format!("Bearer {TOKEN}"))
+            .json(&body)
+            .send()
+    };
+    let mut g = Generator::new(GeneratorConfig::tiny(27));
+    let sub = work.path().join("sub");
+    for step in 0..3u64 {
+        if step > 0 {
+            g.step();
+        }
+        let dirs = write_step(&root, &g, step, 2);
+        let (a, b) = tokio::join!(
+            post(0, serde_json::json!({"checkpoint": dirs[0], "step": step})),
+            post(1, serde_json::json!({"checkpoint": dirs[1], "step": step})),
+        );
+        for r in [a.unwrap(), b.unwrap()] {
+            assert!(r.status().is_success(), "{}", r.status());
+            let out: serde_json::Value = r.json().await.unwrap();
+            assert_eq!(out["version"], step, "{out}");
+        }
+        assert_subscriber_exact(&store, &sub, &g.snapshot(), (step, step), 2).await;
+    }
+    // Without a step, a rank refuses the request and touches nothing.
+    let dirs = write_step(&root, &g, 9, 2);
+    let r = post(0, serde_json::json!({"checkpoint": dirs[0]}))
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 422);
+    assert!(r.text().await.unwrap().contains("step"));
+    assert_eq!(versions_after(&store, None).await.unwrap(), vec![0, 1, 2]);
+}
