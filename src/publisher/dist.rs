@@ -73,7 +73,35 @@ pub struct Agreement {
     pub anchor: Option<String>,
 }
 
-const POLL: Duration = Duration::from_millis(200);
+/// Polling: the first wait, then half as long again each time, up to the
+/// longest. Each poll is one listing of `parts/<version>/` (plus one read of
+/// the manifest), and each record is read once it appears.
+const POLL_FIRST: Duration = Duration::from_millis(50);
+const POLL_MAX: Duration = Duration::from_secs(1);
+
+/// Backs off between polls.
+struct Poll(Duration);
+
+impl Poll {
+    fn new() -> Poll {
+        Poll(POLL_FIRST)
+    }
+
+    async fn wait(&mut self) {
+        tokio::time::sleep(self.0).await;
+        self.0 = (self.0 * 3 / 2).min(POLL_MAX);
+    }
+}
+
+/// The keys under `parts/<version>/` now.
+async fn listed(store: &Store, version: u64) -> Result<std::collections::HashSet<String>> {
+    Ok(store
+        .list(&crate::protocol::parts::parts_dir(version))
+        .await?
+        .into_iter()
+        .map(|l| l.key)
+        .collect())
+}
 
 fn timed_out(d: &Distributed, version: u64, waiting_for: &str) -> Error {
     Error::Conflict(format!(
@@ -142,12 +170,14 @@ pub async fn agree(
     };
     let deadline = Instant::now() + d.timeout;
     let mut intents: BTreeMap<u32, Intent> = BTreeMap::from([(d.rank, mine)]);
+    let mut poll = Poll::new();
     loop {
+        let present = listed(store, version).await?;
         for r in 0..d.world {
-            if intents.contains_key(&r) {
+            let key = intent_key(version, r);
+            if intents.contains_key(&r) || !present.contains(&key) {
                 continue;
             }
-            let key = intent_key(version, r);
             let Some(i) = read_record::<Intent>(store, &key).await? else {
                 continue;
             };
@@ -189,7 +219,7 @@ pub async fn agree(
                 &format!("the intents of ranks {missing:?} at step {step}"),
             ));
         }
-        tokio::time::sleep(POLL).await;
+        poll.wait().await;
     }
     let tokens: Vec<String> = intents.values().map(|i| i.token.clone()).collect();
     let anchor = intents.values().find_map(|i| {
@@ -224,6 +254,7 @@ pub async fn commit(
     write_record(store, &part_key(version, d.rank, d.world), &part).await?;
     let deadline = Instant::now() + d.timeout;
     let mut parts: BTreeMap<u32, Part> = BTreeMap::from([(d.rank, part)]);
+    let mut poll = Poll::new();
     loop {
         if let Some(m) = read_manifest(store, version).await? {
             if m.writer == share.writer {
@@ -231,11 +262,12 @@ pub async fn commit(
             }
             taken(store, version, Some(&share.writer)).await?;
         }
+        let present = listed(store, version).await?;
         for r in 0..d.world {
-            if parts.contains_key(&r) {
+            let key = part_key(version, r, d.world);
+            if parts.contains_key(&r) || !present.contains(&key) {
                 continue;
             }
-            let key = part_key(version, r, d.world);
             match read_record::<Part>(store, &key).await? {
                 // A part of an earlier attempt (another writer) does not count.
                 Some(p) if p.manifest.writer == share.writer => {
@@ -275,7 +307,7 @@ pub async fn commit(
                 &format!("the parts of ranks {missing:?}"),
             ));
         }
-        tokio::time::sleep(POLL).await;
+        poll.wait().await;
     }
 }
 
