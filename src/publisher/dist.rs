@@ -281,7 +281,19 @@ pub async fn commit(
         }
         if parts.len() == d.world as usize {
             let all: Vec<Part> = parts.values().cloned().collect();
-            let manifest = merge(&all)?;
+            let manifest = match merge(&all) {
+                Ok(m) => m,
+                Err(e) => {
+                    // This attempt can never commit: withdraw the intent, so
+                    // that a rerun at the same step starts a new attempt (a
+                    // new writer, in which these parts do not count). The
+                    // parts stay, so that every rank sees the same error.
+                    if let Err(d_err) = store.delete(&intent_key(version, d.rank)).await {
+                        tracing::warn!(error = %d_err, "cannot withdraw this rank's intent");
+                    }
+                    return Err(e);
+                }
+            };
             match crate::protocol::commit(store, &manifest).await? {
                 Commit::Committed => {
                     holds_share(&manifest, share, d)?;

@@ -407,6 +407,40 @@ async fn a_tensor_name_on_two_ranks_is_refused() {
         );
     }
     assert!(versions_after(&store, None).await.unwrap().is_empty());
+
+    // The failed attempt is withdrawn: rank 0 rerun alone starts a new
+    // attempt and waits for rank 1's new intent (rather than meeting the
+    // failed attempt's parts again).
+    let mut p0 = open_rank(&store, work.path(), 0, 1).await;
+    let e = p0
+        .publish(
+            checkpoint(&shard_name(0, 2), shard(&set, 0, 2)),
+            &PublishOptions { step: Some(7) },
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("gave up") && e.contains("intents of ranks [1]"),
+        "{e}"
+    );
+    drop(p0);
+    // Fixed (rank 1 drops the duplicate), the same step publishes: the failed
+    // attempt's parts do not count.
+    let [r0, r1] = two_ranks(
+        &store,
+        work.path(),
+        [
+            checkpoint(&shard_name(0, 2), shard(&set, 0, 2)),
+            checkpoint(&shard_name(1, 2), shard(&set, 1, 2)),
+        ],
+        [7, 7],
+    )
+    .await;
+    assert_eq!(r0.unwrap().version, 0);
+    assert_eq!(r1.unwrap().version, 0);
+    let m = read_manifest(&store, 0).await.unwrap().unwrap();
+    assert_eq!(m.objects.len(), 2, "{m:?}");
 }
 
 #[tokio::test]
