@@ -5,7 +5,8 @@
 //! binary through every point and checks that a restart recovers.
 //!
 //! Points: `publisher.mid_upload` (the first object of a version uploaded,
-//! the rest not), `publisher.before_commit` (objects and journal written, manifest
+//! the rest not), `publisher.after_part` (a distributed rank's part written,
+//! the version's commit not yet seen), `publisher.before_commit` (objects and journal written, manifest
 //! not), `publisher.after_commit` (manifest created, snapshot not yet
 //! updated), `publisher.after_latest` (hint written, snapshot not updated).
 

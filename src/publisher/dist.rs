@@ -252,6 +252,7 @@ pub async fn commit(
         created_at: crate::protocol::registry::unix_now(),
     };
     write_record(store, &part_key(version, d.rank, d.world), &part).await?;
+    crate::failpoint::hit("publisher.after_part");
     let deadline = Instant::now() + d.timeout;
     let mut parts: BTreeMap<u32, Part> = BTreeMap::from([(d.rank, part)]);
     let mut poll = Poll::new();

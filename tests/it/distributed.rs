@@ -337,6 +337,43 @@ fn four_ranks_on_moto_survive_a_rank_killed_mid_upload() {
         assert_versions(&store, 2).await;
         assert_subscriber_exact(&store, &sub, &g.snapshot(), (2, 2), 4).await;
     });
+
+    // Step 3 (an anchor): rank 2 dies right after writing its part. The
+    // others commit the version with it; restarted, rank 2 finds its pending
+    // commit done, brings its snapshot to it and answers that version.
+    g.step();
+    let dirs = write_step(work.path(), &g, 3, 4);
+    let others = all(&dirs, 3, Some(2));
+    let killed = ranks[2]
+        .command(&dirs[2], 3, Some("publisher.after_part"))
+        .output()
+        .unwrap();
+    assert!(
+        !killed.status.success(),
+        "the failpoint did not stop rank 2"
+    );
+    finish(others, 3, "anchor");
+    let again = published(
+        ranks[2].command(&dirs[2], 3, None).output().unwrap(),
+        "rank 2 restarted",
+    );
+    assert_eq!(again["version"], 3, "{again}");
+    assert_eq!(again["unchanged"], true, "{again}");
+    rt.block_on(assert_subscriber_exact(
+        &store,
+        &sub,
+        &g.snapshot(),
+        (3, 3),
+        4,
+    ));
+    // Its snapshot is the committed version: the next step is a delta.
+    g.step();
+    let dirs = write_step(work.path(), &g, 4, 4);
+    finish(all(&dirs, 4, None), 4, "delta");
+    rt.block_on(async {
+        assert_versions(&store, 4).await;
+        assert_subscriber_exact(&store, &sub, &g.snapshot(), (4, 4), 4).await;
+    });
 }
 
 /// Two in-process ranks on a local bucket, each with its own checkpoint.
