@@ -109,6 +109,7 @@ pub async fn run(cfg: &DemoConfig, mut progress: impl FnMut(&str)) -> Result<Dem
             anchor_encoding: Default::default(),
             layout: Default::default(),
             trl: Default::default(),
+            distributed: None,
         },
     )
     .await?;

@@ -4,10 +4,13 @@
 //! point costs one cached lookup. The reliability suite drives the real
 //! binary through every point and checks that a restart recovers.
 //!
-//! Points: `publisher.before_commit` (objects and journal written, manifest
-//! not), `publisher.after_commit` (manifest created, snapshot not yet
-//! updated), `publisher.after_latest` (hint written, snapshot not updated);
-//! `relay.before_commit` (a version's objects copied, its manifest not);
+//! Points: `publisher.mid_upload` (the first object of a version uploaded,
+//! the rest not), `publisher.after_part` (a distributed rank's part written,
+//! the version's commit not yet seen), `publisher.before_commit` (objects
+//! and journal written, manifest not), `publisher.after_commit` (manifest
+//! created, snapshot not yet updated), `publisher.after_latest` (hint
+//! written, snapshot not updated); `relay.before_commit` (a version's
+//! objects copied, its manifest not);
 //! `subscriber.after_begin` (a slot marked dirty, nothing written),
 //! `subscriber.after_anchor` (an anchor file moved into the slot),
 //! `subscriber.mid_apply` (a delta journaled and applied to the slot, the

@@ -28,7 +28,9 @@
 //!   `versions/`), manifests, the commit, registrations and the fleet view,
 //!   retention, and TRL's own layout; [`notify`]: signed notifications.
 //! - [`publisher`]: checkpoints (files or memory) to committed versions, with
-//!   a memory-mapped snapshot patched in place; [`subscriber`]: a version
+//!   a memory-mapped snapshot patched in place, alone or as one of W
+//!   trainer ranks committing one version per step together
+//!   ([`publisher::dist`]); [`subscriber`]: a version
 //!   source, a planner, a fetcher and sinks (A/B output slots patched in
 //!   place; memory) composed by [`subscriber::Subscriber`], and the daemon
 //!   loop; [`hooks`]: engine hand-off after each version; [`relay`]: mirrors

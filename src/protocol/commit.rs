@@ -54,6 +54,17 @@ impl Staging {
         }
     }
 
+    /// Starts writing `version` under a given writer token (the ranks of a
+    /// distributed publish share one, see [`super::parts`]).
+    pub fn with_writer(version: u64, writer: String) -> Staging {
+        Staging {
+            version,
+            writer,
+            objects: Vec::new(),
+            files: Vec::new(),
+        }
+    }
+
     /// The version being written.
     pub fn version(&self) -> u64 {
         self.version

@@ -7,6 +7,7 @@
 //! versions/<version:020>.json             commit manifests (create-if-absent, written last)
 //! latest.json                             hint: the newest committed version
 //! subscribers/<id>.json                   subscriber registrations
+//! parts/<version:020>/...                 distributed publish records (see `parts`)
 //! _weightcast/probe/<nonce>               the conditional-write probe (deleted at once)
 //! ```
 //!

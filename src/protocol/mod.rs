@@ -9,6 +9,7 @@
 //!   versions/<version:020>.json             the commit manifest: written last, create-if-absent
 //!   latest.json                             hint: the newest committed version (overwritten)
 //!   subscribers/<id>.json                   subscriber registrations
+//!   parts/<version:020>/...                 distributed publish: each rank's intent and part
 //! ```
 //!
 //! A version exists exactly when `versions/<version>.json` exists. Its objects
@@ -29,13 +30,14 @@
 //!
 //! Modules: [`layout`] (key names), [`manifest`] (the commit record and its
 //! validation), [`commit`](mod@commit) (writing and reading versions),
-//! [`registry`] (subscriber registrations and the fleet view), [`retention`]
+//! [`parts`] (W ranks agreeing on one version), [`registry`] (subscriber registrations and the fleet view), [`retention`]
 //! (garbage collection), [`trl`] (TRL's own layout, read and written for
 //! interoperability: `anchors/step_NNNNNN.safetensors`, no manifests).
 
 pub mod commit;
 pub mod layout;
 pub mod manifest;
+pub mod parts;
 pub mod registry;
 pub mod retention;
 pub mod trl;

@@ -54,7 +54,9 @@ pub struct Collected {
 /// to replay (see [`Retention`]); removes older versions (manifest first, so a
 /// version vanishes at once, then its objects) and objects that no manifest
 /// references (a losing writer's uploads), except those of versions newer than
-/// the newest commit, which a publisher may be uploading right now. Other
+/// the newest commit, which a publisher may be uploading right now; and the
+/// records of distributed publishes that can no longer commit (see
+/// [`PARTS_GRACE_S`]). Other
 /// subscribers behind the kept range re-bootstrap from a kept anchor.
 pub async fn collect_garbage(
     store: &Store,
@@ -150,7 +152,47 @@ pub async fn collect_garbage(
             }
         }
     }
+    collect_parts(store, newest, dry_run, &mut out).await?;
     Ok(out)
+}
+
+/// How long the records of a distributed publish newer than the newest
+/// commit are left alone (ranks may still be uploading that version).
+pub const PARTS_GRACE_S: u64 = 3600;
+
+/// Removes distributed-publish records (`parts/`) that can no longer lead to
+/// a commit: those of versions at or before the newest committed one, and
+/// those of newer versions written more than [`PARTS_GRACE_S`] ago (an
+/// abandoned attempt). Unreadable records past the newest are left alone.
+async fn collect_parts(
+    store: &Store,
+    newest: u64,
+    dry_run: bool,
+    out: &mut Collected,
+) -> Result<()> {
+    use super::parts::{PARTS_PREFIX, read_record, version_of_parts_key};
+    let now = super::registry::unix_now();
+    for l in store.list(PARTS_PREFIX).await? {
+        let Some(v) = version_of_parts_key(&l.key) else {
+            continue;
+        };
+        if v > newest {
+            #[derive(serde::Deserialize)]
+            struct Stamp {
+                created_at: u64,
+            }
+            match read_record::<Stamp>(store, &l.key).await {
+                Ok(Some(s)) if now.saturating_sub(s.created_at) > PARTS_GRACE_S => {}
+                _ => continue,
+            }
+        }
+        out.objects += 1;
+        out.bytes += l.size;
+        if !dry_run {
+            store.delete(&l.key).await?;
+        }
+    }
+    Ok(())
 }
 
 /// Bytes a reader at `held` downloads to replay to `newest`, if every version

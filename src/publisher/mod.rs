@@ -21,6 +21,7 @@
 //! resync and one retry as an anchor.
 
 pub mod checkpoint;
+pub mod dist;
 pub mod state;
 mod trl;
 
@@ -40,6 +41,7 @@ use crate::protocol::{
 use crate::store::{ConditionalWrites, Source, Store};
 
 pub use checkpoint::{Checkpoint, CheckpointOptions, DEFAULT_EXCLUDES, FileSource};
+pub use dist::{DEFAULT_RANK_TIMEOUT, Distributed};
 use state::{Committed, FileDigests, Snapshot, State};
 
 /// When to write an anchor instead of a delta.
@@ -118,6 +120,10 @@ pub struct PublisherConfig {
     /// TRL's generation and index encoding, for `trl`-encoded deltas and the
     /// TRL layout.
     pub trl: crate::format::TrlOptions,
+    /// Distributed publish: this publisher is one of W trainer ranks, each
+    /// publishing its own shard files, and the W ranks commit one version per
+    /// step together ([`dist`]). `None`: it publishes alone.
+    pub distributed: Option<Distributed>,
 }
 
 impl PublisherConfig {
@@ -138,6 +144,7 @@ impl PublisherConfig {
             anchor_encoding: AnchorEncoding::default(),
             layout: crate::protocol::Layout::default(),
             trl: crate::format::TrlOptions::default(),
+            distributed: None,
         }
     }
 }
@@ -147,7 +154,9 @@ impl PublisherConfig {
 pub struct PublishOptions {
     /// The trainer's step. When given it must be newer than the step of the
     /// last committed version (else [`Error::Conflict`]); it is recorded in
-    /// the manifest.
+    /// the manifest. Required when the publisher is one of several ranks
+    /// ([`PublisherConfig::distributed`]): every rank publishes the same step
+    /// as one version.
     pub step: Option<u64>,
 }
 
@@ -182,6 +191,29 @@ pub struct Published {
     /// What automatic retention removed after this version, when it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub collected: Option<crate::protocol::Collected>,
+}
+
+impl Published {
+    /// Nothing written: the last committed version `st` answers.
+    fn unchanged(st: &State, total: u64) -> Published {
+        Published {
+            version: st.version,
+            kind: if st.anchor_version == st.version {
+                VersionKind::Anchor
+            } else {
+                VersionKind::Delta
+            },
+            bytes: 0,
+            changed: 0,
+            total,
+            step: st.step,
+            unchanged: true,
+            anchor_reason: None,
+            bridge_bytes: 0,
+            notified: 0,
+            collected: None,
+        }
+    }
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -222,6 +254,13 @@ impl Publisher {
                  pass --single-writer if exactly one publisher ever writes this prefix.",
                 store.url()
             )));
+        }
+        if cfg.distributed.is_some() && cfg.layout == crate::protocol::Layout::Trl {
+            return Err(Error::Config(
+                "a distributed publish (--world 2 or more) needs the weightcast layout: TRL's \
+                 layout has no commit manifests to join the ranks' shards in"
+                    .into(),
+            ));
         }
         std::fs::create_dir_all(&cfg.state_dir)
             .map_err(|e| Error::io(format!("creating {}", cfg.state_dir.display()), e))?;
@@ -277,7 +316,17 @@ impl Publisher {
             return self.publish_trl(cp, opts).await;
         }
         let mut cp = cp;
+        if self.cfg.distributed.is_some() && opts.step.is_none() {
+            return Err(Error::BadRequest(
+                "a distributed publish (--world 2 or more) needs the trainer's step (--step, or \
+                 \"step\" in the request): every rank publishes the same step as one version"
+                    .into(),
+            ));
+        }
         let pos = self.position().await?;
+        if let Some(done) = self.already_committed(&pos, opts) {
+            return Ok(done);
+        }
         if let (Some(step), Some(last)) = (opts.step, pos.last_step)
             && step <= last
         {
@@ -289,7 +338,9 @@ impl Publisher {
         }
         let next = pos.next()?;
         match self.publish_at(&mut cp, next, opts).await {
-            Err(Error::Conflict(why)) if why.starts_with(LOST_RACE) => {
+            Err(Error::Conflict(why))
+                if why.starts_with(LOST_RACE) && self.cfg.distributed.is_none() =>
+            {
                 // Another writer took the version: resync and try once more,
                 // as an anchor after the bucket's newest version.
                 tracing::warn!(version = next, "lost the commit race; resyncing");
@@ -336,6 +387,8 @@ impl Publisher {
             self.snapshot = None;
         }
         let last = match (newest, recorded) {
+            // Ranks number from the bucket alone, so that they all agree.
+            _ if self.cfg.distributed.is_some() => newest,
             (Some(a), Some(b)) => Some(a.max(b)),
             (a, b) => a.or(b),
         };
@@ -392,26 +445,10 @@ impl Publisher {
             if let Some(why) = structure {
                 deltas.clear();
                 anchor_reason = Some(why);
-            } else if changed == 0 && self.files_unchanged(cp)? {
+            } else if changed == 0 && self.cfg.distributed.is_none() && self.files_unchanged(cp)? {
                 // The same content as the last version: nothing to publish.
                 cp.check_unchanged()?;
-                return Ok(Published {
-                    version: st.version,
-                    kind: if st.anchor_version == st.version {
-                        VersionKind::Anchor
-                    } else {
-                        VersionKind::Delta
-                    },
-                    bytes: 0,
-                    changed: 0,
-                    total,
-                    step: st.step,
-                    unchanged: true,
-                    anchor_reason: None,
-                    bridge_bytes: 0,
-                    notified: 0,
-                    collected: None,
-                });
+                return Ok(Published::unchanged(st, total));
             } else if delta_bytes as f64 > self.cfg.anchors.max_delta_fraction * anchor {
                 // Nearly the model: not worth keeping even as a bridge.
                 deltas.clear();
@@ -427,10 +464,40 @@ impl Publisher {
                     Some("a newcomer's replay since the last anchor would exceed the limit".into());
             }
         }
-        match anchor_reason {
-            Some(reason) => self.publish_anchor(cp, next, reason, deltas, opts).await,
-            None => self.publish_delta(cp, next, deltas, changed, opts).await,
+        // Several ranks: they agree on the kind (an anchor if any of them
+        // needs one; this rank's deltas are then its bridges) and the writer.
+        let mut writer = None;
+        if let Some(d) = &self.cfg.distributed {
+            let step = opts.step.expect("checked in publish");
+            let agreed = dist::agree(&self.store, d, next, step, anchor_reason.clone()).await?;
+            if anchor_reason.is_none() {
+                anchor_reason = agreed.anchor;
+            }
+            writer = Some(agreed.writer);
         }
+        let staging = match writer {
+            Some(w) => Staging::with_writer(next, w),
+            None => Staging::new(next),
+        };
+        match anchor_reason {
+            Some(reason) => self.publish_anchor(cp, staging, reason, deltas, opts).await,
+            None => self.publish_delta(cp, staging, deltas, changed, opts).await,
+        }
+    }
+
+    /// A distributed rank restarted after the version of its step was
+    /// committed (with its part): that version, as an unchanged publish.
+    fn already_committed(&self, pos: &Position, opts: &PublishOptions) -> Option<Published> {
+        let snap = self.snapshot.as_ref()?;
+        let st = &snap.state;
+        (self.cfg.distributed.is_some()
+            && opts.step.is_some()
+            && st.step == opts.step
+            && pos.last == Some(st.version))
+        .then(|| {
+            let total = snap.sets.values().map(|s| s.total_elements()).sum();
+            Published::unchanged(st, total)
+        })
     }
 
     fn anchor_reason(&self, cp: &Checkpoint, next: u64) -> Option<String> {
@@ -467,20 +534,21 @@ impl Publisher {
     async fn publish_delta(
         &mut self,
         cp: &mut Checkpoint,
-        next: u64,
+        mut staging: Staging,
         deltas: Vec<(String, Vec<u8>)>,
         changed: u64,
         opts: &PublishOptions,
     ) -> Result<Published> {
+        let next = staging.version();
         let snap = self.snapshot.as_ref().expect("a delta implies a snapshot");
         let base = snap.state.clone();
-        let mut staging = Staging::new(next);
         let mut bytes = 0u64;
         for (name, d) in &deltas {
             bytes += d.len() as u64;
             staging
                 .upload(&self.store, name, ObjectRole::Delta, Bytes::from(d.clone()))
                 .await?;
+            crate::failpoint::hit("publisher.mid_upload");
         }
         let files = self.upload_files(cp, &mut staging, &base.files).await?;
         bytes += files.1;
@@ -511,7 +579,7 @@ impl Publisher {
         let snap = self.snapshot.as_mut().expect("checked above");
         snap.prepare_delta(next, &writer, &deltas, after.clone())?;
         crate::failpoint::hit("publisher.before_commit");
-        if let Err(e) = self.commit(&manifest).await {
+        if let Err(e) = self.commit(&manifest, cp).await {
             if let Some(s) = self.snapshot.as_mut() {
                 s.abandon()?;
             }
@@ -543,11 +611,12 @@ impl Publisher {
     async fn publish_anchor(
         &mut self,
         cp: &mut Checkpoint,
-        next: u64,
+        mut staging: Staging,
         reason: String,
         bridges: Vec<(String, Vec<u8>)>,
         opts: &PublishOptions,
     ) -> Result<Published> {
+        let next = staging.version();
         let dir = self.cfg.state_dir.clone();
         let total = cp.total_elements();
         // Bridged: `encode_delta` derived the new digests. Otherwise a full pass.
@@ -561,7 +630,6 @@ impl Publisher {
         // once this publish returns; the snapshot is ours).
         let next_dir = Snapshot::next_dir(&dir);
         let _ = std::fs::remove_dir_all(&next_dir);
-        let mut staging = Staging::new(next);
         let mut anchor_bytes = 0u64;
         let spill_dir = dir.join("spill");
         for (name, set) in &cp.tensors {
@@ -617,6 +685,7 @@ impl Publisher {
             };
             let key = staging.key(ObjectRole::Anchor, name)?;
             let (size, blake3) = self.store.put_sources(&key, &sources).await?;
+            crate::failpoint::hit("publisher.mid_upload");
             drop(spill);
             anchor_bytes += size;
             staging.record(crate::protocol::ObjectEntry {
@@ -674,7 +743,7 @@ impl Publisher {
         });
         state::write_state(&dir, &pending)?;
         crate::failpoint::hit("publisher.before_commit");
-        if let Err(e) = self.commit(&manifest).await {
+        if let Err(e) = self.commit(&manifest, cp).await {
             let _ = std::fs::remove_dir_all(&next_dir);
             let mut back = pending;
             back.pending = None;
@@ -749,8 +818,24 @@ impl Publisher {
         Ok((table, bytes))
     }
 
-    /// Commits a manifest and updates the hint.
-    async fn commit(&self, manifest: &Manifest) -> Result<()> {
+    /// Commits a manifest and updates the hint. A distributed rank commits
+    /// its share of the version with the other ranks' (see [`dist::commit`]).
+    async fn commit(&self, manifest: &Manifest, cp: &Checkpoint) -> Result<()> {
+        if let Some(d) = &self.cfg.distributed {
+            let tensors = cp
+                .tensors
+                .iter()
+                .map(|(f, s)| {
+                    (
+                        f.clone(),
+                        s.tensors().iter().map(|t| t.name.clone()).collect(),
+                    )
+                })
+                .collect();
+            dist::commit(&self.store, d, manifest, tensors).await?;
+            dist::clean_up(&self.store, d, manifest.version).await;
+            return Ok(());
+        }
         match commit(&self.store, manifest).await? {
             Commit::Committed => crate::failpoint::hit("publisher.after_commit"),
             Commit::VersionTaken => {
@@ -772,6 +857,9 @@ impl Publisher {
 
     /// Automatic retention after an anchor; never fails the publish.
     async fn collect(&self) -> Option<crate::protocol::Collected> {
+        if self.cfg.distributed.as_ref().is_some_and(|d| d.rank != 0) {
+            return None;
+        }
         let retention = self.cfg.retention.as_ref()?;
         match crate::protocol::collect_garbage(&self.store, retention, false).await {
             Ok(c) => {
@@ -796,6 +884,9 @@ impl Publisher {
         let Some(key) = &self.cfg.notify_key else {
             return 0;
         };
+        if self.cfg.distributed.as_ref().is_some_and(|d| d.rank != 0) {
+            return 0;
+        }
         let max_age = crate::notify::registration_horizon(self.cfg.retention.as_ref());
         let urls = crate::notify::fleet_urls(&self.store, &self.cfg.notify_urls, max_age).await;
         let n = crate::notify::Notification {

@@ -186,6 +186,7 @@ pub fn publisher_config(
         anchor_encoding: Default::default(),
         layout: Default::default(),
         trl: Default::default(),
+        distributed: None,
     }
 }
 
@@ -699,4 +700,28 @@ pub fn assert_dashboard_covers(families: &[String], owned: impl Fn(&str) -> bool
             path.display()
         );
     }
+}
+
+/// `weightcast publish --quiet --anchor-every 3` of `ckpt` into `url` with
+/// state `state`, none of the test's own `WEIGHTCAST_*`/`RUST_LOG` settings
+/// inherited, and `WEIGHTCAST_FAILPOINT` set to `failpoint` if given.
+pub fn publish_command(
+    url: &str,
+    state: &std::path::Path,
+    ckpt: &std::path::Path,
+    failpoint: Option<&str>,
+) -> std::process::Command {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_weightcast"));
+    c.args(["publish", "--quiet", "--anchor-every", "3", "--store", url])
+        .arg("--state")
+        .arg(state)
+        .arg("--checkpoint")
+        .arg(ckpt)
+        .env_remove("WEIGHTCAST_STORE")
+        .env_remove("WEIGHTCAST_FAILPOINT")
+        .env_remove("RUST_LOG");
+    if let Some(f) = failpoint {
+        c.env("WEIGHTCAST_FAILPOINT", f);
+    }
+    c
 }

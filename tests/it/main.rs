@@ -8,6 +8,7 @@ mod common;
 mod cli_signals;
 mod conformance;
 mod deploy_files;
+mod distributed;
 mod docs_flags;
 mod faultproxy;
 mod gc;

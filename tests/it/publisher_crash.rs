@@ -16,25 +16,7 @@ fn publish(
     ckpt: &Path,
     failpoint: Option<&str>,
 ) -> Option<serde_json::Value> {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_weightcast"));
-    c.args([
-        "publish",
-        "--quiet",
-        "--anchor-every",
-        "3",
-        "--store",
-        url,
-        "--state",
-    ])
-    .arg(state)
-    .arg("--checkpoint")
-    .arg(ckpt)
-    .env_remove("WEIGHTCAST_STORE")
-    .env_remove("WEIGHTCAST_FAILPOINT")
-    .env_remove("RUST_LOG");
-    if let Some(f) = failpoint {
-        c.env("WEIGHTCAST_FAILPOINT", f);
-    }
+    let mut c = crate::common::publish_command(url, state, ckpt, failpoint);
     let out = c.output().expect("running weightcast publish");
     if failpoint.is_some() {
         assert!(

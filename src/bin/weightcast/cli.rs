@@ -113,6 +113,8 @@ pub enum Command {
         #[arg(long, short)]
         quiet: bool,
         #[command(flatten)]
+        ranks: RankOpts,
+        #[command(flatten)]
         opts: PublishOpts,
     },
     /// Publisher daemon: `POST /v1/publish {"checkpoint": PATH}` (bearer token)
@@ -127,6 +129,8 @@ pub enum Command {
         /// Only checkpoints under this directory may be published.
         #[arg(long)]
         checkpoint_root: PathBuf,
+        #[command(flatten)]
+        ranks: RankOpts,
         #[command(flatten)]
         opts: PublishOpts,
     },
@@ -287,6 +291,38 @@ pub fn retention(keep_anchors: usize, max_age: u64) -> Result<weightcast::protoc
     })
 }
 
+/// Distributed publish flags (`publish` and `publisher`).
+#[derive(clap::Args)]
+pub struct RankOpts {
+    /// Distributed publish: this process is trainer rank R (0..WORLD) and
+    /// publishes only its own shard files; with --world.
+    #[arg(long, default_value_t = 0)]
+    pub rank: u32,
+    /// Distributed publish: the number of trainer ranks; all WORLD ranks
+    /// (each with its own --state) commit one version per step together.
+    /// 1 (the default): publish alone.
+    #[arg(long, default_value_t = 1)]
+    pub world: u32,
+    /// With --world 2 or more: seconds to wait for the other ranks (their
+    /// intents, then the commit) before giving up on the version.
+    #[arg(long, default_value_t = 600)]
+    pub rank_timeout: u64,
+}
+
+impl RankOpts {
+    /// The rank these flags describe (`None`: publishing alone).
+    pub fn distributed(&self) -> Result<Option<weightcast::publisher::Distributed>> {
+        Ok(match (self.rank, self.world) {
+            (0, 1) => None,
+            (rank, 1) => bail!("--rank {rank} needs --world (2 or more ranks)"),
+            (rank, world) => Some(weightcast::publisher::Distributed {
+                timeout: std::time::Duration::from_secs(self.rank_timeout),
+                ..weightcast::publisher::Distributed::new(rank, world)?
+            }),
+        })
+    }
+}
+
 /// Flags shared by `publish` and `publisher`.
 #[derive(clap::Args)]
 pub struct PublishOpts {
@@ -391,8 +427,14 @@ impl Drop for Bars {
 
 impl PublishOpts {
     /// Opens the store and the publisher these flags describe; `progress` draws
-    /// upload progress bars on a terminal.
-    pub async fn open(self, progress: bool) -> Result<weightcast::publisher::Publisher> {
+    /// upload progress bars on a terminal; `ranks` make it one rank of a
+    /// distributed publish.
+    pub async fn open(
+        self,
+        progress: bool,
+        ranks: &RankOpts,
+    ) -> Result<weightcast::publisher::Publisher> {
+        let distributed = ranks.distributed()?;
         if self.anchor_every == 0 {
             bail!("--anchor-every must be at least 1");
         }
@@ -433,6 +475,7 @@ impl PublishOpts {
                 generation: self.trl_generation,
                 index: self.trl_index,
             },
+            distributed,
         };
         Ok(weightcast::publisher::Publisher::open(store, cfg).await?)
     }

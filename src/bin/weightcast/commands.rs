@@ -64,9 +64,10 @@ pub async fn run(command: Command) -> Result<()> {
             checkpoint,
             step,
             quiet,
+            ranks,
             opts,
         } => {
-            let mut p = opts.open(!quiet).await?;
+            let mut p = opts.open(!quiet, &ranks).await?;
             let opts = weightcast::publisher::PublishOptions { step };
             emit(serde_json::to_string(
                 &p.publish_path(&checkpoint, &opts).await?,
@@ -132,12 +133,13 @@ pub async fn run(command: Command) -> Result<()> {
             listen,
             token,
             checkpoint_root,
+            ranks,
             opts,
         } => {
             // First, so a signal during start-up is honoured once it is up
             // instead of killing the process half-way through opening.
             let stop = shutdown()?;
-            let publisher = opts.open(false).await?;
+            let publisher = opts.open(false, &ranks).await?;
             let filters = publisher.checkpoint_options().clone();
             let shared = weightcast::http::publisher::PublisherShared::new(
                 publisher,
