@@ -1093,16 +1093,20 @@ mod tests {
     /// `set`'s tensors split in two files (even and odd positions).
     fn halves(set: &TensorSet) -> [TensorSet; 2] {
         [0, 1].map(|h| {
-            TensorSet::from_tensors(set.tensors().iter().enumerate().filter_map(|(i, t)| {
-                (i % 2 == h).then(|| {
-                    (
-                        t.name.clone(),
-                        t.dtype,
-                        t.shape.clone(),
-                        set.data(i).to_vec(),
-                    )
-                })
-            }))
+            TensorSet::from_tensors(
+                set.tensors()
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| i % 2 == h)
+                    .map(|(i, t)| {
+                        (
+                            t.name.clone(),
+                            t.dtype,
+                            t.shape.clone(),
+                            set.data(i).to_vec(),
+                        )
+                    }),
+            )
             .unwrap()
         })
     }
