@@ -474,5 +474,8 @@ mod tests {
             sub.catch_up_to(9).await.is_err(),
             "a version never committed"
         );
+        let (version, tensors, _) = sub.sink.into_parts();
+        assert_eq!(version, Some(0));
+        assert_eq!(tensors["model.safetensors"].digest(), truth[0].digest());
     }
 }
