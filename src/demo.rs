@@ -81,15 +81,7 @@ fn replica_matches(out: &Path, truth: &TensorSet) -> Result<bool> {
 const FILE: &str = "model.safetensors";
 
 /// Runs the demo; `progress` receives one human-readable line per event.
-pub fn run(cfg: &DemoConfig, progress: impl FnMut(&str)) -> Result<DemoReport> {
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| Error::io("starting the async runtime", e))?
-        .block_on(run_async(cfg, progress))
-}
-
-async fn run_async(cfg: &DemoConfig, mut progress: impl FnMut(&str)) -> Result<DemoReport> {
+pub async fn run(cfg: &DemoConfig, mut progress: impl FnMut(&str)) -> Result<DemoReport> {
     let bucket = cfg.dir.join("bucket");
     std::fs::create_dir_all(&bucket)
         .map_err(|e| Error::io(format!("creating {}", bucket.display()), e))?;

@@ -9,48 +9,82 @@
 //!
 //! ## Layout
 //!
-//! The data path reads top to bottom:
+//! The data path reads top to bottom (`docs/architecture.md` follows it with
+//! a diagram); no module imports one above it.
 //!
-//! - [`dtype`]: what the codec needs to know about each safetensors dtype (word
-//!   width, the ordered-key bijection used for "ulp steps").
-//! - [`digest`]: additive per-element digests, so verifying a delta costs time
-//!   proportional to the changed elements, not to the model.
-//! - [`tensors`]: [`tensors::TensorSet`], named tensors in one buffer, read from
-//!   and written to safetensors.
-//! - [`format`](mod@format): the object header — metadata keys, their types, validation.
+//! - Format: [`dtype`] (word widths, the ordered-key bijection behind "ulp
+//!   steps"), [`digest`] (additive per-element digests: verifying a delta
+//!   costs time proportional to the changes), [`platform`] (CPU feature
+//!   detection once, safe wrappers; `WEIGHTCAST_SIMD=off`), [`tensors`]
+//!   ([`tensors::TensorSet`]: named tensors over owned, memory-mapped or
+//!   caller-lent buffers), [`format`](mod@format) (object metadata).
 //! - [`codec`]: diff, encode, decode, apply (`compact` and `trl`; to a
 //!   [`tensors::TensorSet`] or verified in place into buffers the caller owns),
 //!   anchors (`full`, and `planes`: byte planes + zstd in independent chunks).
-//! - [`platform`]: CPU feature detection and dispatch, once for the crate
-//!   (`WEIGHTCAST_SIMD=off` selects the portable code everywhere).
-//! - [`store`]: the bucket — any object store opened by URL (`hf://` included),
-//!   with multipart and streamed uploads, size-bounded and conditional reads,
-//!   conditional creates and a probe for stores that ignore conditions.
-//! - [`protocol`]: the bucket layout and the commit protocol — objects first,
-//!   then a manifest created only if absent, then the `latest.json` hint;
-//!   bridged anchors; retention that honours registered lagging subscribers.
-//! - [`publisher`]: checkpoints (single file or Hugging Face shards) to
-//!   committed anchors and deltas, with a persisted, verified snapshot.
-//! - [`subscriber`]: catch up from the bucket (the cheaper of replaying from
-//!   local state and starting from the newest anchor) and verify, from small
-//!   parts (version source, planner, fetcher, sinks, daemon); the output
-//!   directory alternates between slots patched in place behind an atomically
-//!   switched `current` symlink, or the tensors stay in memory.
-//! - [`notify`]: authenticated notifications (BLAKE3-keyed MAC) and subscriber
-//!   registrations in the bucket.
-//! - [`hooks`]: engine hand-off after each version (SGLang, vLLM, webhook,
-//!   command), with the engine pause measured.
-//! - [`server`]: the subscriber's HTTP endpoint (`/v1/notify`, `/v1/status`,
-//!   `/healthz`, `/metrics`) and the publisher daemon's (`POST /v1/publish`),
-//!   each `run(listener, state, shutdown)` so tests bind port 0.
-//! - [`generator`]: a synthetic RL-step generator with realistic statistics, for
-//!   tests, benchmarks and the demo.
-//! - [`bench`](mod@bench): the codec benchmark behind `weightcast bench codec`.
-//! - [`demo`]: the end-to-end demo behind `weightcast demo`.
+//! - [`store`]: the bucket — any object store opened by URL (`hf://`
+//!   included), parallel multipart uploads, ranged downloads, conditional
+//!   creates and reads, the probe for stores that ignore conditions.
+//! - [`protocol`]: the bucket layout (`anchors/`, `deltas/`, `files/`,
+//!   `versions/`), manifests, the commit, registrations and the fleet view,
+//!   retention, and TRL's own layout; [`notify`]: signed notifications.
+//! - [`publisher`]: checkpoints (files or memory) to committed versions, with
+//!   a memory-mapped snapshot patched in place; [`subscriber`]: a version
+//!   source, a planner, a fetcher and sinks (A/B output slots patched in
+//!   place; memory) composed by [`subscriber::Subscriber`], and the daemon
+//!   loop; [`hooks`]: engine hand-off after each version.
+//! - [`http`]: the daemons' HTTP surfaces, each `serve(listener, state,
+//!   shutdown)`.
+//! - Tools: [`generator`] (synthetic RL steps), [`bench`](mod@bench),
+//!   [`demo`] (the end-to-end demo), [`failpoint`] (crash points for tests).
+//! - [`error`]: the typed error and what the caller should do about each kind
+//!   ([`error::ErrorKind`]: HTTP statuses and exit codes in one place).
 //!
-//! The binary (`src/bin/weightcast.rs`) is a thin command-line layer over these.
+//! The binary (`src/bin/weightcast/`) is a thin command-line layer over these.
 //!
-//! ## Example
+//! ## Example: one library API for every caller
+//!
+//! A trainer publishes tensors it holds in memory; a subscriber follows the
+//! bucket into memory (the CLI, the daemons and the Python binding are
+//! compositions of the same parts).
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> weightcast::Result<()> {
+//! use std::collections::BTreeMap;
+//! use weightcast::generator::{Generator, GeneratorConfig};
+//! use weightcast::publisher::{Checkpoint, PublishOptions, Publisher, PublisherConfig};
+//! use weightcast::store::Store;
+//! use weightcast::subscriber::{Subscriber, fetch::Fetcher, sink::MemorySink, source::VersionSource};
+//!
+//! let bucket = Store::open("memory://")?;
+//! let state = tempfile::tempdir().unwrap();
+//! let mut publisher = Publisher::open(bucket.clone(), PublisherConfig::new(state.path())).await?;
+//! let mut subscriber = Subscriber::new(
+//!     Fetcher::new(bucket.clone()),
+//!     VersionSource::new(std::time::Duration::from_secs(5), 0.1),
+//!     MemorySink::new(),
+//! );
+//!
+//! let mut trainer = Generator::new(GeneratorConfig::tiny(7));
+//! for step in 0..3 {
+//!     if step > 0 {
+//!         trainer.step();
+//!     }
+//!     let tensors = BTreeMap::from([("model.safetensors".to_string(), trainer.snapshot())]);
+//!     let cp = Checkpoint::from_sets(tensors, BTreeMap::new())?;
+//!     let published = publisher.publish(cp, &PublishOptions { step: Some(step) }).await?;
+//!
+//!     let caught = subscriber.catch_up(true).await?.expect("a version");
+//!     assert_eq!(caught.version, published.version);
+//!     let replica = &subscriber.sink.tensors()["model.safetensors"];
+//!     assert_eq!(replica.digest(), trainer.snapshot().digest());
+//! }
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The codec alone (no store): a delta between two tensor sets, applied and
+//! verified.
 //!
 //! ```
 //! use weightcast::codec::{apply_delta, encode_delta, DeltaOptions};

@@ -51,6 +51,15 @@ pub struct Notification {
 #[derive(Clone)]
 pub struct Key([u8; 32]);
 
+impl PartialEq for Key {
+    /// Constant-time comparison (through `blake3::Hash`).
+    fn eq(&self, other: &Key) -> bool {
+        blake3::Hash::from(self.0) == blake3::Hash::from(other.0)
+    }
+}
+
+impl Eq for Key {}
+
 impl std::fmt::Debug for Key {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Key(..)")

@@ -101,3 +101,50 @@ pub fn bearer_ok(headers: &axum::http::HeaderMap, hash: &blake3::Hash) -> bool {
         .map(|t| blake3::hash(t.as_bytes()))
         == Some(*hash)
 }
+
+/// Serves `app` on `listener` until `shutdown`, hardened for an open port: at
+/// most [`subscriber::MAX_CONNECTIONS`] connections at once, request headers
+/// within [`subscriber::HEADER_TIMEOUT`] (slowloris), each connection closed
+/// after `request_timeout` (one request per connection).
+pub async fn serve_hardened(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    request_timeout: std::time::Duration,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(subscriber::MAX_CONNECTIONS));
+    tokio::pin!(shutdown);
+    loop {
+        let permit = tokio::select! {
+            _ = &mut shutdown => return Ok(()),
+            p = slots.clone().acquire_owned() => p.expect("the semaphore is never closed"),
+        };
+        let (stream, _) = tokio::select! {
+            _ = &mut shutdown => return Ok(()),
+            a = listener.accept() => match a {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of descriptors and the like: wait, do not spin.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        tokio::spawn(async move {
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(subscriber::HEADER_TIMEOUT)
+                .keep_alive(false)
+                .serve_connection(TokioIo::new(stream), service);
+            match tokio::time::timeout(request_timeout, conn).await {
+                Ok(Err(e)) => tracing::debug!(error = %e, "connection ended with an error"),
+                Err(_) => tracing::debug!("connection closed: request took too long"),
+                Ok(Ok(())) => {}
+            }
+            drop(permit);
+        });
+    }
+}

@@ -156,9 +156,15 @@ pub async fn serve(
     shared: Arc<PublisherShared>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(shared))
-        .with_graceful_shutdown(shutdown)
-        .await
+    // A publish of an anchor can take many minutes: only the headers are
+    // timed (slowloris), the request may take up to a day.
+    super::serve_hardened(
+        listener,
+        router(shared),
+        std::time::Duration::from_secs(24 * 3600),
+        shutdown,
+    )
+    .await
 }
 
 async fn publish(

@@ -4,7 +4,15 @@
 //! [`serve`] takes a bound listener and a shutdown future, so tests bind port
 //! 0. A notification never carries weights and is never trusted beyond "look
 //! at the bucket now": it only wakes the catch-up loop, and bursts coalesce
-//! into one wake-up.
+//! into one wake-up. A notification is accepted once: a replay of a signed
+//! one within the clock-skew window is refused.
+//!
+//! The server is hardened for an open port: request headers must arrive
+//! within 10 s (slowloris), a whole request within 30 s, at most 64
+//! connections are served at once (more wait in the kernel's backlog), bodies
+//! are capped at 4 KiB. `/v1/status` shows the store URL and error texts only
+//! to callers presenting the notify key as a bearer token; anonymous callers
+//! see versions, lag and health.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -32,11 +40,18 @@ pub fn router(shared: Arc<Shared>) -> Router {
     Router::new()
         .route("/v1/notify", post(notify))
         .route("/v1/status", get(status))
-        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(shared)
 }
+
+/// Connections served at once.
+pub const MAX_CONNECTIONS: usize = 64;
+/// Time a client has to send its request headers.
+pub const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// Time a whole request may take.
+pub const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Serves until `shutdown` completes.
 pub async fn serve(
@@ -44,9 +59,7 @@ pub async fn serve(
     shared: Arc<Shared>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(shared))
-        .with_graceful_shutdown(shutdown)
-        .await
+    super::serve_hardened(listener, router(shared), REQUEST_TIMEOUT, shutdown).await
 }
 
 async fn notify(
@@ -62,8 +75,34 @@ async fn notify(
         );
     };
     let h = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
-    if let Err(e) = key.verify(h(TIMESTAMP_HEADER), h(SIGNATURE_HEADER), &body, unix_now()) {
+    let now = unix_now();
+    if let Err(e) = key.verify(h(TIMESTAMP_HEADER), h(SIGNATURE_HEADER), &body, now) {
         return refuse(&shared, StatusCode::UNAUTHORIZED, &e.to_string());
+    }
+    // Once only: remember accepted signatures for as long as their timestamp
+    // is fresh enough to verify.
+    let sig = *blake3::hash(h(SIGNATURE_HEADER).unwrap_or_default().as_bytes()).as_bytes();
+    {
+        let mut seen = shared.seen.lock().unwrap_or_else(|e| e.into_inner());
+        let window = crate::notify::MAX_SKEW.as_secs() * 2;
+        while seen
+            .front()
+            .is_some_and(|(at, _)| now.saturating_sub(*at) > window)
+        {
+            seen.pop_front();
+        }
+        if seen.iter().any(|(_, s)| *s == sig) {
+            drop(seen);
+            return refuse(
+                &shared,
+                StatusCode::CONFLICT,
+                "notification already accepted (replay)",
+            );
+        }
+        if seen.len() >= 4096 {
+            seen.pop_front();
+        }
+        seen.push_back((now, sig));
     }
     let n: Notification = match serde_json::from_slice(&body) {
         Ok(n) => n,
@@ -90,102 +129,169 @@ async fn notify(
     (StatusCode::ACCEPTED, "accepted\n".to_string())
 }
 
-async fn status(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
-    let s = shared.status.lock().map(|s| s.clone()).unwrap_or_default();
-    axum::Json(s)
+fn bearer_is_key(shared: &Shared, headers: &HeaderMap) -> bool {
+    let Some(key) = &shared.key else {
+        return false;
+    };
+    headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|t| crate::notify::Key::new(t).is_ok_and(|k| k == *key))
 }
 
-async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
+async fn status(State(shared): State<Arc<Shared>>, headers: HeaderMap) -> axum::response::Response {
     let s = shared.status.lock().map(|s| s.clone()).unwrap_or_default();
-    let mut out = String::new();
-    let mut metric = |name: &str, kind: &str, help: &str, value: f64| {
-        out.push_str(&format!(
-            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"
-        ));
-    };
-    metric(
-        "weightcast_version",
-        "gauge",
-        "Verified version in the output directory.",
-        s.version.map_or(-1.0, |v| v as f64),
-    );
-    metric(
-        "weightcast_lag_versions",
-        "gauge",
-        "Committed versions not yet applied.",
-        s.lag.unwrap_or(0) as f64,
-    );
-    metric(
-        "weightcast_versions_applied_total",
-        "counter",
-        "Versions applied.",
-        s.versions_applied as f64,
-    );
-    metric(
-        "weightcast_bytes_downloaded_total",
-        "counter",
-        "Bytes downloaded from the store.",
-        s.bytes_downloaded as f64,
-    );
-    metric(
-        "weightcast_output_written_bytes_total",
-        "counter",
-        "Bytes written into output slots (anchors, files, patched elements, slot rebuilds).",
-        s.bytes_written as f64,
-    );
-    metric(
-        "weightcast_journal_applied_bytes_total",
-        "counter",
-        "Bytes of journal objects applied to bring output slots forward.",
-        s.bytes_journal as f64,
-    );
-    metric(
-        "weightcast_store_requests_total",
-        "counter",
-        "Requests made to the store.",
-        s.store_requests as f64,
-    );
-    metric(
-        "weightcast_repairs_total",
-        "counter",
-        "Re-bootstraps from an anchor after a failed replay.",
-        s.repairs as f64,
-    );
-    metric(
-        "weightcast_failures_total",
-        "counter",
-        "Catch-ups that failed.",
-        s.failures as f64,
-    );
-    metric(
-        "weightcast_notifications_total",
-        "counter",
-        "Accepted notifications.",
-        s.notifications as f64,
-    );
-    metric(
-        "weightcast_notifications_refused_total",
-        "counter",
-        "Refused notifications.",
-        s.refused as f64,
-    );
-    metric(
-        "weightcast_apply_seconds",
-        "gauge",
-        "Duration of the last catch-up that changed the version.",
-        s.last_apply_seconds,
-    );
-    metric(
-        "weightcast_engine_pause_seconds",
-        "gauge",
-        "Engine pause window of the last version (pause answered to resume answered).",
-        s.last_pause_seconds,
-    );
-    metric(
-        "weightcast_hook_failures_total",
-        "counter",
-        "Hooks that failed.",
-        s.hook_failures as f64,
-    );
-    ([("content-type", "text/plain; version=0.0.4")], out)
+    let healthy = s.last_error.is_none() && s.last_hook_error.is_none();
+    if bearer_is_key(&shared, &headers) {
+        axum::Json(serde_json::json!({
+            "store": shared.store_url,
+            "healthy": healthy,
+            "status": s,
+        }))
+        .into_response()
+    } else {
+        // Anonymous callers learn no store, endpoint or error text.
+        axum::Json(serde_json::json!({
+            "version": s.version,
+            "newest": s.newest,
+            "lag": s.lag,
+            "healthy": healthy,
+        }))
+        .into_response()
+    }
+}
+
+async fn healthz(State(shared): State<Arc<Shared>>) -> axum::response::Response {
+    let s = shared.status.lock().map(|s| s.clone()).unwrap_or_default();
+    match (&s.last_error, &s.last_hook_error) {
+        (None, None) => (StatusCode::OK, "ok\n").into_response(),
+        (Some(e), _) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("last catch-up failed: {e}\n"),
+        )
+            .into_response(),
+        (None, Some(e)) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the engine has not confirmed the current version: {e}\n"),
+        )
+            .into_response(),
+    }
+}
+
+async fn metrics(State(shared): State<Arc<Shared>>) -> axum::response::Response {
+    let s = shared.status.lock().map(|s| s.clone()).unwrap_or_default();
+    let mut m = super::Prometheus::default();
+    let series: [(&str, &str, &str, f64); 17] = [
+        (
+            "weightcast_version",
+            "gauge",
+            "Verified version in the output (-1: none).",
+            s.version.map_or(-1.0, |v| v as f64),
+        ),
+        (
+            "weightcast_newest_version",
+            "gauge",
+            "Newest committed version seen (-1: none).",
+            s.newest.map_or(-1.0, |v| v as f64),
+        ),
+        (
+            "weightcast_lag_versions",
+            "gauge",
+            "Committed versions not yet applied.",
+            s.lag.unwrap_or(0) as f64,
+        ),
+        (
+            "weightcast_versions_applied_total",
+            "counter",
+            "Versions applied.",
+            s.versions_applied as f64,
+        ),
+        (
+            "weightcast_bytes_downloaded_total",
+            "counter",
+            "Bytes downloaded from the store.",
+            s.bytes_downloaded as f64,
+        ),
+        (
+            "weightcast_output_written_bytes_total",
+            "counter",
+            "Bytes written into the output slots.",
+            s.bytes_written as f64,
+        ),
+        (
+            "weightcast_journal_applied_bytes_total",
+            "counter",
+            "Bytes of journal objects applied to bring slots forward.",
+            s.bytes_journal as f64,
+        ),
+        (
+            "weightcast_store_requests_total",
+            "counter",
+            "Requests made to the store.",
+            s.store_requests as f64,
+        ),
+        (
+            "weightcast_repairs_total",
+            "counter",
+            "Re-bootstraps after a failed replay or damaged output.",
+            s.repairs as f64,
+        ),
+        (
+            "weightcast_failures_total",
+            "counter",
+            "Catch-ups that failed.",
+            s.failures as f64,
+        ),
+        (
+            "weightcast_notifications_total",
+            "counter",
+            "Accepted notifications.",
+            s.notifications as f64,
+        ),
+        (
+            "weightcast_notifications_refused_total",
+            "counter",
+            "Refused notifications.",
+            s.refused as f64,
+        ),
+        (
+            "weightcast_apply_seconds",
+            "gauge",
+            "Duration of the last catch-up that changed the version.",
+            s.last_apply_seconds,
+        ),
+        (
+            "weightcast_engine_pause_seconds",
+            "gauge",
+            "Engine pause window of the last version (pause answered to resume answered).",
+            s.last_pause_seconds,
+        ),
+        (
+            "weightcast_hook_runs_total",
+            "counter",
+            "Hook runs.",
+            s.hook_runs as f64,
+        ),
+        (
+            "weightcast_hook_failures_total",
+            "counter",
+            "Hooks that failed.",
+            s.hook_failures as f64,
+        ),
+        (
+            "weightcast_healthy",
+            "gauge",
+            "1 when healthy, 0 when /healthz answers 503.",
+            if s.last_error.is_none() && s.last_hook_error.is_none() {
+                1.0
+            } else {
+                0.0
+            },
+        ),
+    ];
+    for (name, kind, help, value) in series {
+        m.single(name, kind, help, value);
+    }
+    m.response()
 }

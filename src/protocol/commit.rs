@@ -159,15 +159,33 @@ impl Staging {
 /// conditional writes two writers can both see `Committed` — publishers must
 /// refuse such stores (see [`Store::probe_conditional_writes`]) unless the
 /// operator vouches for a single writer.
+///
+/// A create whose answer is lost is resolved by reading the manifest back:
+/// the store may have applied it and then failed (object_store retries a
+/// 5xx, and the retry finds the key taken — by this very write), or the
+/// client may have timed out on it (creates are not retried on timeouts).
+/// The manifest's writer token, unique to this attempt, says whose it is. If
+/// no manifest is there the error is returned; should the write still land
+/// later, the version is a complete, valid commit of this writer's objects,
+/// and a publisher that took the error as a failure resyncs past it.
 pub async fn commit(store: &Store, manifest: &Manifest) -> Result<Commit> {
     manifest.validate()?;
     let body = serde_json::to_vec_pretty(manifest).expect("manifest serializes");
-    match store
+    let created = store
         .create(&manifest_key(manifest.version), Bytes::from(body))
-        .await?
-    {
-        Created::Created => Ok(Commit::Committed),
-        Created::AlreadyExists => Ok(Commit::VersionTaken),
+        .await;
+    let ours = |m: &Manifest| m.writer == manifest.writer;
+    match created {
+        Ok(Created::Created) => Ok(Commit::Committed),
+        Ok(Created::AlreadyExists) => match read_manifest(store, manifest.version).await? {
+            Some(m) if ours(&m) => Ok(Commit::Committed),
+            _ => Ok(Commit::VersionTaken),
+        },
+        Err(e) => match read_manifest(store, manifest.version).await {
+            Ok(Some(m)) if ours(&m) => Ok(Commit::Committed),
+            Ok(Some(_)) => Ok(Commit::VersionTaken),
+            _ => Err(e),
+        },
     }
 }
 

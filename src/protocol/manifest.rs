@@ -13,6 +13,10 @@ pub const MANIFEST_FORMAT: &str = "weightcast-manifest/2";
 pub const LEGACY_MANIFEST_FORMAT: &str = "weightcast-manifest/1";
 /// Largest manifest a reader accepts (a manifest lists files, not tensors).
 pub const MAX_MANIFEST_BYTES: usize = 16 << 20;
+/// Largest object or file a manifest may list (1 TiB; checkpoint shards are a
+/// few GB). With at most [`MAX_MANIFEST_BYTES`] of entries, a version's
+/// total stays far below `u64::MAX`, so readers can add sizes up safely.
+pub const MAX_OBJECT_BYTES: u64 = 1 << 40;
 
 /// What kind of version a manifest commits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -187,6 +191,12 @@ impl Manifest {
             if o.blake3.len() != 64 || !o.blake3.bytes().all(|b| b.is_ascii_hexdigit()) {
                 return bad(format!("object `{}`: blake3 is not 64 hex digits", o.key));
             }
+            if o.size > MAX_OBJECT_BYTES {
+                return bad(format!(
+                    "object `{}`: size {} is over the 1 TiB limit",
+                    o.key, o.size
+                ));
+            }
             if !role_allowed(self.kind, o.role, bridged) {
                 return bad(format!(
                     "{:?} version lists {:?} object `{}`",
@@ -232,6 +242,12 @@ impl Manifest {
             if f.blake3.len() != 64 || !f.blake3.bytes().all(|b| b.is_ascii_hexdigit()) {
                 return bad(format!("files: `{}`: blake3 is not 64 hex digits", f.name));
             }
+            if f.size > MAX_OBJECT_BYTES {
+                return bad(format!(
+                    "files: `{}`: size {} is over the 1 TiB limit",
+                    f.name, f.size
+                ));
+            }
             if listed.insert(f.name.as_str(), f).is_some() {
                 return bad(format!("files: `{}` listed twice", f.name));
             }
@@ -268,14 +284,17 @@ impl Manifest {
         self.objects.iter().filter(|o| o.role != ObjectRole::Delta)
     }
 
-    /// Bytes of [`Manifest::replay_objects`].
+    /// Bytes of [`Manifest::replay_objects`] (saturating: an unvalidated
+    /// manifest may list absurd sizes).
     pub fn replay_bytes(&self) -> u64 {
-        self.replay_objects().map(|o| o.size).sum()
+        self.replay_objects()
+            .fold(0, |t, o| t.saturating_add(o.size))
     }
 
-    /// Bytes of [`Manifest::bootstrap_objects`].
+    /// Bytes of [`Manifest::bootstrap_objects`] (saturating).
     pub fn bootstrap_bytes(&self) -> u64 {
-        self.bootstrap_objects().map(|o| o.size).sum()
+        self.bootstrap_objects()
+            .fold(0, |t, o| t.saturating_add(o.size))
     }
 }
 
@@ -344,6 +363,10 @@ mod tests {
         let mut m = good.clone();
         m.objects.push(m.objects[0].clone());
         assert!(err(&m).contains("twice"));
+        let mut m = good.clone();
+        m.objects[0].size = u64::MAX;
+        assert!(err(&m).contains("1 TiB"));
+        assert_eq!(m.replay_bytes(), u64::MAX, "sums saturate");
         assert!(Manifest::parse(b"{\"format\": 1}", "k").is_err());
         assert!(Manifest::parse(&vec![b' '; MAX_MANIFEST_BYTES + 1], "k").is_err());
         // The key is named in parse errors.

@@ -49,7 +49,8 @@ pub use layout::{
     is_safe_file_name, manifest_key, object_key, version_of_manifest_key, writer_token,
 };
 pub use manifest::{
-    FileRef, MANIFEST_FORMAT, MAX_MANIFEST_BYTES, Manifest, ObjectEntry, ObjectRole, VersionKind,
+    FileRef, MANIFEST_FORMAT, MAX_MANIFEST_BYTES, MAX_OBJECT_BYTES, Manifest, ObjectEntry,
+    ObjectRole, VersionKind,
 };
 pub use registry::{Fleet, FleetMember, Registration, fleet, register, registrations};
 pub use retention::{Collected, Retention, collect_garbage};

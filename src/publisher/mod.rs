@@ -120,6 +120,28 @@ pub struct PublisherConfig {
     pub trl: crate::format::TrlOptions,
 }
 
+impl PublisherConfig {
+    /// Defaults with the snapshot in `state_dir`: `compact` deltas, an anchor
+    /// every 10 versions (`planes`-compressed), the weightcast layout, no
+    /// notifications, no automatic retention, checkpoint directories read
+    /// with the default excludes.
+    pub fn new(state_dir: impl Into<std::path::PathBuf>) -> PublisherConfig {
+        PublisherConfig {
+            state_dir: state_dir.into(),
+            encoding: Encoding::Compact,
+            anchors: AnchorPolicy::default(),
+            single_writer: false,
+            notify_urls: Vec::new(),
+            notify_key: None,
+            retention: None,
+            checkpoint: CheckpointOptions::default(),
+            anchor_encoding: AnchorEncoding::default(),
+            layout: crate::protocol::Layout::default(),
+            trl: crate::format::TrlOptions::default(),
+        }
+    }
+}
+
 /// Per-publish options.
 #[derive(Clone, Debug, Default)]
 pub struct PublishOptions {
@@ -265,7 +287,7 @@ impl Publisher {
                 pos.last.unwrap_or_default()
             )));
         }
-        let next = pos.last.map_or(0, |v| v + 1);
+        let next = pos.next()?;
         match self.publish_at(&mut cp, next, opts).await {
             Err(Error::Conflict(why)) if why.starts_with(LOST_RACE) => {
                 // Another writer took the version: resync and try once more,
@@ -273,7 +295,7 @@ impl Publisher {
                 tracing::warn!(version = next, "lost the commit race; resyncing");
                 self.snapshot = None;
                 let pos = self.position().await?;
-                let next = pos.last.map_or(0, |v| v + 1);
+                let next = pos.next()?;
                 self.publish_at(&mut cp, next, opts).await
             }
             other => other,
@@ -295,7 +317,7 @@ impl Publisher {
         if let Some(snap) = &self.snapshot {
             let v = snap.state.version;
             let ours = match newest {
-                Some(n) if n == v => read_manifest(&self.store, v)
+                Some(n) if n == v => readable_manifest(&self.store, v)
                     .await?
                     .is_some_and(|m| m.writer == snap.state.writer),
                 _ => false,
@@ -318,7 +340,9 @@ impl Publisher {
             (a, b) => a.or(b),
         };
         let last_step = match newest {
-            Some(n) => read_manifest(&self.store, n).await?.and_then(|m| m.step),
+            Some(n) => readable_manifest(&self.store, n)
+                .await?
+                .and_then(|m| m.step),
             None => None,
         };
         Ok(Position { last, last_step })
@@ -806,6 +830,39 @@ impl Publisher {
             .iter()
             .filter(|d| d.ok)
             .count()
+    }
+}
+
+impl Position {
+    /// The number of the next version. A bucket whose newest manifest claims
+    /// the last possible version (something other than weightcast wrote it)
+    /// is refused by name rather than wrapped around.
+    fn next(&self) -> Result<u64> {
+        match self.last {
+            None => Ok(0),
+            Some(v) => v.checked_add(1).ok_or_else(|| {
+                Error::metadata(
+                    crate::protocol::manifest_key(v),
+                    "claims the last possible version, so no version can follow it; \
+                     remove it (weightcast never numbers versions this high)",
+                )
+            }),
+        }
+    }
+}
+
+/// The manifest of `version`, or `None` when it is missing — or unreadable: a
+/// manifest that fails validation (damaged, or written by something hostile)
+/// is nothing a publisher can build on, and must not stop it from
+/// publishing; the next version is then an anchor after it. Store errors are
+/// returned.
+async fn readable_manifest(store: &Store, version: u64) -> Result<Option<Manifest>> {
+    match read_manifest(store, version).await {
+        Err(e) if e.kind() == crate::error::ErrorKind::Corrupt => {
+            tracing::warn!(version, error = %e, "the bucket's newest manifest is unreadable; the next version will be an anchor after it");
+            Ok(None)
+        }
+        other => other,
     }
 }
 

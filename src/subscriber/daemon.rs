@@ -15,6 +15,7 @@ use super::fetch::Fetcher;
 use super::sink::Sink;
 use super::source::VersionSource;
 use super::status::Shared;
+use super::trl::TrlFollower;
 use super::{CaughtUp, Subscriber};
 
 /// How often a subscriber that stays at one version rewrites its registration
@@ -39,6 +40,8 @@ pub struct DaemonConfig {
     pub notify_url: Option<String>,
     /// What runs after each new version (engine reloads, webhooks, commands).
     pub hooks: Vec<Hook>,
+    /// Timeouts, retry budget and SGLang pause mode of the hooks.
+    pub hook_policy: hooks::HookPolicy,
 }
 
 impl DaemonConfig {
@@ -53,6 +56,7 @@ impl DaemonConfig {
             id: None,
             notify_url: None,
             hooks: Vec::new(),
+            hook_policy: hooks::HookPolicy::default(),
         }
     }
 }
@@ -75,6 +79,13 @@ pub struct Daemon {
     /// Whether no iteration has prepared yet (a daemon started on an
     /// up-to-date output prepares once).
     first_prepare: bool,
+    /// Hooks that failed for the version `current` holds: the engine has not
+    /// confirmed it, so the previous version's files must stay as they are;
+    /// they run again before anything else.
+    hooks_owed: Option<hooks::Event>,
+    /// Set when the bucket is in TRL's own layout (no manifests): the output
+    /// follows it as a single-file checkpoint instead ([`super::trl`]).
+    trl: Option<TrlFollower>,
 }
 
 impl Daemon {
@@ -90,6 +101,9 @@ impl Daemon {
         if damaged {
             sub.note_repair();
         }
+        let trl = TrlFollower::is_output(&cfg.out)
+            .then(|| TrlFollower::open(&cfg.out))
+            .transpose()?;
         Ok(Daemon {
             sub,
             cfg: cfg.clone(),
@@ -97,6 +111,8 @@ impl Daemon {
             switch_owed,
             prepare: false,
             first_prepare: true,
+            hooks_owed: None,
+            trl,
         })
     }
 
@@ -109,7 +125,37 @@ impl Daemon {
         thorough: bool,
     ) -> Result<Option<(CaughtUp, hooks::Report)>> {
         let started = Instant::now();
-        let caught = self.sub.catch_up(thorough).await;
+        // An engine that has not confirmed the current version may still read
+        // the previous one's files: nothing changes until its hooks succeed.
+        if let Some(event) = self.hooks_owed.clone() {
+            let report = hooks::run(&self.cfg.hooks, &event, &self.cfg.hook_policy).await;
+            self.record_hooks(shared, &report);
+            if report.failed > 0 {
+                return Err(crate::Error::Conflict(format!(
+                    "the engine has not confirmed version {} ({}); the previous version is \
+                     kept and the hooks run again",
+                    event.version,
+                    report.error().unwrap_or_default()
+                )));
+            }
+            self.hooks_owed = None;
+            tracing::info!(version = event.version, "the engine confirmed the version");
+        }
+        // A bucket in TRL's layout is recognized by its keys, while nothing
+        // is held yet.
+        if self.trl.is_none()
+            && self.sub.sink.held().is_none()
+            && crate::protocol::trl::is_trl_bucket(self.sub.fetcher.store()).await?
+        {
+            tracing::info!(
+                "the bucket is in TRL's layout; following it as a single-file checkpoint"
+            );
+            self.trl = Some(TrlFollower::open(&self.cfg.out)?);
+        }
+        let caught = match &mut self.trl {
+            Some(t) => t.catch_up(self.sub.fetcher.store()).await,
+            None => self.sub.catch_up(thorough).await,
+        };
         let requests = self.sub.fetcher.requests();
         if let Ok(mut s) = shared.status.lock() {
             s.store_requests = requests;
@@ -146,22 +192,30 @@ impl Daemon {
                 slot = c.slot.as_deref().unwrap_or(""),
                 "caught up"
             );
+            let dir = match &self.trl {
+                Some(t) => t.current_dir(),
+                None => self.sub.sink.current_dir(),
+            };
             let event = hooks::Event {
                 version: c.version,
-                dir: self.sub.sink.current_dir(),
+                dir,
                 changed_tensors: c.changed_tensors.clone(),
             };
-            report = hooks::run(&self.cfg.hooks, &event).await;
-            if let Ok(mut s) = shared.status.lock() {
-                s.last_pause_seconds = report.pause_seconds;
-                s.hook_failures += report.failed as u64;
+            report = hooks::run(&self.cfg.hooks, &event, &self.cfg.hook_policy).await;
+            self.record_hooks(shared, &report);
+            if report.failed > 0 {
+                self.hooks_owed = Some(event);
             }
         }
         self.register(c.version).await;
         if let Ok(mut s) = shared.status.lock() {
             s.store_requests = self.sub.fetcher.requests();
         }
-        if self.prepare && (switched || self.first_prepare) {
+        if self.prepare
+            && self.trl.is_none()
+            && self.hooks_owed.is_none()
+            && (switched || self.first_prepare)
+        {
             self.first_prepare = false;
             // The hooks ran: the files of the slot the next update writes
             // may change now.
@@ -179,6 +233,15 @@ impl Daemon {
             }
         }
         Ok(Some((c, report)))
+    }
+
+    fn record_hooks(&self, shared: &Shared, report: &hooks::Report) {
+        if let Ok(mut s) = shared.status.lock() {
+            s.last_pause_seconds = report.pause_seconds;
+            s.hook_failures += report.failed as u64;
+            s.hook_runs += 1;
+            s.last_hook_error = report.error();
+        }
     }
 
     /// Rewrites the registration when the version changed or it is due.

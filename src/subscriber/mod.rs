@@ -70,6 +70,7 @@ pub mod plan;
 pub mod sink;
 pub mod source;
 pub mod status;
+pub mod trl;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::Path;

@@ -105,18 +105,30 @@ pub fn choose(held: Option<u64>, target: &Manifest, chain: &BTreeMap<u64, Manife
 }
 
 /// Reads the manifests of `versions` concurrently; a version that is not
-/// committed is simply absent from the map.
+/// committed is simply absent from the map. With `skip_corrupt`, a manifest
+/// that is unreadable (malformed, or stored under another version's key) is
+/// also left out, with a warning: the planner then treats that way as
+/// impossible (doubt means bootstrap) instead of failing a catch-up that may
+/// not need it.
 pub async fn read_manifests(
     f: &Fetcher,
     versions: impl IntoIterator<Item = u64>,
+    skip_corrupt: bool,
 ) -> Result<BTreeMap<u64, Manifest>> {
     let mut out = BTreeMap::new();
     let mut reads = futures::stream::iter(versions)
-        .map(|v| async move { f.manifest(v).await.map(|m| (v, m)) })
+        .map(|v| async move { (v, f.manifest(v).await) })
         .buffered(MANIFESTS_IN_FLIGHT);
-    while let Some(r) = reads.next().await {
-        if let (v, Some(m)) = r? {
-            out.insert(v, m);
+    while let Some((v, r)) = reads.next().await {
+        match r {
+            Ok(Some(m)) => {
+                out.insert(v, m);
+            }
+            Ok(None) => {}
+            Err(e) if skip_corrupt && e.kind() == crate::error::ErrorKind::Corrupt => {
+                tracing::warn!(version = v, error = %e, "unreadable manifest; not replaying through it");
+            }
+            Err(e) => return Err(e),
         }
     }
     Ok(out)
@@ -137,6 +149,7 @@ pub async fn plan(
     let mut chain = read_manifests(
         f,
         needed(held, target, t.anchor_version).filter(|&v| v != target),
+        true,
     )
     .await?;
     chain.insert(target, t);
@@ -153,7 +166,7 @@ pub async fn complete(f: &Fetcher, p: &Plan, chain: &mut BTreeMap<u64, Manifest>
         .into_iter()
         .filter(|v| !chain.contains_key(v))
         .collect();
-    chain.extend(read_manifests(f, missing).await?);
+    chain.extend(read_manifests(f, missing, false).await?);
     if let Some(v) = p.versions().into_iter().find(|v| !chain.contains_key(v)) {
         return Err(Error::NotFound(format!(
             "version {v} is missing from `{}` (a gap in the versions)",

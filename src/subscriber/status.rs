@@ -45,6 +45,10 @@ pub struct Status {
     pub last_pause_seconds: f64,
     /// Hooks that failed.
     pub hook_failures: u64,
+    /// Hook runs (each version, and each retry of owed hooks).
+    pub hook_runs: u64,
+    /// The last hook failures, cleared when the hooks succeed.
+    pub last_hook_error: Option<String>,
 }
 
 /// State shared by the HTTP handlers and the catch-up loop.
@@ -57,6 +61,10 @@ pub struct Shared {
     pub key: Option<Key>,
     /// The store URL this subscriber follows (notifications for others are refused).
     pub store_url: String,
+    /// Signatures of accepted notifications within the accepted clock skew:
+    /// a replayed notification is refused (it could otherwise make the
+    /// subscriber read the bucket for as long as its timestamp stays fresh).
+    pub seen: Mutex<std::collections::VecDeque<(u64, [u8; 32])>>,
 }
 
 impl Shared {
@@ -67,6 +75,7 @@ impl Shared {
             wake: Notify::new(),
             key,
             store_url: store_url.into(),
+            seen: Mutex::new(std::collections::VecDeque::new()),
         })
     }
 }

@@ -449,3 +449,200 @@ pub fn parse_prometheus(text: &str) -> Vec<String> {
         .map(str::to_string)
         .collect()
 }
+
+/// Azurite's well-known development account (the same in every Azurite and in
+/// the legacy Azure Storage Emulator; not a secret).
+pub const AZURITE_ACCOUNT: &str = "devstoreaccount1";
+/// Its well-known key.
+pub const AZURITE_KEY: &str =
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
+
+/// Azurite's blob service (`AZURITE_BLOB` names the `azurite-blob` program,
+/// default the one `./scripts/test.sh` installs under `.ci-work/azurite`), in
+/// memory, on loopback, telemetry off.
+pub fn azurite() -> &'static Server {
+    static S: OnceLock<Server> = OnceLock::new();
+    S.get_or_init(|| {
+        let port = free_port();
+        let program = std::env::var("AZURITE_BLOB").unwrap_or_else(|_| {
+            format!(
+                "{}/.ci-work/azurite/node_modules/.bin/azurite-blob",
+                env!("CARGO_MANIFEST_DIR")
+            )
+        });
+        let args: Vec<String> = [
+            "--blobHost",
+            "127.0.0.1",
+            "--blobPort",
+            &port.to_string(),
+            "--inMemoryPersistence",
+            "--extentMemoryLimit",
+            "2048",
+            "--disableTelemetry",
+            "--skipApiVersionCheck",
+            "--silent",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let child = start(
+            &program,
+            &args,
+            "Azurite",
+            "Run the suite with ./scripts/test.sh, which installs it (npm install --prefix \
+             .ci-work/azurite azurite), or set AZURITE_BLOB to an azurite-blob program",
+        );
+        wait_for(port, "Azurite");
+        Server {
+            port,
+            child: Mutex::new(child),
+        }
+    })
+}
+
+/// Creates a container on Azurite: a Shared Key-signed `PUT ?restype=container`
+/// (Azurite authenticates every request), signed by node, which Azurite runs on.
+pub fn azurite_container(name: &str) {
+    const SCRIPT: &str = r#"
+const http = require('http'), crypto = require('crypto');
+const [port, container, account, key64] = process.argv.slice(1);
+const date = new Date().toUTCString(), version = '2021-08-06';
+const toSign = ['PUT', '', '', '', '', '', '', '', '', '', '', '',
+  `x-ms-date:${date}\nx-ms-version:${version}\n/${account}/${account}/${container}\nrestype:container`].join('\n');
+const sig = crypto.createHmac('sha256', Buffer.from(key64, 'base64')).update(toSign, 'utf8').digest('base64');
+const req = http.request({host: '127.0.0.1', port, path: `/${account}/${container}?restype=container`,
+  method: 'PUT', headers: {'x-ms-date': date, 'x-ms-version': version, 'Content-Length': 0,
+  Authorization: `SharedKey ${account}:${sig}`}}, res => {
+  let body = ''; res.on('data', d => body += d);
+  res.on('end', () => { if (res.statusCode === 201 || res.statusCode === 409) process.exit(0);
+    console.error(`${res.statusCode} ${body}`); process.exit(1); });
+});
+req.on('error', e => { console.error(e.message); process.exit(1); });
+req.end();
+"#;
+    let port = azurite().port;
+    let out = Command::new("node")
+        .arg("-e")
+        .arg(SCRIPT)
+        .args([&port.to_string(), name, AZURITE_ACCOUNT, AZURITE_KEY])
+        .output()
+        .unwrap_or_else(|e| panic!("running node to create Azurite container {name}: {e}"));
+    assert!(
+        out.status.success(),
+        "Azurite create container {name}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Store options that point object_store's Azure client at Azurite: the
+/// well-known account and key, and the path-style endpoint
+/// `http://127.0.0.1:PORT/devstoreaccount1`.
+pub fn azurite_options() -> Vec<(String, String)> {
+    let port = azurite().port;
+    vec![
+        ("azure_storage_account_name".into(), AZURITE_ACCOUNT.into()),
+        ("azure_storage_account_key".into(), AZURITE_KEY.into()),
+        (
+            "azure_storage_endpoint".into(),
+            format!("http://127.0.0.1:{port}/{AZURITE_ACCOUNT}"),
+        ),
+        ("allow_http".into(), "true".into()),
+    ]
+}
+
+/// A store on a fresh Azurite container, under `prefix`.
+pub fn azurite_store(container: &str, prefix: &str) -> weightcast::store::Store {
+    azurite_container(container);
+    let o = azurite_options();
+    let opts: Vec<(&str, &str)> = o.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    weightcast::store::Store::open_with(&format!("az://{container}/{prefix}"), &opts)
+        .expect("azure store")
+}
+
+/// Whether the suite runs in soak mode (`WEIGHTCAST_LONG=1`, set by
+/// `./scripts/test.sh --long`): more iterations and bigger objects.
+pub fn long() -> bool {
+    std::env::var("WEIGHTCAST_LONG").is_ok_and(|v| v == "1")
+}
+
+/// `short` in a default run, `long` in soak mode.
+pub fn scaled<T>(short: T, long: T) -> T {
+    if self::long() { long } else { short }
+}
+
+/// A synthetic trainer for the reliability suites: the generator's tiny
+/// model as `model.safetensors` plus a `config.json` that names the step, so
+/// every version has a tensor file and a non-tensor file.
+pub struct Trainer {
+    g: weightcast::generator::Generator,
+}
+
+impl Trainer {
+    pub fn new(seed: u64) -> Trainer {
+        use weightcast::generator::{Generator, GeneratorConfig};
+        Trainer {
+            g: Generator::new(GeneratorConfig::tiny(seed)),
+        }
+    }
+
+    /// One optimizer step.
+    pub fn step(&mut self) {
+        self.g.step();
+    }
+
+    /// The current weights.
+    pub fn weights(&self) -> weightcast::tensors::TensorSet {
+        self.g.snapshot()
+    }
+
+    /// The current `config.json`.
+    pub fn config(&self) -> Vec<u8> {
+        format!("{{\"step\": {}}}", self.g.steps()).into_bytes()
+    }
+
+    /// The current state as an in-memory checkpoint.
+    pub fn checkpoint(&self) -> weightcast::publisher::Checkpoint {
+        weightcast::publisher::Checkpoint::from_sets(
+            [("model.safetensors".to_string(), self.g.snapshot())].into(),
+            [("config.json".to_string(), bytes::Bytes::from(self.config()))].into(),
+        )
+        .expect("a valid checkpoint")
+    }
+}
+
+/// Asserts that `out/current` holds exactly `weights` (every tensor's bytes)
+/// and `config`, and nothing else.
+#[track_caller]
+pub fn assert_replica(
+    out: &std::path::Path,
+    weights: &weightcast::tensors::TensorSet,
+    config: &[u8],
+    what: &str,
+) {
+    use weightcast::tensors::{Digests, TensorSet};
+    let cur = out.join("current");
+    let got = TensorSet::read(&cur.join("model.safetensors"), Digests::Compute)
+        .unwrap_or_else(|e| panic!("{what}: reading the replica: {e}"));
+    assert_eq!(got.len(), weights.len(), "{what}: tensor count");
+    for (i, t) in weights.tensors().iter().enumerate() {
+        let j = got
+            .position(&t.name)
+            .unwrap_or_else(|| panic!("{what}: tensor {} missing", t.name));
+        assert!(
+            got.data(j) == weights.data(i),
+            "{what}: tensor {} differs",
+            t.name
+        );
+    }
+    assert_eq!(
+        std::fs::read(cur.join("config.json")).ok().as_deref(),
+        Some(config),
+        "{what}: config.json"
+    );
+    let mut names: Vec<String> = std::fs::read_dir(&cur)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["config.json", "model.safetensors"], "{what}: files");
+}

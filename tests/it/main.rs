@@ -6,17 +6,21 @@
 mod common;
 
 mod cli_signals;
+mod conformance;
 mod deploy_files;
 mod docs_flags;
+mod faultproxy;
 mod gc;
 mod gcs;
 mod hooks;
+mod hostile;
 mod malformed;
 mod notify;
 mod protocol;
 mod publisher;
 mod publisher_crash;
 mod publisher_daemon;
+mod races;
 mod real_model;
 mod roundtrip;
 mod store;

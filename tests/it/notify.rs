@@ -192,6 +192,20 @@ async fn notifications_wake_subscribers_and_bad_ones_are_refused() {
         .unwrap();
     assert_eq!(r.status().as_u16(), 202);
     wait_for_version(&shared, 2).await;
+    // The same signed notification again (a captured one, replayed within
+    // the clock-skew window): refused, it cannot drive store requests.
+    let r = client
+        .post(format!("{base}/v1/notify"))
+        .header(TIMESTAMP_HEADER, now.to_string())
+        .header(
+            SIGNATURE_HEADER,
+            Key::new(SECRET).unwrap().sign(now, body.as_bytes()),
+        )
+        .body(body.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 409, "a replay was accepted");
 
     // Status and metrics.
     let status: serde_json::Value = client
@@ -203,6 +217,21 @@ async fn notifications_wake_subscribers_and_bad_ones_are_refused() {
         .await
         .unwrap();
     assert_eq!(status["version"], 2);
+    // Anonymous callers see no store URL; the notify key as a bearer token
+    // shows the full view.
+    assert!(!status.to_string().contains(store.url()), "{status}");
+    assert!(status.get("store").is_none(), "{status}");
+    let full: serde_json::Value = client
+        .get(format!("{base}/v1/status"))
+        .header("authorization", format!("Bearer {SECRET}"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(full["store"], store.url());
+    assert_eq!(full["status"]["version"], 2);
     let metrics = client
         .get(format!("{base}/metrics"))
         .send()
@@ -213,6 +242,36 @@ async fn notifications_wake_subscribers_and_bad_ones_are_refused() {
         .unwrap();
     assert!(metrics.contains("weightcast_version 2"), "{metrics}");
     assert!(metrics.contains("weightcast_notifications_refused_total"));
+    let families = common::parse_prometheus(&metrics);
+    for f in [
+        "weightcast_version",
+        "weightcast_lag_versions",
+        "weightcast_hook_failures",
+        "weightcast_healthy",
+    ] {
+        assert!(families.iter().any(|x| x == f), "{f} missing: {families:?}");
+    }
+    // Slowloris: a client that never finishes its headers is cut off.
+    {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let addr = base.trim_start_matches("http://");
+        let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
+        slow.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+            .await
+            .unwrap();
+        let started = Instant::now();
+        let mut buf = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(20), slow.read_to_end(&mut buf)).await;
+        assert!(
+            read.is_ok(),
+            "the server kept a half-sent request open for 20 s"
+        );
+        assert!(
+            started.elapsed() >= Duration::from_secs(9),
+            "closed after {:?}",
+            started.elapsed()
+        );
+    }
     assert_eq!(
         client
             .get(format!("{base}/healthz"))

@@ -868,3 +868,44 @@ async fn the_reference_follows_what_publish_layout_trl_writes() {
         assert_same(&held.unwrap().tensors, last.as_ref().unwrap(), generation);
     }
 }
+
+/// Issue 12, done-when: `weightcast subscribe --once` (the real binary, no
+/// flag) recognizes a TRL bucket written by the Python reference — v1, and v3
+/// with `gap_delta` — follows it to exactly the last step as
+/// `DIR/current/model.safetensors`, and keeps following as steps appear (an
+/// anchor in between included).
+#[tokio::test]
+async fn subscribe_once_follows_reference_trl_buckets() {
+    for (generation, encoding) in [("v1", "raw"), ("v3", "gap_delta")] {
+        let (store, _bucket) = common::local_store();
+        let work = tempfile::tempdir().unwrap();
+        let dir = work.path().join("written");
+        let out = work.path().join("out");
+        for steps in [5u64, 8] {
+            let expected = write_bucket(&dir, generation, encoding, steps);
+            upload(&dir, &store).await;
+            let run = std::process::Command::new(env!("CARGO_BIN_EXE_weightcast"))
+                .args([
+                    "subscribe",
+                    "--once",
+                    "--store",
+                    store.url(),
+                    "--out",
+                    s(&out),
+                ])
+                .env_remove("WEIGHTCAST_STORE")
+                .output()
+                .unwrap();
+            assert!(
+                run.status.success(),
+                "{generation}: {}",
+                String::from_utf8_lossy(&run.stderr)
+            );
+            let line: Value = serde_json::from_slice(&run.stdout).unwrap();
+            // TRL's step = weightcast version + 1.
+            assert_eq!(line["version"], steps - 1, "{generation}: {line}");
+            let got = load(&out.join("current/model.safetensors"));
+            assert_same(&got, &expected, &format!("{generation} at step {steps}"));
+        }
+    }
+}

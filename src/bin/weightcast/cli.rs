@@ -1,0 +1,452 @@
+//! The command line's definitions (clap): every command, its flags and
+//! their help, and how the publisher flags open a publisher.
+
+use std::path::PathBuf;
+
+use anyhow::{Result, bail};
+use clap::{Parser, Subcommand};
+use weightcast::format::{Encoding, TrlGeneration, TrlIndexEncoding, TrlOptions};
+
+#[derive(Parser)]
+#[command(
+    name = "weightcast",
+    version,
+    about = "Ship RL policy weights through object storage as anchors plus exact sparse deltas"
+)]
+pub struct Cli {
+    /// Log format on stderr: text, or json (one JSON object per event, for
+    /// log pipelines). Levels from RUST_LOG (default: info for weightcast).
+    #[arg(
+        long,
+        global = true,
+        env = "WEIGHTCAST_LOG_FORMAT",
+        default_value = "text"
+    )]
+    pub log_format: LogFormat,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Publish a few synthetic training steps into a local bucket, replay them in
+    /// two replicas and check bit-identity.
+    Demo {
+        /// Bucket directory (default: a fresh temporary directory).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Training steps.
+        #[arg(long, default_value_t = 8)]
+        steps: u64,
+        /// An anchor every N versions.
+        #[arg(long, default_value_t = 5)]
+        anchor_every: u64,
+        /// Delta encoding: compact or trl.
+        #[arg(long, default_value = "compact")]
+        encoding: Encoding,
+        /// Print the report as one JSON line at the end.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        what: BenchWhat,
+    },
+    /// Diff two safetensors files into a delta object.
+    Diff {
+        /// The base checkpoint (or anchor).
+        #[arg(long)]
+        base: PathBuf,
+        /// The new checkpoint.
+        #[arg(long)]
+        new: PathBuf,
+        /// Where to write the delta.
+        #[arg(long)]
+        out: PathBuf,
+        /// compact (default) or trl.
+        #[arg(long, default_value = "compact")]
+        encoding: Encoding,
+        /// With --encoding trl: TRL's layout generation, v1 (.indices/.values,
+        /// changed_params) or v3 (.idx/.val).
+        #[arg(long, default_value = "v3")]
+        trl_generation: TrlGeneration,
+        /// With --encoding trl and v3: how indices are coded, gap_delta or raw.
+        #[arg(long, default_value = "gap_delta")]
+        trl_index: TrlIndexEncoding,
+        /// Version the delta produces (TRL's model_version key is one more).
+        #[arg(long, default_value_t = 1)]
+        model_version: u64,
+        /// Version it applies to.
+        #[arg(long, default_value_t = 0)]
+        base_version: u64,
+    },
+    /// Apply a delta object to a safetensors file, verifying it.
+    Apply {
+        /// The base checkpoint.
+        #[arg(long)]
+        base: PathBuf,
+        /// The delta object.
+        #[arg(long)]
+        delta: PathBuf,
+        /// Where to write the result (an anchor-format checkpoint).
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Publish a checkpoint (a .safetensors file or a Hugging Face directory) as
+    /// the next version; prints one JSON line.
+    Publish {
+        /// The checkpoint.
+        #[arg(long)]
+        checkpoint: PathBuf,
+        /// The trainer's step: must be newer than the last committed
+        /// version's; recorded in the manifest.
+        #[arg(long)]
+        step: Option<u64>,
+        /// No upload progress bar (it is drawn only when stderr is a terminal).
+        #[arg(long, short)]
+        quiet: bool,
+        #[command(flatten)]
+        opts: PublishOpts,
+    },
+    /// Publisher daemon: `POST /v1/publish {"checkpoint": PATH}` (bearer token)
+    /// publishes PATH as the next version and answers the same JSON as `publish`.
+    Publisher {
+        /// Address to serve on.
+        #[arg(long, default_value = "127.0.0.1:8470")]
+        listen: std::net::SocketAddr,
+        /// Bearer token clients must present (16+ characters).
+        #[arg(long, env = "WEIGHTCAST_API_TOKEN", hide_env_values = true)]
+        token: String,
+        /// Only checkpoints under this directory may be published.
+        #[arg(long)]
+        checkpoint_root: PathBuf,
+        #[command(flatten)]
+        opts: PublishOpts,
+    },
+    /// Keep DIR at the newest committed version: replay, verify, switch
+    /// DIR/current atomically. With --once, catch up, print one JSON line, exit.
+    Subscribe {
+        /// Store URL (see `publish`).
+        #[arg(long, env = "WEIGHTCAST_STORE")]
+        store: String,
+        /// Output directory; the checkpoint is at DIR/current.
+        #[arg(long)]
+        out: PathBuf,
+        /// Catch up once and exit (non-zero if no verified state was reached).
+        #[arg(long)]
+        once: bool,
+        /// Seconds between polls.
+        #[arg(long, default_value_t = 5.0)]
+        poll_interval: f64,
+        /// Random spread of each poll interval, as a fraction of it (0.1:
+        /// ±10%), so that a fleet started together does not poll in lockstep.
+        #[arg(long, default_value_t = 0.1)]
+        poll_jitter: f64,
+        /// Output slots (2 or more): a version's files stay untouched until
+        /// this many minus one newer versions were switched in.
+        #[arg(long, default_value_t = 2)]
+        slots: usize,
+        /// Serve /v1/notify, /v1/status, /healthz and /metrics on this address.
+        #[arg(long)]
+        listen: Option<std::net::SocketAddr>,
+        /// Shared secret for notifications (16+ characters); without it
+        /// /v1/notify refuses everything.
+        #[arg(long, env = "WEIGHTCAST_NOTIFY_KEY", hide_env_values = true)]
+        notify_key: Option<String>,
+        /// Register in the bucket under this id (so publishers find and notify
+        /// it, and `weightcast status` lists it).
+        #[arg(long)]
+        id: Option<String>,
+        /// The notify URL to register (default: http://<listen>/v1/notify).
+        #[arg(long)]
+        advertise: Option<String>,
+        /// After each new version (repeatable): sglang:URL, vllm:URL,
+        /// webhook:URL or command:CMD.
+        #[arg(long = "hook")]
+        hooks: Vec<weightcast::hooks::Hook>,
+        /// Per-request timeout of the hooks, seconds (a reload of a large
+        /// model takes minutes).
+        #[arg(long, default_value_t = 600.0)]
+        hook_timeout: f64,
+        /// Total time one hook may take, retries with backoff included,
+        /// seconds; after it the engine has not confirmed the version: the
+        /// previous version's files stay untouched and the hooks run again.
+        #[arg(long, default_value_t = 1800.0)]
+        hook_budget: f64,
+        /// SGLang's pause mode for the sglang hook: abort, retract (requests
+        /// kept, their KV cache recomputed with the new weights) or in_place.
+        #[arg(long, default_value = "retract")]
+        sglang_pause_mode: weightcast::hooks::SglangPause,
+    },
+    /// Retention: keep the newest K anchors and every version after the oldest
+    /// of them, plus the deltas registered lagging subscribers still replay;
+    /// remove older versions and unreferenced objects. Prints JSON.
+    Gc {
+        /// Store URL (see `publish`).
+        #[arg(long, env = "WEIGHTCAST_STORE")]
+        store: String,
+        #[command(flatten)]
+        retention: RetentionOpts,
+        /// Report what would be removed without removing it.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Fleet view: the newest committed version and every registered
+    /// subscriber with its version and lag, as JSON.
+    Status {
+        /// Store URL (see `publish`).
+        #[arg(long, env = "WEIGHTCAST_STORE")]
+        store: String,
+    },
+    /// Print the header of an anchor or delta object as JSON.
+    Inspect {
+        /// The object.
+        path: PathBuf,
+        /// Every header key, the per-tensor table included (default: a
+        /// summary).
+        #[arg(long)]
+        full: bool,
+    },
+}
+
+/// Retention flags (`gc`, and the publishers' automatic retention).
+#[derive(clap::Args)]
+pub struct RetentionOpts {
+    /// Anchors to keep (with every version after the oldest of them).
+    #[arg(long, default_value_t = 2)]
+    pub keep_anchors: usize,
+    /// Keep what a registered subscriber behind the kept anchors needs to
+    /// replay, if its registration is at most this many seconds old (0: ignore
+    /// registrations).
+    #[arg(long, default_value_t = 86400)]
+    pub registration_max_age: u64,
+}
+
+impl RetentionOpts {
+    pub fn retention(&self) -> Result<weightcast::protocol::Retention> {
+        retention(self.keep_anchors, self.registration_max_age)
+    }
+}
+
+fn retention(keep_anchors: usize, max_age: u64) -> Result<weightcast::protocol::Retention> {
+    if keep_anchors == 0 {
+        bail!("--keep-anchors must be at least 1");
+    }
+    Ok(weightcast::protocol::Retention {
+        keep_anchors,
+        registration_max_age_s: (max_age > 0).then_some(max_age),
+    })
+}
+
+/// Flags shared by `publish` and `publisher`.
+#[derive(clap::Args)]
+pub struct PublishOpts {
+    /// Store URL (file://, memory://, s3://, gs://, az://, http(s)://,
+    /// hf://buckets/NAMESPACE/BUCKET); credentials and endpoints from AWS_*,
+    /// GOOGLE_*, AZURE_*, HF_S3_* variables.
+    #[arg(long, env = "WEIGHTCAST_STORE")]
+    pub store: String,
+    /// Publisher state directory (the snapshot of the last committed version).
+    #[arg(long, env = "WEIGHTCAST_STATE", default_value = "weightcast-state")]
+    pub state: PathBuf,
+    /// Delta encoding: compact or trl.
+    #[arg(long, default_value = "compact")]
+    pub encoding: Encoding,
+    /// How anchors are stored: planes (byte planes + zstd, ~1.5x smaller on
+    /// bf16) or raw (a loadable safetensors file).
+    #[arg(long, default_value = "planes")]
+    pub anchor_encoding: weightcast::publisher::AnchorEncoding,
+    /// Bucket layout: weightcast (anchors/, deltas/, files/, commit
+    /// manifests) or trl (TRL's anchors/step_NNNNNN.safetensors and
+    /// deltas/step_NNNNNN.safetensors at the prefix root, TRL-encoded; one
+    /// writer; tensors only).
+    #[arg(long, default_value = "weightcast")]
+    pub layout: weightcast::protocol::Layout,
+    /// TRL generation of trl-encoded deltas and of the trl layout: v1
+    /// (.indices/.values) or v3 (.idx/.val).
+    #[arg(long, default_value = "v3")]
+    pub trl_generation: TrlGeneration,
+    /// With v3: positions as raw (I32) or gap_delta (U16/U32 gaps).
+    #[arg(long, default_value = "gap_delta")]
+    pub trl_index: TrlIndexEncoding,
+    /// An anchor at least every N versions.
+    #[arg(long, default_value_t = 10)]
+    pub anchor_every: u64,
+    /// Accept a store that ignores conditional writes: you guarantee that
+    /// exactly one publisher writes this prefix.
+    #[arg(long)]
+    pub single_writer: bool,
+    /// Subscriber notify URL (repeatable), besides those registered in the bucket.
+    #[arg(long = "notify")]
+    pub notify: Vec<String>,
+    /// Shared secret for notifications (16+ characters); without it none are sent.
+    #[arg(long, env = "WEIGHTCAST_NOTIFY_KEY", hide_env_values = true)]
+    pub notify_key: Option<String>,
+    /// Automatic retention after each anchor: keep this many anchors, plus what
+    /// registered lagging subscribers still replay (off when absent).
+    #[arg(long)]
+    pub keep_anchors: Option<usize>,
+    /// With --keep-anchors: registrations older than this many seconds pin
+    /// nothing (0: ignore registrations).
+    #[arg(long, default_value_t = 86400)]
+    pub registration_max_age: u64,
+    /// Publish only the checkpoint files matching this glob (repeatable;
+    /// relative to the checkpoint directory, `**` allowed).
+    #[arg(long = "include")]
+    pub include: Vec<String>,
+    /// Skip the checkpoint files matching this glob (repeatable). Replaces the
+    /// default, which skips optimizer, scheduler and RNG state
+    /// (optimizer*.pt, scheduler*.pt, rng_state*.pth, global_step*/, *.distcp).
+    #[arg(long = "exclude")]
+    pub exclude: Vec<String>,
+}
+
+/// Upload progress bars on stderr (drawn only when stderr is a terminal): one
+/// for the bytes of the version, whose length grows as objects start.
+#[derive(Debug)]
+struct UploadBars(indicatif::ProgressBar);
+
+impl UploadBars {
+    fn new() -> UploadBars {
+        let bar = indicatif::ProgressBar::with_draw_target(
+            Some(0),
+            indicatif::ProgressDrawTarget::stderr(),
+        );
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{spinner} uploading {msg:30!} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+            )
+            .expect("valid progress template"),
+        );
+        UploadBars(bar)
+    }
+}
+
+impl weightcast::store::UploadProgress for UploadBars {
+    fn started(&self, key: &str, bytes: u64) {
+        self.0.inc_length(bytes);
+        self.0
+            .set_message(key.rsplit('/').next().unwrap_or(key).to_string());
+    }
+    fn advanced(&self, bytes: u64) {
+        self.0.inc(bytes);
+    }
+}
+
+impl Drop for UploadBars {
+    fn drop(&mut self) {
+        self.0.finish_and_clear();
+    }
+}
+
+impl PublishOpts {
+    /// Opens the store and the publisher these flags describe; `progress` draws
+    /// upload progress bars on a terminal.
+    pub async fn open(self, progress: bool) -> Result<weightcast::publisher::Publisher> {
+        if self.anchor_every == 0 {
+            bail!("--anchor-every must be at least 1");
+        }
+        if self.layout == weightcast::protocol::Layout::Trl && self.encoding != Encoding::Trl {
+            // TRL's layout holds TRL deltas: --layout trl implies the encoding.
+            tracing::debug!("--layout trl: deltas are TRL-encoded");
+        }
+        let mut store = weightcast::store::Store::open(&self.store)?;
+        if progress {
+            store = store.with_progress(std::sync::Arc::new(UploadBars::new()));
+        }
+        let cfg = weightcast::publisher::PublisherConfig {
+            state_dir: self.state,
+            encoding: self.encoding,
+            anchors: weightcast::publisher::AnchorPolicy {
+                every: self.anchor_every,
+                ..Default::default()
+            },
+            single_writer: self.single_writer,
+            notify_urls: self.notify,
+            notify_key: self
+                .notify_key
+                .as_deref()
+                .map(weightcast::notify::Key::new)
+                .transpose()?,
+            retention: self
+                .keep_anchors
+                .map(|k| retention(k, self.registration_max_age))
+                .transpose()?,
+            checkpoint: weightcast::publisher::CheckpointOptions {
+                include: self.include,
+                exclude: (!self.exclude.is_empty()).then_some(self.exclude),
+                root: None,
+            },
+            anchor_encoding: self.anchor_encoding,
+            layout: self.layout,
+            trl: TrlOptions {
+                generation: self.trl_generation,
+                index: self.trl_index,
+            },
+        };
+        Ok(weightcast::publisher::Publisher::open(store, cfg).await?)
+    }
+}
+
+#[derive(Subcommand)]
+pub enum BenchWhat {
+    /// Codec throughput and size on the synthetic generator.
+    Codec {
+        /// Model size in elements (1e9 = 2 GB of bf16).
+        #[arg(long, default_value_t = 100_000_000)]
+        elements: u64,
+        /// Measured steps.
+        #[arg(long, default_value_t = 3)]
+        steps: u32,
+        /// Generator learning rate.
+        #[arg(long, default_value_t = 3e-6)]
+        lr: f32,
+        /// Encodings, comma separated.
+        #[arg(long, default_value = "compact,trl", value_delimiter = ',')]
+        encodings: Vec<Encoding>,
+        /// Worker threads (default: all cores).
+        #[arg(long)]
+        threads: Option<usize>,
+        /// Write the report as JSON here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// Seed.
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+        /// Timed repetitions per operation (the median is reported).
+        #[arg(long, default_value_t = 3)]
+        reps: u32,
+    },
+    /// Compressed (`planes`) anchors: size and encode/decode speed against a
+    /// memcpy of the same bytes, on a checkpoint or the synthetic generator.
+    Anchors {
+        /// A .safetensors checkpoint (default: the synthetic generator).
+        #[arg(long)]
+        input: Option<PathBuf>,
+        /// Generator model size in elements (without --input).
+        #[arg(long, default_value_t = 100_000_000)]
+        elements: u64,
+        /// Words per chunk, comma separated (each is measured).
+        #[arg(long, default_value = "1048576", value_delimiter = ',')]
+        chunk_words: Vec<u64>,
+        /// zstd levels, comma separated (each is measured).
+        #[arg(long, default_value = "1", value_delimiter = ',')]
+        levels: Vec<i32>,
+        /// Worker threads (default: all cores).
+        #[arg(long)]
+        threads: Option<usize>,
+        /// Timed repetitions per operation (the median is reported).
+        #[arg(long, default_value_t = 5)]
+        reps: u32,
+        /// Write the rows as JSON here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+}

@@ -1,0 +1,479 @@
+//! One small function per command, over the library's API. Every command runs
+//! on the one runtime `main` starts; CPU-bound commands simply run on it.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use weightcast::bench::{BenchConfig, MemProbe};
+use weightcast::codec::{self, DeltaOptions};
+use weightcast::demo::{self, DemoConfig};
+use weightcast::format::TrlOptions;
+use weightcast::generator::GeneratorConfig;
+use weightcast::tensors::{Digests, TensorSet};
+
+use crate::cli::{BenchWhat, Command};
+
+/// Runs a command.
+pub async fn run(command: Command) -> Result<()> {
+    match command {
+        Command::Demo {
+            dir,
+            steps,
+            anchor_every,
+            encoding,
+            json,
+        } => {
+            demo_command(
+                dir,
+                DemoConfig {
+                    dir: PathBuf::new(),
+                    steps,
+                    anchor_every,
+                    encoding,
+                    model: GeneratorConfig::small(7),
+                },
+                json,
+            )
+            .await
+        }
+        Command::Bench { what } => bench(what),
+        Command::Diff {
+            base,
+            new,
+            out,
+            encoding,
+            trl_generation,
+            trl_index,
+            model_version,
+            base_version,
+        } => {
+            let opts = DeltaOptions {
+                encoding,
+                model_version,
+                base_version,
+                trl: TrlOptions {
+                    generation: trl_generation,
+                    index: trl_index,
+                },
+            };
+            diff(&base, &new, &out, &opts)
+        }
+        Command::Apply { base, delta, out } => apply(&base, &delta, &out),
+        Command::Publish {
+            checkpoint,
+            step,
+            quiet,
+            opts,
+        } => {
+            let mut p = opts.open(!quiet).await?;
+            let opts = weightcast::publisher::PublishOptions { step };
+            emit(serde_json::to_string(
+                &p.publish_path(&checkpoint, &opts).await?,
+            )?);
+            Ok(())
+        }
+        Command::Subscribe {
+            store,
+            out,
+            once,
+            poll_interval,
+            poll_jitter,
+            slots,
+            listen,
+            notify_key,
+            id,
+            advertise,
+            hooks,
+            hook_timeout,
+            hook_budget,
+            sglang_pause_mode,
+        } => {
+            let seconds = |v: f64, flag: &str| -> Result<std::time::Duration> {
+                if v > 0.0 && v.is_finite() {
+                    Ok(std::time::Duration::from_secs_f64(v))
+                } else {
+                    bail!("{flag} must be a positive number of seconds")
+                }
+            };
+            if !(poll_interval > 0.0 && poll_interval.is_finite()) {
+                bail!("--poll-interval must be a positive number of seconds");
+            }
+            if !(0.0..=1.0).contains(&poll_jitter) {
+                bail!("--poll-jitter must be a fraction between 0 and 1");
+            }
+            let mut cfg = weightcast::subscriber::DaemonConfig::new(&out);
+            cfg.slots = slots;
+            cfg.poll_interval = std::time::Duration::from_secs_f64(poll_interval);
+            cfg.poll_jitter = poll_jitter;
+            cfg.id = id;
+            cfg.hooks = hooks;
+            cfg.hook_policy = weightcast::hooks::HookPolicy {
+                timeout: seconds(hook_timeout, "--hook-timeout")?,
+                budget: seconds(hook_budget, "--hook-budget")?,
+                sglang_pause: sglang_pause_mode,
+                ..Default::default()
+            };
+            cfg.notify_url = advertise;
+            if once {
+                subscribe_once(&store, &cfg).await
+            } else {
+                subscribe_daemon(&store, cfg, listen, notify_key.as_deref()).await
+            }
+        }
+        Command::Publisher {
+            listen,
+            token,
+            checkpoint_root,
+            opts,
+        } => {
+            // First, so a signal during start-up is honoured once it is up
+            // instead of killing the process half-way through opening.
+            let stop = shutdown()?;
+            let publisher = opts.open(false).await?;
+            let filters = publisher.checkpoint_options().clone();
+            let shared = weightcast::http::publisher::PublisherShared::new(
+                publisher,
+                &token,
+                &checkpoint_root,
+                filters,
+            )?;
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("binding {listen}"))?;
+            tracing::info!(addr = %listener.local_addr()?, "serving POST /v1/publish");
+            weightcast::http::publisher::serve(listener, shared, stop).await?;
+            Ok(())
+        }
+        Command::Status { store } => {
+            let store = weightcast::store::Store::open(&store)?;
+            emit(serde_json::to_string_pretty(
+                &weightcast::protocol::fleet(&store).await?,
+            )?);
+            Ok(())
+        }
+        Command::Gc {
+            store,
+            retention,
+            dry_run,
+        } => {
+            let retention = retention.retention()?;
+            let store = weightcast::store::Store::open(&store)?;
+            let collected =
+                weightcast::protocol::collect_garbage(&store, &retention, dry_run).await?;
+            emit(serde_json::to_string(&collected)?);
+            Ok(())
+        }
+        Command::Inspect { path, full } => inspect(&path, full),
+    }
+}
+
+/// Prints one line on stdout. A closed stdout (the reader went away, EPIPE)
+/// is not an error: the work the line reports is done (a commit stands), and
+/// a panic or a failure exit would misreport it.
+pub fn emit(line: impl std::fmt::Display) {
+    let mut stdout = std::io::stdout().lock();
+    match writeln!(stdout, "{line}").and_then(|()| stdout.flush()) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+        Err(e) => tracing::warn!(error = %e, "cannot write to stdout"),
+    }
+}
+
+/// Installs the SIGINT (Ctrl-C) and SIGTERM (what compose and Kubernetes
+/// send) handlers now, and returns a future that resolves on either. Installing
+/// them before the daemon binds its port matters: a signal that arrives between
+/// the bind and the future's first poll would otherwise take the default
+/// action and kill the process uncleanly.
+fn shutdown() -> Result<impl std::future::Future<Output = ()> + Send + 'static> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    })
+}
+
+async fn demo_command(dir: Option<PathBuf>, mut cfg: DemoConfig, json: bool) -> Result<()> {
+    if cfg.anchor_every == 0 {
+        bail!("--anchor-every must be at least 1");
+    }
+    let tmp;
+    cfg.dir = match dir {
+        Some(d) => d,
+        None => {
+            tmp = tempfile::tempdir().context("creating a temporary bucket directory")?;
+            tmp.path().to_path_buf()
+        }
+    };
+    // With --json, stdout carries the JSON report alone.
+    let report = demo::run(&cfg, |line| {
+        if json {
+            eprintln!("{line}");
+        } else {
+            emit(line)
+        }
+    })
+    .await?;
+    let deltas: Vec<_> = report.steps.iter().filter(|s| s.kind == "delta").collect();
+    let delta_bytes: u64 = deltas.iter().map(|s| s.bytes).sum();
+    let changed: u64 = deltas.iter().map(|s| s.changed).sum();
+    let summary = format!(
+        "deltas: {:.3} bytes per changed element, {:.0}x smaller than full weights on average",
+        delta_bytes as f64 / changed.max(1) as f64,
+        (report.full_bytes * deltas.len() as u64) as f64 / delta_bytes.max(1) as f64
+    );
+    let verdict = if report.bit_identical {
+        "verdict: OK, every replica is bit-identical to the trainer at every version"
+    } else {
+        "verdict: FAILED, a replica diverged from the trainer"
+    };
+    if json {
+        eprintln!("{summary}\n{verdict}");
+        emit(serde_json::to_string(&report)?);
+    } else {
+        emit(summary);
+        emit(verdict);
+    }
+    if !report.bit_identical {
+        bail!("a replica diverged from the trainer");
+    }
+    Ok(())
+}
+
+/// Peak heap use, from the counting allocator.
+struct AllocProbe;
+
+impl MemProbe for AllocProbe {
+    fn current(&self) -> u64 {
+        crate::ALLOC.current_usage() as u64
+    }
+    fn peak(&self) -> u64 {
+        crate::ALLOC.peak_usage() as u64
+    }
+    fn reset_peak(&self) {
+        crate::ALLOC.reset_peak_usage();
+    }
+}
+
+/// Sizes rayon's global pool (`--threads`; default: all cores).
+fn set_threads(threads: Option<usize>) -> Result<()> {
+    if let Some(t) = threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(t)
+            .build_global()
+            .context("configuring worker threads")?;
+    }
+    Ok(())
+}
+
+fn write_json(path: Option<PathBuf>, value: &impl serde::Serialize) -> Result<()> {
+    if let Some(p) = path {
+        std::fs::write(&p, serde_json::to_vec_pretty(value)?)
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    Ok(())
+}
+
+fn bench(what: BenchWhat) -> Result<()> {
+    match what {
+        BenchWhat::Codec {
+            elements,
+            steps,
+            lr,
+            encodings,
+            threads,
+            json,
+            seed,
+            reps,
+        } => {
+            set_threads(threads)?;
+            let cfg = BenchConfig {
+                elements,
+                steps,
+                lr,
+                encodings,
+                seed,
+                reps,
+            };
+            let report = weightcast::bench::run(&cfg, &AllocProbe, |l| emit(l))?;
+            write_json(json, &report)
+        }
+        BenchWhat::Anchors {
+            input,
+            elements,
+            chunk_words,
+            levels,
+            threads,
+            reps,
+            json,
+        } => {
+            set_threads(threads)?;
+            let set = match &input {
+                Some(p) => TensorSet::read(p, Digests::Compute)?,
+                None => weightcast::generator::Generator::new(GeneratorConfig::with_elements(
+                    42, elements,
+                ))
+                .snapshot(),
+            };
+            emit(format!(
+                "{}: {} tensors, {} bytes, {} threads",
+                input
+                    .as_ref()
+                    .map_or("generator".to_string(), |p| p.display().to_string()),
+                set.len(),
+                set.total_bytes(),
+                rayon::current_num_threads()
+            ));
+            let cfg = weightcast::bench::AnchorBenchConfig {
+                chunk_words,
+                levels,
+                reps,
+            };
+            let rows = weightcast::bench::run_anchors(&set, &cfg, |l| emit(l))?;
+            write_json(json, &rows)
+        }
+    }
+}
+
+fn diff(base: &Path, new: &Path, out: &Path, opts: &DeltaOptions) -> Result<()> {
+    let base_set = TensorSet::read(base, Digests::Compute)?;
+    let mut new_set = TensorSet::read(new, Digests::Skip)?;
+    let (bytes, summary) = codec::encode_delta(&base_set, &mut new_set, opts)?;
+    std::fs::write(out, bytes).with_context(|| format!("writing {}", out.display()))?;
+    emit(serde_json::to_string(&summary)?);
+    Ok(())
+}
+
+fn apply(base: &Path, delta: &Path, out: &Path) -> Result<()> {
+    let mut set = TensorSet::read(base, Digests::Compute)?;
+    let bytes = std::fs::read(delta).with_context(|| format!("reading {}", delta.display()))?;
+    let report = codec::apply_delta(&mut set, &bytes)?;
+    let version = report.model_version.unwrap_or(0);
+    let mut f = std::io::BufWriter::new(
+        std::fs::File::create(out).with_context(|| format!("creating {}", out.display()))?,
+    );
+    codec::write_anchor(&set, version, &mut f)?;
+    f.flush()?;
+    emit(serde_json::to_string(&report)?);
+    Ok(())
+}
+
+/// One iteration of the daemon: verify (and repair) the output, catch up,
+/// run the hooks, register.
+async fn subscribe_once(store: &str, cfg: &weightcast::subscriber::DaemonConfig) -> Result<()> {
+    let store = weightcast::store::Store::open(store)?;
+    match weightcast::subscriber::once(&store, cfg).await? {
+        Some((c, report)) => {
+            if report.failed > 0 {
+                bail!(
+                    "{} hook(s) failed after switching to version {}",
+                    report.failed,
+                    c.version
+                );
+            }
+            emit(serde_json::to_string(&c)?);
+            Ok(())
+        }
+        None => bail!("the bucket has no committed version yet"),
+    }
+}
+
+async fn subscribe_daemon(
+    store: &str,
+    mut cfg: weightcast::subscriber::DaemonConfig,
+    listen: Option<std::net::SocketAddr>,
+    notify_key: Option<&str>,
+) -> Result<()> {
+    // The daemon takes over SIGTERM/SIGINT first thing (see `shutdown`).
+    let (stop, stop_server) = (shutdown()?, shutdown()?);
+    let key = notify_key.map(weightcast::notify::Key::new).transpose()?;
+    let store = weightcast::store::Store::open(store)?;
+    let shared = weightcast::subscriber::status::Shared::new(store.url(), key);
+    if let Some(addr) = listen {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding {addr}"))?;
+        let bound = listener.local_addr()?;
+        cfg.notify_url
+            .get_or_insert_with(|| format!("http://{bound}/v1/notify"));
+        tracing::info!(%bound, "serving /v1/notify, /v1/status, /healthz, /metrics");
+        let s = shared.clone();
+        tokio::spawn(async move {
+            if let Err(e) = weightcast::http::subscriber::serve(listener, s, stop_server).await {
+                tracing::error!(error = %e, "HTTP server stopped");
+            }
+        });
+    }
+    // Stopping mid-catch-up is safe: the output switches versions atomically
+    // and a restart continues from the verified state.
+    weightcast::subscriber::run(&store, &cfg, &shared, stop).await?;
+    tracing::info!("stopping");
+    Ok(())
+}
+
+/// The header of an anchor or delta object: a summary, or every key (`full`).
+fn inspect(path: &Path, full: bool) -> Result<()> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let (meta, header) = codec::inspect(&bytes)?;
+    if !full {
+        let mut out = serde_json::Map::new();
+        out.insert("bytes".into(), bytes.len().into());
+        match &header {
+            Some(h) => {
+                let summary = serde_json::json!({
+                    "kind": h.kind,
+                    "encoding": h.encoding.to_string(),
+                    "model_version": h.model_version,
+                    "base_version": h.base_version,
+                    "tensors": h.tensor_count,
+                    "tensors_changed": h.tensors.len(),
+                    "total_elements": h.total_elements,
+                    "changed_elements": h.changed_elements,
+                    "density": h.density,
+                    "digest": h.digest.to_string(),
+                    "base_digest": h.base_digest.map(|d| d.to_string()),
+                });
+                if let serde_json::Value::Object(m) = summary {
+                    out.extend(m);
+                }
+            }
+            None => {
+                out.insert(
+                    "note".into(),
+                    "no weightcast header: a plain safetensors file".into(),
+                );
+            }
+        }
+        let other: serde_json::Map<String, serde_json::Value> = meta
+            .iter()
+            .filter(|(k, _)| !k.starts_with("weightcast."))
+            .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+            .collect();
+        if !other.is_empty() {
+            out.insert("metadata".into(), other.into());
+        }
+        emit(serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    let tensors = header
+        .as_ref()
+        .map(|_| serde_json::from_str::<serde_json::Value>(&meta["weightcast.tensors"]))
+        .transpose()?;
+    let mut meta: serde_json::Map<String, serde_json::Value> = meta
+        .into_iter()
+        .map(|(k, v)| (k, serde_json::Value::String(v)))
+        .collect();
+    if let Some(t) = tensors {
+        meta.insert("weightcast.tensors".into(), t);
+    }
+    if let Some(serde_json::Value::String(p)) = meta.get("weightcast.planes") {
+        let table: serde_json::Value = serde_json::from_str(p)?;
+        meta.insert("weightcast.planes".into(), table);
+    }
+    emit(serde_json::to_string_pretty(&meta)?);
+    Ok(())
+}
