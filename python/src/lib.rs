@@ -900,7 +900,12 @@ impl NativeUpdate {
                         "version": self.version,
                         "kind": "delta",
                         "changed": changed,
-                        "changed_tensors": changes.iter().map(|c| &c.0).collect::<Vec<_>>(),
+                        "changed_tensors": reports
+                            .iter()
+                            .flat_map(|r| &r.tensors)
+                            .filter(|t| t.changed > 0)
+                            .map(|t| &t.name)
+                            .collect::<Vec<_>>(),
                         "kept": reports.iter().map(|r| r.kept).sum::<u64>(),
                         "seconds": seconds,
                     })
@@ -1119,27 +1124,49 @@ fn positions_bytes(p: &Positions) -> (Vec<u8>, usize) {
 
 /// Runs engine hooks (`sglang:URL`, `vllm:URL`, `webhook:URL`,
 /// `command:CMD`) for a version in `dir`, as `weightcast subscribe` does
-/// after a switch; returns `{"pause_seconds", "failed"}` as JSON.
+/// after a switch, under the library's hook policy (`timeout` per request and
+/// `budget` per hook, seconds; `sglang_pause` the mode sent to SGLang);
+/// returns the library's report (`pause_seconds`, `failed`, `failures`) as
+/// JSON.
 #[pyfunction]
-#[pyo3(signature = (hooks, version, dir, changed_tensors))]
+#[pyo3(signature = (hooks, version, dir, changed_tensors, timeout=None, budget=None, sglang_pause=None))]
+#[allow(clippy::too_many_arguments)]
 fn run_hooks(
     py: Python<'_>,
     hooks: Vec<String>,
     version: u64,
     dir: String,
     changed_tensors: Vec<String>,
+    timeout: Option<f64>,
+    budget: Option<f64>,
+    sglang_pause: Option<String>,
 ) -> PyResult<String> {
     py.detach(|| -> Result<String> {
         let hooks = hooks
             .iter()
             .map(|h| h.parse())
             .collect::<Result<Vec<weightcast::hooks::Hook>>>()?;
+        let seconds = |what: &str, v: Option<f64>, default: Duration| match v {
+            None => Ok(default),
+            Some(s) => Duration::try_from_secs_f64(s)
+                .map_err(|_| Error::Config(format!("hook {what} {s}: not a duration in seconds"))),
+        };
+        let d = weightcast::hooks::HookPolicy::default();
+        let policy = weightcast::hooks::HookPolicy {
+            timeout: seconds("timeout", timeout, d.timeout)?,
+            budget: seconds("budget", budget, d.budget)?,
+            sglang_pause: match sglang_pause {
+                Some(m) => m.parse()?,
+                None => d.sglang_pause,
+            },
+            ..d
+        };
         let event = weightcast::hooks::Event {
             version,
             dir: dir.into(),
             changed_tensors,
         };
-        let report = block_on(weightcast::hooks::run(&hooks, &event))?;
+        let report = block_on(weightcast::hooks::run(&hooks, &event, &policy))?;
         Ok(json(&report))
     })
     .py()

@@ -331,7 +331,7 @@ class Update:
             "version": self.version,
             "kind": "delta",
             "changed": int(sum(len(r[3]) // r[4] for r in resolved)),
-            "changed_tensors": [r[0] for r in resolved],
+            "changed_tensors": [r[0] for r in resolved if r[3]],
         }
 
     def _copy_anchor(self, params: Tensors) -> Dict[str, Any]:
@@ -507,28 +507,34 @@ Hook = Union[str, Callable[[Dict[str, Any]], Any]]
 
 
 def run_hooks(hooks: Sequence[Hook], version: int, dir: Union[str, "os.PathLike[str]"],
-              changed_tensors: Sequence[str] = ()) -> Dict[str, Any]:
+              changed_tensors: Sequence[str] = (), *, timeout: Optional[float] = None,
+              budget: Optional[float] = None, sglang_pause: Optional[str] = None) -> Dict[str, Any]:
     """Runs engine hooks for a version materialized in ``dir`` (e.g. by
     :meth:`Update.save_to`), as ``weightcast subscribe`` does after a
     switch: the library's kinds as strings (``sglang:URL``, ``vllm:URL``,
     ``webhook:URL``, ``command:CMD``) and Python callables, which receive
     the event (``version``, ``dir``, ``changed_tensors``). Failures are
     logged and counted, not raised. Returns ``pause_seconds`` (longest
-    engine pause) and ``failed``."""
+    engine pause), ``failed`` and ``failures``. ``timeout`` (per request),
+    ``budget`` (per hook, retries included) and ``sglang_pause`` are the
+    library's hook policy (``weightcast subscribe``'s defaults)."""
     event = {"version": version, "dir": os.fspath(dir), "changed_tensors": list(changed_tensors)}
     kinds = [h for h in hooks if isinstance(h, str)]
-    report = {"pause_seconds": 0.0, "failed": 0}
+    report: Dict[str, Any] = {"pause_seconds": 0.0, "failed": 0}
     if kinds:
-        report = json.loads(_native.run_hooks(kinds, version, event["dir"], event["changed_tensors"]))
+        report = json.loads(_native.run_hooks(kinds, version, event["dir"], event["changed_tensors"],
+                                              timeout, budget, sglang_pause))
     for h in hooks:
         if isinstance(h, str):
             continue
         started = time.perf_counter()
         try:
             h(dict(event))
-        except Exception:  # a hook's failure must not undo the version
+        except Exception as e:  # a hook's failure must not undo the version
             logger.exception("hook %r failed for version %s", h, version)
             report["failed"] += 1
+            report.setdefault("failures", []).append(
+                {"hook": repr(h), "kind": "python", "attempts": 1, "message": repr(e)})
         else:
             report["pause_seconds"] = max(report["pause_seconds"], time.perf_counter() - started)
     return report
@@ -539,3 +545,8 @@ def tensor_digest(name: str, tensor: Any) -> str:
     t = tensor if on_cpu(tensor) else tensor.detach().cpu()
     spec, keep = lend(name, t, write=False)
     return _native.tensor_digest(spec)
+
+
+# The engine integrations are plain Python over the above (they import no
+# engine package): weightcast.engine, weightcast.vllm, weightcast.sglang.
+from . import engine, sglang, vllm  # noqa: E402
