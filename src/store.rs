@@ -122,11 +122,14 @@ pub struct Listed {
 /// The Hugging Face Storage Buckets S3 gateway.
 pub const HF_S3_ENDPOINT: &str = "https://s3.hf.co";
 
-/// Observer of upload progress (the CLI draws progress bars with it).
-pub trait UploadProgress: Send + Sync + std::fmt::Debug {
-    /// An upload of `bytes` bytes to `key` begins.
+/// Observer of transfer progress (the CLI draws progress bars with it): a
+/// store reports its uploads to one ([`Store::with_progress`]) and the
+/// subscriber's object downloads to another ([`Store::with_download_progress`]).
+pub trait Progress: Send + Sync + std::fmt::Debug {
+    /// A transfer of `bytes` bytes of `key` begins.
     fn started(&self, key: &str, bytes: u64);
-    /// `bytes` more bytes were handed to the store (a part, or a whole small object).
+    /// `bytes` more bytes were moved (a part, a network chunk, or a whole
+    /// small object).
     fn advanced(&self, bytes: u64);
 }
 
@@ -135,7 +138,8 @@ pub trait UploadProgress: Send + Sync + std::fmt::Debug {
 pub struct Store {
     inner: Arc<dyn ObjectStore>,
     url: String,
-    progress: Option<Arc<dyn UploadProgress>>,
+    progress: Option<Arc<dyn Progress>>,
+    download: Option<Arc<dyn Progress>>,
 }
 
 /// Splits `hf://buckets/<namespace>/<bucket>[/prefix]` into its S3 endpoint
@@ -158,6 +162,81 @@ fn parse_hf(parsed: &url::Url, url: &str) -> Result<(String, String, String)> {
         bucket.to_string(),
         prefix.to_string(),
     ))
+}
+
+/// Where the Hugging Face tools keep a Hub token: `HF_TOKEN` (or the legacy
+/// `HUGGING_FACE_HUB_TOKEN`), else the file `HF_TOKEN_PATH`, else
+/// `$HF_HOME/token` (default `~/.cache/huggingface/token`). Returns where one
+/// was found, for messages.
+fn hf_token_source(env: &dyn Fn(&str) -> Option<String>) -> Option<String> {
+    for var in ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"] {
+        if env(var).is_some() {
+            return Some(var.to_string());
+        }
+    }
+    let file = env("HF_TOKEN_PATH")
+        .map(std::path::PathBuf::from)
+        .or_else(|| {
+            env("HF_HOME")
+                .map(std::path::PathBuf::from)
+                .or_else(|| {
+                    env("HOME").map(|h| std::path::Path::new(&h).join(".cache/huggingface"))
+                })
+                .map(|d| d.join("token"))
+        })?;
+    std::fs::metadata(&file)
+        .ok()
+        .filter(|m| m.is_file() && m.len() > 0)
+        .map(|_| file.display().to_string())
+}
+
+/// The credentials of an `hf://` store: the `HF_S3_*` pair, else whatever
+/// the `AWS_*` variables or explicit options give (`None`: the builder takes
+/// them). With none at all the store is refused here, before any request —
+/// object_store would otherwise ask the cloud metadata address and fail
+/// minutes later with a message about it. The S3 gateway takes S3 keys
+/// generated from a Hub token, not the token itself: a token that is present
+/// is named in the message so the fix is obvious.
+fn hf_credentials(
+    url: &str,
+    env: &dyn Fn(&str) -> Option<String>,
+    options: &[(&str, &str)],
+) -> Result<Option<(String, String)>> {
+    if let (Some(id), Some(secret)) = (env("HF_S3_ACCESS_KEY_ID"), env("HF_S3_SECRET_ACCESS_KEY")) {
+        return Ok(Some((id, secret)));
+    }
+    let option = |names: &[&str]| {
+        options
+            .iter()
+            .any(|(k, v)| names.contains(&k.to_ascii_lowercase().as_str()) && !v.is_empty())
+    };
+    let keys = (env("AWS_ACCESS_KEY_ID").is_some()
+        || option(&["aws_access_key_id", "access_key_id"]))
+        && (env("AWS_SECRET_ACCESS_KEY").is_some()
+            || option(&["aws_secret_access_key", "secret_access_key"]));
+    let anonymous = env("AWS_SKIP_SIGNATURE").is_some_and(|v| v == "true")
+        || options.iter().any(|(k, v)| {
+            matches!(
+                k.to_ascii_lowercase().as_str(),
+                "aws_skip_signature" | "skip_signature"
+            ) && *v == "true"
+        });
+    if keys || anonymous {
+        return Ok(None);
+    }
+    let token = match hf_token_source(env) {
+        Some(at) => format!(
+            " A Hub token was found ({at}), but the S3 gateway does not take Hub tokens: \
+             generate S3 credentials from it (huggingface.co, Settings → Access Tokens → \
+             S3 credentials)."
+        ),
+        None => String::new(),
+    };
+    Err(Error::Config(format!(
+        "store URL `{url}`: no credentials for the Hugging Face S3 gateway: set \
+         HF_S3_ACCESS_KEY_ID and HF_S3_SECRET_ACCESS_KEY (or the AWS_* pair), or \
+         AWS_SKIP_SIGNATURE=true to read a public bucket anonymously.{token}"
+    )))
 }
 
 /// What to tell an operator about a store failure, beyond the backend's own
@@ -354,9 +433,7 @@ impl Store {
                     .with_endpoint(format!("{}/{namespace}", endpoint.trim_end_matches('/')))
                     .with_virtual_hosted_style_request(false)
                     .with_region("us-east-1");
-                if let (Some(id), Some(secret)) =
-                    (env("HF_S3_ACCESS_KEY_ID"), env("HF_S3_SECRET_ACCESS_KEY"))
-                {
+                if let Some((id, secret)) = hf_credentials(url, &env, &options)? {
                     b = b.with_access_key_id(id).with_secret_access_key(secret);
                 }
                 if endpoint.starts_with("http://") {
@@ -416,13 +493,26 @@ impl Store {
             inner,
             url: url.to_string(),
             progress: None,
+            download: None,
         })
     }
 
     /// This store, reporting its uploads to `progress`.
-    pub fn with_progress(mut self, progress: Arc<dyn UploadProgress>) -> Store {
+    pub fn with_progress(mut self, progress: Arc<dyn Progress>) -> Store {
         self.progress = Some(progress);
         self
+    }
+
+    /// This store, reporting object downloads (the subscriber's verified
+    /// object reads, not manifests or hints) to `progress`.
+    pub fn with_download_progress(mut self, progress: Arc<dyn Progress>) -> Store {
+        self.download = Some(progress);
+        self
+    }
+
+    /// Where object downloads are reported, if anywhere.
+    pub fn download_progress(&self) -> Option<&Arc<dyn Progress>> {
+        self.download.as_ref()
     }
 
     /// Wraps an existing `object_store` backend (already scoped to its prefix).
@@ -431,6 +521,7 @@ impl Store {
             inner,
             url: url.into(),
             progress: None,
+            download: None,
         }
     }
 
@@ -750,6 +841,17 @@ impl Store {
         let path = Self::path(key)?;
         let part = part.max(1);
         let parts = size.div_ceil(part);
+        if let Some(p) = &self.download {
+            p.started(key, size);
+        }
+        let progress = self.download.as_deref();
+        let sink = move |at: u64, b: &[u8]| {
+            sink(at, b)?;
+            if let Some(p) = progress {
+                p.advanced(b.len() as u64);
+            }
+            Ok(())
+        };
         let (path, sink) = (&path, &sink);
         let mut fetched = futures::stream::iter(0..parts)
             .map(|i| {
@@ -930,6 +1032,63 @@ async fn read_source(s: &Source, at: u64, len: u64) -> Result<Bytes> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn env_of(vars: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+        move |k: &str| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn hf_credentials_follow_the_conventions() {
+        let url = "hf://buckets/ns/b";
+        let got = hf_credentials(
+            url,
+            &env_of(&[
+                ("HF_S3_ACCESS_KEY_ID", "HFAK1"),
+                ("HF_S3_SECRET_ACCESS_KEY", "s"),
+            ]),
+            &[],
+        )
+        .unwrap();
+        assert_eq!(got, Some(("HFAK1".into(), "s".into())));
+        // The AWS pair or explicit options: the builder takes them.
+        let aws = env_of(&[("AWS_ACCESS_KEY_ID", "a"), ("AWS_SECRET_ACCESS_KEY", "b")]);
+        assert_eq!(hf_credentials(url, &aws, &[]).unwrap(), None);
+        let opts = [("aws_access_key_id", "a"), ("aws_secret_access_key", "b")];
+        assert_eq!(hf_credentials(url, &env_of(&[]), &opts).unwrap(), None);
+        let anon = [("aws_skip_signature", "true")];
+        assert_eq!(hf_credentials(url, &env_of(&[]), &anon).unwrap(), None);
+        // Nothing: refused before any request, naming the settings.
+        let e = hf_credentials(url, &env_of(&[("HOME", "/nonexistent")]), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(url) && e.contains("HF_S3_ACCESS_KEY_ID"), "{e}");
+        assert!(!e.contains("Hub token was found"), "{e}");
+        // A Hub token (variable or token file) is named: it is not enough.
+        let e = hf_credentials(url, &env_of(&[("HF_TOKEN", "hf_x")]), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("HF_TOKEN") && e.contains("S3 credentials"),
+            "{e}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("token"), "hf_y").unwrap();
+        let home = dir.path().to_str().unwrap().to_string();
+        let env = move |k: &str| (k == "HF_HOME").then(|| home.clone());
+        let e = hf_credentials(url, &env, &[]).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("{}", dir.path().join("token").display())),
+            "{e}"
+        );
+        assert_eq!(
+            Error::Config(String::new()).kind(),
+            crate::error::ErrorKind::Config
+        );
+    }
     use futures::stream::BoxStream;
     use object_store::{
         CopyOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, PutMultipartOptions,

@@ -68,7 +68,7 @@ pub struct Daemon {
     pub sub: Subscriber<DirSink>,
     cfg: DaemonConfig,
     /// (version, when) of the last registration written.
-    registered: Option<(u64, Instant)>,
+    registered: Option<(Option<u64>, Instant)>,
     /// `current` moved when the output was opened (a switch a crash had
     /// interrupted): the hooks are owed a run.
     switch_owed: bool,
@@ -161,6 +161,9 @@ impl Daemon {
             s.store_requests = requests;
         }
         let Some(c) = caught? else {
+            // Registered while the bucket is still empty, so the publisher's
+            // first version is pushed here instead of waiting for a poll.
+            self.register(None).await;
             return Ok(None);
         };
         let switched =
@@ -207,7 +210,7 @@ impl Daemon {
                 self.hooks_owed = Some(event);
             }
         }
-        self.register(c.version).await;
+        self.register(Some(c.version)).await;
         if let Ok(mut s) = shared.status.lock() {
             s.store_requests = self.sub.fetcher.requests();
         }
@@ -245,7 +248,7 @@ impl Daemon {
     }
 
     /// Rewrites the registration when the version changed or it is due.
-    async fn register(&mut self, version: u64) {
+    async fn register(&mut self, version: Option<u64>) {
         let Some(id) = &self.cfg.id else {
             return;
         };
@@ -258,7 +261,7 @@ impl Daemon {
         let reg = crate::protocol::Registration {
             id: id.clone(),
             notify_url: self.cfg.notify_url.clone(),
-            version: Some(version),
+            version,
             updated_at: crate::notify::unix_now(),
         };
         self.sub.fetcher.count(1);

@@ -92,12 +92,21 @@ impl Fetcher {
     pub async fn bytes(&self, o: &ObjectEntry) -> Result<Bytes> {
         let body = if o.size < self.large_object {
             self.count(1);
+            let progress = self.store.download_progress();
+            if let Some(p) = progress {
+                p.started(&o.key, o.size);
+            }
             // The manifest's size bounds the read: an object that grew is
             // refused from its reported size, before its body is buffered.
-            self.store
+            let body = self
+                .store
                 .get_at_most(&o.key, o.size)
                 .await?
-                .ok_or_else(|| self.missing(o))?
+                .ok_or_else(|| self.missing(o))?;
+            if let Some(p) = progress {
+                p.advanced(body.len() as u64);
+            }
+            body
         } else {
             let mut buf = Vec::new();
             buf.try_reserve_exact(o.size as usize).map_err(|_| {

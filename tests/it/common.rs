@@ -646,3 +646,48 @@ pub fn assert_replica(
     names.sort();
     assert_eq!(names, ["config.json", "model.safetensors"], "{what}: files");
 }
+
+/// Checks the Grafana dashboard (`deploy/grafana/weightcast-dashboard.json`)
+/// against the families a daemon really exposes (as [`parse_prometheus`]
+/// names them): every family is charted, and every `weightcast_…` series a
+/// panel queries (those `owned` selects) exists.
+pub fn assert_dashboard_covers(families: &[String], owned: impl Fn(&str) -> bool) {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("deploy/grafana/weightcast-dashboard.json");
+    let d: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).expect("dashboard is JSON");
+    let mut queried = std::collections::BTreeSet::new();
+    for p in d["panels"].as_array().expect("panels") {
+        for t in p["targets"].as_array().into_iter().flatten() {
+            let expr = t["expr"].as_str().expect("a target has an expr");
+            let mut rest = expr;
+            while let Some(i) = rest.find("weightcast_") {
+                let name: String = rest[i..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                rest = &rest[i + name.len()..];
+                let family = name.strip_suffix("_total").unwrap_or(&name).to_string();
+                queried.insert(family);
+            }
+        }
+    }
+    let queried: Vec<&String> = queried.iter().filter(|f| owned(f)).collect();
+    assert!(
+        !queried.is_empty(),
+        "the dashboard queries none of these series"
+    );
+    for f in &queried {
+        assert!(
+            families.contains(f),
+            "the dashboard queries `{f}`, which the daemon does not expose: {families:?}"
+        );
+    }
+    for f in families.iter().filter(|f| owned(f)) {
+        assert!(
+            queried.contains(&f),
+            "`{f}` is exposed but not on the dashboard {}",
+            path.display()
+        );
+    }
+}

@@ -28,3 +28,4 @@ mod subscriber;
 mod subscriber_crash;
 mod subscriber_reuse;
 mod trl;
+mod walkthrough;

@@ -243,6 +243,7 @@ async fn notifications_wake_subscribers_and_bad_ones_are_refused() {
     assert!(metrics.contains("weightcast_version 2"), "{metrics}");
     assert!(metrics.contains("weightcast_notifications_refused_total"));
     let families = common::parse_prometheus(&metrics);
+    common::assert_dashboard_covers(&families, |f| !f.starts_with("weightcast_publisher_"));
     for f in [
         "weightcast_version",
         "weightcast_lag_versions",

@@ -182,6 +182,7 @@ async fn publish_over_http() {
         .await
         .unwrap();
     let families = common::parse_prometheus(&metrics);
+    common::assert_dashboard_covers(&families, |f| f.starts_with("weightcast_publisher_"));
     for f in [
         "weightcast_publisher_version",
         "weightcast_publisher_versions",

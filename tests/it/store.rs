@@ -135,7 +135,7 @@ struct Recorder {
     advanced: std::sync::atomic::AtomicU64,
 }
 
-impl weightcast::store::UploadProgress for Recorder {
+impl weightcast::store::Progress for Recorder {
     fn started(&self, key: &str, bytes: u64) {
         self.started.lock().unwrap().push((key.to_string(), bytes));
     }
@@ -178,6 +178,30 @@ async fn large_object(store: &Store) {
         .expect("big object exists");
     assert_eq!(back.len(), n);
     assert!(back[..] == data[..], "multipart bytes differ");
+
+    // Ranged downloads report each byte once to the download observer.
+    let down = std::sync::Arc::new(Recorder::default());
+    let reading = store.clone().with_download_progress(down.clone());
+    let assembled = std::sync::Mutex::new(vec![0u8; n]);
+    reading
+        .download_ranges("big/object", n as u64, 1 << 20, 3, |at, b| {
+            assembled.lock().unwrap()[at as usize..at as usize + b.len()].copy_from_slice(b);
+            Ok(())
+        })
+        .await
+        .unwrap();
+    assert!(
+        assembled.into_inner().unwrap() == data,
+        "ranged bytes differ"
+    );
+    assert_eq!(
+        *down.started.lock().unwrap(),
+        vec![("big/object".to_string(), n as u64)]
+    );
+    assert_eq!(
+        down.advanced.load(std::sync::atomic::Ordering::Relaxed),
+        n as u64
+    );
 
     // The same bytes streamed from a file, part by part, and a small file.
     let dir = tempfile::tempdir().unwrap();

@@ -184,6 +184,10 @@ pub enum Command {
         /// kept, their KV cache recomputed with the new weights) or in_place.
         #[arg(long, default_value = "retract")]
         sglang_pause_mode: weightcast::hooks::SglangPause,
+        /// No download progress bar (it is drawn only when stderr is a
+        /// terminal).
+        #[arg(long, short)]
+        quiet: bool,
     },
     /// Retention: keep the newest K anchors and every version after the oldest
     /// of them, plus the deltas registered lagging subscribers still replay;
@@ -308,28 +312,29 @@ pub struct PublishOpts {
     pub exclude: Vec<String>,
 }
 
-/// Upload progress bars on stderr (drawn only when stderr is a terminal): one
-/// for the bytes of the version, whose length grows as objects start.
+/// A progress bar on stderr (drawn only when stderr is a terminal) for the
+/// bytes of a version, whose length grows as objects start.
 #[derive(Debug)]
-struct UploadBars(indicatif::ProgressBar);
+pub struct Bars(indicatif::ProgressBar);
 
-impl UploadBars {
-    fn new() -> UploadBars {
+impl Bars {
+    /// `verb`: what the bar counts ("uploading", "downloading").
+    pub fn new(verb: &str) -> Bars {
         let bar = indicatif::ProgressBar::with_draw_target(
             Some(0),
             indicatif::ProgressDrawTarget::stderr(),
         );
         bar.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{spinner} uploading {msg:30!} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-            )
+            indicatif::ProgressStyle::with_template(&format!(
+                "{{spinner}} {verb} {{msg:30!}} {{bytes}}/{{total_bytes}} {{bytes_per_sec}} eta {{eta}}"
+            ))
             .expect("valid progress template"),
         );
-        UploadBars(bar)
+        Bars(bar)
     }
 }
 
-impl weightcast::store::UploadProgress for UploadBars {
+impl weightcast::store::Progress for Bars {
     fn started(&self, key: &str, bytes: u64) {
         self.0.inc_length(bytes);
         self.0
@@ -340,7 +345,7 @@ impl weightcast::store::UploadProgress for UploadBars {
     }
 }
 
-impl Drop for UploadBars {
+impl Drop for Bars {
     fn drop(&mut self) {
         self.0.finish_and_clear();
     }
@@ -359,7 +364,7 @@ impl PublishOpts {
         }
         let mut store = weightcast::store::Store::open(&self.store)?;
         if progress {
-            store = store.with_progress(std::sync::Arc::new(UploadBars::new()));
+            store = store.with_progress(std::sync::Arc::new(Bars::new("uploading")));
         }
         let cfg = weightcast::publisher::PublisherConfig {
             state_dir: self.state,

@@ -88,6 +88,7 @@ pub async fn run(command: Command) -> Result<()> {
             hook_timeout,
             hook_budget,
             sglang_pause_mode,
+            quiet,
         } => {
             let seconds = |v: f64, flag: &str| -> Result<std::time::Duration> {
                 if v > 0.0 && v.is_finite() {
@@ -115,6 +116,12 @@ pub async fn run(command: Command) -> Result<()> {
                 ..Default::default()
             };
             cfg.notify_url = advertise;
+            let mut store = weightcast::store::Store::open(&store)?;
+            if !quiet {
+                store = store.with_download_progress(std::sync::Arc::new(crate::cli::Bars::new(
+                    "downloading",
+                )));
+            }
             if once {
                 subscribe_once(&store, &cfg).await
             } else {
@@ -364,9 +371,11 @@ fn apply(base: &Path, delta: &Path, out: &Path) -> Result<()> {
 
 /// One iteration of the daemon: verify (and repair) the output, catch up,
 /// run the hooks, register.
-async fn subscribe_once(store: &str, cfg: &weightcast::subscriber::DaemonConfig) -> Result<()> {
-    let store = weightcast::store::Store::open(store)?;
-    match weightcast::subscriber::once(&store, cfg).await? {
+async fn subscribe_once(
+    store: &weightcast::store::Store,
+    cfg: &weightcast::subscriber::DaemonConfig,
+) -> Result<()> {
+    match weightcast::subscriber::once(store, cfg).await? {
         Some((c, report)) => {
             if report.failed > 0 {
                 bail!(
@@ -383,7 +392,7 @@ async fn subscribe_once(store: &str, cfg: &weightcast::subscriber::DaemonConfig)
 }
 
 async fn subscribe_daemon(
-    store: &str,
+    store: &weightcast::store::Store,
     mut cfg: weightcast::subscriber::DaemonConfig,
     listen: Option<std::net::SocketAddr>,
     notify_key: Option<&str>,
@@ -391,7 +400,6 @@ async fn subscribe_daemon(
     // The daemon takes over SIGTERM/SIGINT first thing (see `shutdown`).
     let (stop, stop_server) = (shutdown()?, shutdown()?);
     let key = notify_key.map(weightcast::notify::Key::new).transpose()?;
-    let store = weightcast::store::Store::open(store)?;
     let shared = weightcast::subscriber::status::Shared::new(store.url(), key);
     if let Some(addr) = listen {
         let listener = tokio::net::TcpListener::bind(addr)
@@ -410,7 +418,7 @@ async fn subscribe_daemon(
     }
     // Stopping mid-catch-up is safe: the output switches versions atomically
     // and a restart continues from the verified state.
-    weightcast::subscriber::run(&store, &cfg, &shared, stop).await?;
+    weightcast::subscriber::run(store, &cfg, &shared, stop).await?;
     tracing::info!("stopping");
     Ok(())
 }
