@@ -78,14 +78,22 @@ def test_every_version_applied_in_place_is_bit_identical(bucket):
     assert sub.verify(mine)["checked"] == len(w)
 
 
-def test_modified_base_is_refused_untouched_then_repaired_by_an_anchor(bucket):
+def following(bucket, seed, via="auto"):
+    """A publisher, a subscriber, the trainer's tensors and the engine's,
+    after version 0 was applied."""
     url, state = bucket
     pub = weightcast.Publisher(url, state_dir=state)
     sub = weightcast.Subscriber(url)
-    w, rng = model(), np.random.default_rng(2)
+    w, rng = model(), np.random.default_rng(seed)
     pub.publish(w, step=1)
     mine = zeros_like(w)
-    sub.poll().apply_to(mine)
+    assert sub.poll().apply_to(mine, via=via)["via"] == ("buffers" if via == "auto" else via)
+    assert same(mine, w)
+    return pub, sub, w, rng, mine
+
+
+def test_modified_base_is_refused_untouched_then_repaired_by_an_anchor(bucket):
+    pub, sub, w, rng, mine = following(bucket, 2)
     train_step(w, rng)
     pub.publish(w, step=2)
     u = sub.poll()
@@ -112,27 +120,14 @@ def as_np(x):
 
 
 def test_corruption_outside_the_changes_is_found_by_verify(bucket):
-    url, state = bucket
-    pub = weightcast.Publisher(url, state_dir=state)
-    sub = weightcast.Subscriber(url)
-    w = model()
-    pub.publish(w, step=1)
-    mine = zeros_like(w)
-    sub.poll().apply_to(mine)
+    _, sub, _, _, mine = following(bucket, 0)
     mine["layer.b"][3] += 1.0
     with pytest.raises(weightcast.Corrupt, match="layer.b"):
         sub.verify(mine)
 
 
 def test_scatter_path_matches_and_refuses_like_the_buffer_path(bucket):
-    url, state = bucket
-    pub = weightcast.Publisher(url, state_dir=state)
-    sub = weightcast.Subscriber(url)
-    w, rng = model(), np.random.default_rng(3)
-    pub.publish(w, step=1)
-    mine = zeros_like(w)
-    assert sub.poll().apply_to(mine, via="scatter")["via"] == "scatter"
-    assert same(mine, w)
+    pub, sub, w, rng, mine = following(bucket, 3, via="scatter")
     for step in (2, 3):
         train_step(w, rng)
         pub.publish(w, step=step)

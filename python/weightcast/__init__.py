@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 import numpy as np
 
-from . import _native
+from . import _errors, _native
 from ._errors import (
     BadRequest,
     BaseMismatch,
@@ -49,16 +49,7 @@ __all__ = [
     "Raw",
     "run_hooks",
     "tensor_digest",
-    "Error",
-    "NotFound",
-    "Conflict",
-    "Corrupt",
-    "BaseMismatch",
-    "BadRequest",
-    "Unavailable",
-    "ConfigError",
-    "IoError",
-]
+] + _errors.__all__
 
 __version__ = _native.__version__
 

@@ -20,30 +20,8 @@ from ._errors import BadRequest
 # (name, safetensors dtype, shape, address, bytes)
 Spec = Tuple[str, str, List[int], int, int]
 
-_NUMPY_DTYPES = {
-    "bool": "BOOL",
-    "uint8": "U8",
-    "int8": "I8",
-    "int16": "I16",
-    "uint16": "U16",
-    "float16": "F16",
-    "int32": "I32",
-    "uint32": "U32",
-    "float32": "F32",
-    "complex64": "C64",
-    "float64": "F64",
-    "int64": "I64",
-    "uint64": "U64",
-    # ml_dtypes' extension types, when numpy arrays carry them
-    "bfloat16": "BF16",
-    "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2",
-    "float8_e4m3fnuz": "F8_E4M3FNUZ",
-    "float8_e5m2fnuz": "F8_E5M2FNUZ",
-    "float8_e8m0fnu": "F8_E8M0",
-}
-
-_TORCH_DTYPES = {
+# Dtype names numpy and torch share, and their safetensors names.
+_COMMON_DTYPES = {
     "bool": "BOOL",
     "uint8": "U8",
     "int8": "I8",
@@ -64,6 +42,9 @@ _TORCH_DTYPES = {
     "float8_e5m2fnuz": "F8_E5M2FNUZ",
     "float8_e8m0fnu": "F8_E8M0",
 }
+# numpy: bfloat16 and the float8 types when ml_dtypes' extension types are used
+_NUMPY_DTYPES = dict(_COMMON_DTYPES)
+_TORCH_DTYPES = dict(_COMMON_DTYPES)
 
 # Bytes per element of every safetensors dtype that has whole bytes; the
 # packed ones (F4, F6_*) are lent as raw bytes only (see Raw).
