@@ -139,6 +139,20 @@ def run(a: argparse.Namespace, root: str) -> None:
         u.apply_to(engine)
         more.append(time.perf_counter() - t)
     assert all(torch.equal(engine[k], trainer[k]) for k in trainer)
+    # the single-pass apply (write, check, put back on failure)
+    single = []
+    for step in range(2 + a.repeats - 1, 2 + 2 * (a.repeats - 1) + 1):
+        for w in trainer.values():
+            idx = torch.randint(0, side * side, (per,), generator=g)
+            flat = w.view(-1)
+            flat[idx] = flat[idx] * (1 + 2.0**-6) + 1e-4
+        pub.publish(trainer, step=step)
+        u = sub.poll()
+        t = time.perf_counter()
+        r = u.apply_to(engine, single_pass=True)
+        single.append(time.perf_counter() - t)
+        assert r.get("single_pass"), r
+    assert all(torch.equal(engine[k], trainer[k]) for k in trainer)
     # the file path in steady state: the newest version materialized into the
     # output directory that holds an earlier one (the standby slot patched)
     w0 = write_bytes()
@@ -164,6 +178,9 @@ def run(a: argparse.Namespace, root: str) -> None:
         "inplace_median_s": round(ip, 4),
         "reload_median_s": round(rl, 4),
         "reload_over_inplace": round(rl / ip, 2),
+        "single_pass_pause_s": [round(x, 4) for x in single],
+        "single_pass_median_s": round(statistics.median(single), 4),
+        "reload_over_single_pass": round(rl / statistics.median(single), 2),
         "inplace_disk_bytes_written": inplace_written,
         "materialize_first_s": round(materialize_s, 3),
         "materialize_first_disk_bytes_written": materialize_written,

@@ -747,6 +747,31 @@ impl NativeUpdate {
     }
 }
 
+/// The held digests of the lent tensors, in the order a [`TensorSet`] sorts
+/// them (by name), when the single-pass apply can run: one tensor file whose
+/// every tensor is lent (and nothing else), each with a recorded digest (an
+/// anchor applied through this subscriber). `None`: use the two-pass apply.
+fn single_pass_digests(
+    held: &Held,
+    deltas: &[(String, Bytes)],
+    lent: &[Lending],
+) -> Option<Vec<Digest>> {
+    let [(file, _)] = deltas else { return None };
+    let files = held.tensor_files.as_ref()?;
+    if files.len() != 1 || !files.contains(file) || lent.len() != held.digests.len() {
+        return None;
+    }
+    let mut names: Vec<&Lending> = lent.iter().collect();
+    names.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+    names
+        .iter()
+        .map(|l| {
+            let (dtype, shape, d) = held.digests.get(&l.name)?;
+            ((*dtype, shape) == (l.dtype, &l.shape)).then_some(*d)
+        })
+        .collect()
+}
+
 /// Marks the held state for an anchor when `r` failed verification (the
 /// tensors, or the bucket's data, cannot be trusted to replay onto).
 fn repair_on_failure<T>(held: &mut Held, r: Result<T>) -> Result<T> {
@@ -859,13 +884,73 @@ impl NativeUpdate {
     /// written unless every changed element holds its base value), an
     /// anchor by copying every tensor (all present with the right dtype and
     /// shape, checked first). Returns a JSON report.
-    fn apply_buffers(&self, py: Python<'_>, tensors: Vec<Spec>) -> PyResult<String> {
+    #[pyo3(signature = (tensors, single_pass=false))]
+    fn apply_buffers(
+        &self,
+        py: Python<'_>,
+        tensors: Vec<Spec>,
+        single_pass: bool,
+    ) -> PyResult<String> {
         py.detach(|| -> Result<String> {
             let mut lent = lend(tensors, true)?;
             check_disjoint(&lent)?;
             let mut st = lock(&self.state)?;
             self.check_base(&st.held)?;
             let started = std::time::Instant::now();
+            if single_pass
+                && let Body::Delta { deltas, .. } = &self.body
+                && let Some(held) = single_pass_digests(&st.held, deltas, &lent)
+            {
+                let (file, object) = &deltas[0];
+                let set = TensorSet::from_external(lent.into_iter().map(|l| {
+                    (
+                        l.name,
+                        l.dtype,
+                        l.shape,
+                        Box::new(l.mem) as Box<dyn ExternalBuffer>,
+                    )
+                }));
+                let mut set = set.map_err(|e| e.in_input(format!("tensor file `{file}`")))?;
+                set.assume_digests(&held)?;
+                // The payload is BLAKE3-checked first, so a tensor whose
+                // digest does not come out is the local base's fault.
+                let r = weightcast::codec::apply_delta(&mut set, object).map_err(|e| match e {
+                    Error::Integrity {
+                        scope,
+                        expected,
+                        actual,
+                    } => Error::BaseMismatch(format!(
+                        "{scope}: the delta's result has digest {actual}, the publisher's is \
+                         {expected}: an element it changes did not hold its base value \
+                         (every word written was put back)"
+                    )),
+                    e => e,
+                });
+                let report = repair_on_failure(&mut st.held, r)?;
+                let changes: Vec<_> = set
+                    .tensors()
+                    .iter()
+                    .filter(|t| report.changed_tensors.contains(&t.name))
+                    .map(|t| (t.name.clone(), t.dtype, t.shape.clone(), t.digest))
+                    .collect();
+                self.advance(&mut st.held, &changes);
+                let seconds = started.elapsed().as_secs_f64();
+                tracing::info!(
+                    version = self.version,
+                    changed = report.changed,
+                    seconds,
+                    "delta applied in place (single pass)"
+                );
+                return Ok(serde_json::json!({
+                    "version": self.version,
+                    "kind": "delta",
+                    "changed": report.changed,
+                    "changed_tensors": report.changed_tensors,
+                    "seconds": seconds,
+                    "single_pass": true,
+                })
+                .to_string());
+            }
             match &self.body {
                 Body::Delta { deltas, .. } => {
                     let objects: Vec<&[u8]> = deltas.iter().map(|d| &d.1[..]).collect();

@@ -248,3 +248,24 @@ def test_tensor_digest_matches_the_published_header(bucket):
     d1 = weightcast.tensor_digest("embed", w["embed"])
     w["embed"][0, 0] += 1
     assert weightcast.tensor_digest("embed", w["embed"]) != d1
+
+
+def test_single_pass_apply_is_bit_identical_and_puts_back_on_refusal(bucket):
+    pub, sub, w, rng, mine = following(bucket, 5)
+    for step in (2, 3):
+        train_step(w, rng)
+        pub.publish(w, step=step)
+        report = sub.poll().apply_to(mine, single_pass=True)
+        assert report.get("single_pass") is True
+        assert same(mine, w)
+    train_step(w, rng)
+    pub.publish(w, step=4)
+    u = sub.poll()
+    idx = np.flatnonzero(mine["embed"].reshape(-1) != w["embed"].reshape(-1))[-1]
+    mine["embed"].reshape(-1)[idx] += 7.0
+    before = {k: as_bytes(_arr(v)) for k, v in mine.items()}
+    with pytest.raises(weightcast.BaseMismatch, match="embed"):
+        u.apply_to(mine, single_pass=True)
+    assert {k: as_bytes(_arr(v)) for k, v in mine.items()} == before, "every write put back"
+    assert sub.version == 2
+    assert sub.poll().kind == "anchor"
