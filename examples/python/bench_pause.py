@@ -53,17 +53,22 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="scratch directory (on disk, not tmpfs)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--bucket-dir", default=None,
+                    help="where the bucket and the publisher's state go (e.g. /dev/shm; "
+                         "default: the scratch directory)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     root = tempfile.mkdtemp(prefix="wc-bench-", dir=a.dir)
+    store = tempfile.mkdtemp(prefix="wc-bench-", dir=a.bucket_dir) if a.bucket_dir else root
     try:
-        run(a, root)
+        run(a, root, store)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(store, ignore_errors=True)
 
 
-def run(a: argparse.Namespace, root: str) -> None:
+def run(a: argparse.Namespace, root: str, store: str) -> None:
     side = 4096
     n = max(1, round(a.params / (side * side)))
     g = torch.Generator().manual_seed(0)
@@ -71,13 +76,16 @@ def run(a: argparse.Namespace, root: str) -> None:
                for i in range(n)}
     params = n * side * side
     model_bytes = params * 2
-    engine = {k: v.clone() for k, v in trainer.items()}
-    url = f"file://{root}/bucket"
-    pub = weightcast.Publisher(url, state_dir=f"{root}/state", anchor_encoding="raw")
+    engine = {k: torch.empty_like(v) for k, v in trainer.items()}
+    url = f"file://{store}/bucket"
+    pub = weightcast.Publisher(url, state_dir=f"{store}/state", anchor_encoding="raw")
     t = time.perf_counter()
     pub.publish(trainer, step=0)
     publish_anchor_s = time.perf_counter() - t
-    sub = weightcast.Subscriber(url, version=0)  # the engine holds version 0
+    sub = weightcast.Subscriber(url)
+    anchor = sub.poll()  # the engine starts from version 0's anchor
+    anchor.apply_to(engine)
+    del anchor
 
     # one training step at the given density: random elements nudged by a
     # relative 2^-6 (a bf16 value that always changes)
