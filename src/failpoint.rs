@@ -6,7 +6,13 @@
 //!
 //! Points: `publisher.before_commit` (objects and journal written, manifest
 //! not), `publisher.after_commit` (manifest created, snapshot not yet
-//! updated), `publisher.after_latest` (hint written, snapshot not updated).
+//! updated), `publisher.after_latest` (hint written, snapshot not updated);
+//! `subscriber.after_begin` (a slot marked dirty, nothing written),
+//! `subscriber.after_anchor` (an anchor file moved into the slot),
+//! `subscriber.mid_apply` (a delta journaled and applied to the slot, the
+//! update unfinished), `subscriber.before_switch` (the slot flushed and
+//! recorded clean, `current` not switched), `subscriber.after_switch`
+//! (`current` switched, the journal not pruned).
 
 use std::sync::OnceLock;
 

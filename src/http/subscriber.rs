@@ -182,7 +182,7 @@ async fn healthz(State(shared): State<Arc<Shared>>) -> axum::response::Response 
 async fn metrics(State(shared): State<Arc<Shared>>) -> axum::response::Response {
     let s = shared.status.lock().map(|s| s.clone()).unwrap_or_default();
     let mut m = super::Prometheus::default();
-    let series: [(&str, &str, &str, f64); 17] = [
+    let series: [(&str, &str, &str, f64); 18] = [
         (
             "weightcast_version",
             "gauge",
@@ -278,6 +278,12 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> axum::response::Response 
             "counter",
             "Hooks that failed.",
             s.hook_failures as f64,
+        ),
+        (
+            "weightcast_quarantined_versions",
+            "gauge",
+            "Versions that could not be verified and are skipped (retried with backoff).",
+            s.quarantined.len() as f64,
         ),
         (
             "weightcast_healthy",

@@ -32,6 +32,9 @@ pub struct Registration {
     pub notify_url: Option<String>,
     /// The version it holds.
     pub version: Option<u64>,
+    /// Versions it could not verify and skips (quarantined), newest first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub quarantined: Vec<u64>,
     /// When it last wrote this, Unix seconds.
     pub updated_at: u64,
 }

@@ -159,6 +159,13 @@ impl Checkpoint {
                 path.display()
             )));
         }
+        if cp.tensors.values().all(|s| s.is_empty()) {
+            return Err(Error::BadRequest(format!(
+                "checkpoint {}: its .safetensors files hold no tensors (a checkpoint saved \
+                 before the model was built?)",
+                path.display()
+            )));
+        }
         Ok(cp)
     }
 

@@ -68,7 +68,7 @@ pub struct Daemon {
     pub sub: Subscriber<DirSink>,
     cfg: DaemonConfig,
     /// (version, when) of the last registration written.
-    registered: Option<(Option<u64>, Instant)>,
+    registered: Option<(Option<u64>, Vec<u64>, Instant)>,
     /// `current` moved when the output was opened (a switch a crash had
     /// interrupted): the hooks are owed a run.
     switch_owed: bool,
@@ -163,7 +163,11 @@ impl Daemon {
         let Some(c) = caught? else {
             // Registered while the bucket is still empty, so the publisher's
             // first version is pushed here instead of waiting for a poll.
-            self.register(None).await;
+            self.register(
+                None,
+                self.sub.quarantined().iter().map(|q| q.version).collect(),
+            )
+            .await;
             return Ok(None);
         };
         let switched =
@@ -171,7 +175,12 @@ impl Daemon {
         if let Ok(mut s) = shared.status.lock() {
             let changed = s.version != Some(c.version);
             s.version = Some(c.version);
-            s.newest = Some(s.newest.map_or(c.version, |v| v.max(c.version)));
+            let seen = c
+                .quarantined
+                .first()
+                .map_or(c.version, |q| q.version.max(c.version));
+            s.newest = Some(s.newest.map_or(seen, |v| v.max(seen)));
+            s.quarantined = c.quarantined.clone();
             s.lag = s.newest.map(|n| n.saturating_sub(c.version));
             s.last_error = None;
             s.bytes_downloaded += c.downloaded;
@@ -210,7 +219,8 @@ impl Daemon {
                 self.hooks_owed = Some(event);
             }
         }
-        self.register(Some(c.version)).await;
+        let quarantined: Vec<u64> = c.quarantined.iter().map(|q| q.version).collect();
+        self.register(Some(c.version), quarantined).await;
         if let Ok(mut s) = shared.status.lock() {
             s.store_requests = self.sub.fetcher.requests();
         }
@@ -248,13 +258,13 @@ impl Daemon {
     }
 
     /// Rewrites the registration when the version changed or it is due.
-    async fn register(&mut self, version: Option<u64>) {
+    async fn register(&mut self, version: Option<u64>, quarantined: Vec<u64>) {
         let Some(id) = &self.cfg.id else {
             return;
         };
-        let due = self
-            .registered
-            .is_none_or(|(v, at)| v != version || at.elapsed() >= REGISTRATION_REFRESH);
+        let due = self.registered.as_ref().is_none_or(|(v, q, at)| {
+            *v != version || *q != quarantined || at.elapsed() >= REGISTRATION_REFRESH
+        });
         if !due {
             return;
         }
@@ -262,11 +272,12 @@ impl Daemon {
             id: id.clone(),
             notify_url: self.cfg.notify_url.clone(),
             version,
+            quarantined: quarantined.clone(),
             updated_at: crate::notify::unix_now(),
         };
         self.sub.fetcher.count(1);
         match crate::protocol::register(self.sub.fetcher.store(), &reg).await {
-            Ok(()) => self.registered = Some((version, Instant::now())),
+            Ok(()) => self.registered = Some((version, quarantined, Instant::now())),
             Err(e) => tracing::warn!(error = %e, "registration failed"),
         }
     }

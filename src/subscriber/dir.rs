@@ -903,6 +903,7 @@ impl Sink for DirSink {
         // Dirty before the first write, durably.
         self.state.slots.get_mut(&slot).expect("a slot").dirty = true;
         self.save_state()?;
+        crate::failpoint::hit("subscriber.after_begin");
         if base.is_none() {
             // A bootstrap replaces everything: start from an empty slot.
             let _ = std::fs::remove_dir_all(&dir);
@@ -989,13 +990,16 @@ impl Sink for DirSink {
         work.open.insert(name.to_string(), set);
         work.touched.insert(name.to_string());
         work.produced.written_bytes += size;
+        crate::failpoint::hit("subscriber.after_anchor");
         Ok(())
     }
 
     fn delta(&mut self, version: u64, name: &str, delta: &[u8]) -> Result<ApplyReport> {
         check_name(name)?;
         self.journal_object(version, name, delta)?;
-        Self::apply_to_slot(self.work()?, version, name, delta)
+        let report = Self::apply_to_slot(self.work()?, version, name, delta)?;
+        crate::failpoint::hit("subscriber.mid_apply");
+        Ok(report)
     }
 
     fn file(&mut self, version: u64, name: &str, body: &[u8]) -> Result<()> {
@@ -1103,9 +1107,11 @@ impl DirSink {
             self.state.journal.sort_unstable();
             self.state.journal.dedup();
             self.save_state()?;
+            crate::failpoint::hit("subscriber.before_switch");
             // ...then the switch.
             if switch {
                 self.switch(&work.slot)?;
+                crate::failpoint::hit("subscriber.after_switch");
                 self.held = work.rec.version;
                 self.damaged = false;
             }

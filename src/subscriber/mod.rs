@@ -127,7 +127,34 @@ pub struct CaughtUp {
     pub slot: Option<String>,
     /// Store requests made (listings, manifests, hints, object reads and parts).
     pub requests: u64,
+    /// Versions this subscriber could not verify and does not serve (newest
+    /// first); retried with backoff, skipped meanwhile.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub quarantined: Vec<Quarantined>,
 }
+
+/// A version a subscriber could not verify (corrupt or missing objects, a
+/// manifest it cannot read): it keeps serving its last verified version, or
+/// the newest older one it can verify, and tries this one again later.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct Quarantined {
+    /// The version.
+    pub version: u64,
+    /// Why it was refused.
+    pub error: String,
+    /// Failed attempts so far.
+    pub attempts: u32,
+}
+
+/// How many versions one catch-up tries, newest first, before giving up
+/// for this iteration (the next iterations go on below the quarantined ones).
+const FALLBACK_TARGETS: usize = 3;
+
+/// First wait before a quarantined version is tried again; doubles per
+/// failed attempt up to [`QUARANTINE_MAX`].
+const QUARANTINE_FIRST: std::time::Duration = std::time::Duration::from_secs(30);
+/// Longest wait before a quarantined version is tried again.
+const QUARANTINE_MAX: std::time::Duration = std::time::Duration::from_secs(3600);
 
 impl CaughtUp {
     /// Nothing new: the sink stays at `version`.
@@ -217,6 +244,8 @@ pub struct Subscriber<S: Sink> {
     /// Receives verified versions.
     pub sink: S,
     repairs_found: u64,
+    /// Versions that failed verification: (entry, when to try it again).
+    quarantine: BTreeMap<u64, (Quarantined, std::time::Instant)>,
 }
 
 impl<S: Sink> Subscriber<S> {
@@ -227,6 +256,7 @@ impl<S: Sink> Subscriber<S> {
             source,
             sink,
             repairs_found: 0,
+            quarantine: BTreeMap::new(),
         }
     }
 
@@ -239,21 +269,113 @@ impl<S: Sink> Subscriber<S> {
     /// One catch-up to the newest committed version. `thorough` makes the
     /// source list the bucket even if the hint did not move (see [`source`]).
     /// Returns `None` when the bucket has no version yet.
+    ///
+    /// A version that cannot be verified (what the bucket holds is corrupt,
+    /// missing or unreadable — not the store being unreachable) is
+    /// quarantined: the subscriber keeps its verified version, or reaches the
+    /// newest older version it can verify, reports the bad one in
+    /// [`CaughtUp::quarantined`], and tries it again after a backoff (30 s
+    /// doubling to an hour). A later good version or anchor moves it on.
     pub async fn catch_up(&mut self, thorough: bool) -> Result<Option<CaughtUp>> {
         let requests = self.fetcher.requests();
         let held = self.sink.held();
-        let target = match self.source.check(&self.fetcher, held, thorough).await? {
+        let newest = match self.source.check(&self.fetcher, held, thorough).await? {
             source::Seen::Empty => return Ok(None),
-            source::Seen::Newest(t) if Some(t) != held => t,
-            _ => {
-                let v = held.expect("a held version when nothing is new");
-                return Ok(Some(CaughtUp::unchanged(
-                    v,
-                    self.fetcher.requests() - requests,
-                )));
+            source::Seen::Newest(t) => t,
+            source::Seen::Same => {
+                // Nothing new; a quarantined version may be due for a retry.
+                let now = std::time::Instant::now();
+                let due = self
+                    .quarantine
+                    .iter()
+                    .rev()
+                    .find(|(v, (_, at))| held.is_none_or(|h| **v > h) && *at <= now);
+                match (due, held) {
+                    (Some((&v, _)), _) => self.quarantine.keys().next_back().copied().unwrap_or(v),
+                    (None, Some(h)) => {
+                        let mut c = CaughtUp::unchanged(h, self.fetcher.requests() - requests);
+                        c.quarantined = self.quarantined();
+                        return Ok(Some(c));
+                    }
+                    (None, None) => return Ok(None),
+                }
             }
         };
-        self.reach(held, target, requests).await.map(Some)
+        let now = std::time::Instant::now();
+        let mut last_error = None;
+        let mut tried = 0;
+        let mut candidate = Some(newest);
+        while let Some(t) = candidate {
+            // Down to the held version; below it only when the bucket's
+            // newest is older (the held version vanished from the bucket).
+            if held.is_some_and(|h| t == h || (t < h && t != newest)) {
+                break;
+            }
+            let due = self.quarantine.get(&t).is_none_or(|(_, at)| *at <= now);
+            if due {
+                if tried == FALLBACK_TARGETS {
+                    break;
+                }
+                tried += 1;
+                match self.reach(held, t, requests).await {
+                    Ok(mut c) => {
+                        self.quarantine.remove(&t);
+                        // Versions at or below the one reached are moot.
+                        self.quarantine.retain(|v, _| *v > t);
+                        c.quarantined = self.quarantined();
+                        return Ok(Some(c));
+                    }
+                    Err(e) if repairable(&e) => {
+                        self.quarantine_version(t, &e);
+                        last_error = Some(e);
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            candidate = t.checked_sub(1);
+        }
+        match held {
+            Some(h) => {
+                let mut c = CaughtUp::unchanged(h, self.fetcher.requests() - requests);
+                c.quarantined = self.quarantined();
+                Ok(Some(c))
+            }
+            None => Err(last_error.unwrap_or_else(|| {
+                Error::NotFound(format!(
+                    "no version of `{}` could be verified yet (quarantined: {:?}); retrying",
+                    self.fetcher.store().url(),
+                    self.quarantine.keys().collect::<Vec<_>>()
+                ))
+            })),
+        }
+    }
+
+    /// The quarantined versions, newest first.
+    pub fn quarantined(&self) -> Vec<Quarantined> {
+        self.quarantine
+            .values()
+            .rev()
+            .map(|(q, _)| q.clone())
+            .collect()
+    }
+
+    fn quarantine_version(&mut self, version: u64, e: &Error) {
+        let attempts = self.quarantine.get(&version).map_or(0, |(q, _)| q.attempts) + 1;
+        let wait = QUARANTINE_FIRST
+            .saturating_mul(1 << (attempts - 1).min(16))
+            .min(QUARANTINE_MAX);
+        tracing::warn!(version, attempts, retry_in = ?wait, error = %e, "version quarantined: it cannot be verified");
+        self.quarantine.insert(
+            version,
+            (
+                Quarantined {
+                    version,
+                    error: e.to_string(),
+                    attempts,
+                },
+                std::time::Instant::now() + wait,
+            ),
+        );
     }
 
     /// Brings the sink to exactly version `target` (committed in the bucket),
@@ -270,6 +392,8 @@ impl<S: Sink> Subscriber<S> {
         self.reach(held, target, requests).await
     }
 
+    /// Brings the sink from `held` to `target` (replay, or bootstrap from
+    /// the anchor; a replay that fails verification is redone from it).
     async fn reach(&mut self, held: Option<u64>, target: u64, requests: u64) -> Result<CaughtUp> {
         let (plan, mut chain) = plan::plan(&self.fetcher, held, target).await?;
         let mut out = CaughtUp {

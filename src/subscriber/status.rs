@@ -49,6 +49,9 @@ pub struct Status {
     pub hook_runs: u64,
     /// The last hook failures, cleared when the hooks succeed.
     pub last_hook_error: Option<String>,
+    /// Versions that could not be verified and are skipped (retried with
+    /// backoff), newest first.
+    pub quarantined: Vec<crate::subscriber::Quarantined>,
 }
 
 /// State shared by the HTTP handlers and the catch-up loop.

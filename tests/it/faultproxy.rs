@@ -436,9 +436,23 @@ async fn truncated_or_corrupted_bodies_are_never_accepted() {
                 .times(3),
         );
         let what = format!("round {round}: {fault:?} on {path}");
+        let held_version = round as u64;
         match weightcast::subscriber::catch_up(&store, &sub).await {
             Ok(Some(c)) if c.version == round as u64 + 1 => {
                 common::assert_replica(&sub, &t.weights(), &t.config(), &what)
+            }
+            // Quarantined: refused with a reason, still exactly the version
+            // held before.
+            Ok(Some(c)) if c.version == held_version && !c.quarantined.is_empty() => {
+                refused += 1;
+                let e = &c.quarantined[0].error;
+                assert!(
+                    ["integrity", "BLAKE3", "size", "manifest", "latest", "read"]
+                        .iter()
+                        .any(|w| e.contains(w)),
+                    "{what}: {e}"
+                );
+                common::assert_replica(&sub, &held.0, &held.1, &what);
             }
             Ok(other) => panic!("{what}: {other:?}"),
             Err(e) => {

@@ -169,6 +169,7 @@ async fn registered_lag_suite(store: Store) {
                         id: id.into(),
                         notify_url: None,
                         version: Some(1),
+                        quarantined: Vec::new(),
                         updated_at,
                     },
                 )

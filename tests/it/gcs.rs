@@ -129,9 +129,14 @@ async fn subscribers_read_and_verify_a_gcs_bucket() {
     let mid = body.len() / 2;
     body[mid] ^= 0x40;
     common::fake_gcs_upload("weights", &format!("run/{key}"), body).await;
-    let err = catch_up(&gcs, &early).await.unwrap_err().to_string();
+    // Quarantined: version 4 stays, version 5 is reported with the reason.
+    let c = catch_up(&gcs, &early).await.unwrap().unwrap();
+    assert_eq!(c.version, 4, "{c:?}");
+    assert_eq!(c.quarantined.len(), 1, "{c:?}");
+    let err = &c.quarantined[0].error;
+    assert_eq!(c.quarantined[0].version, 5);
     assert!(
-        err.contains("integrity") || err.contains("BLAKE3") || err.contains(key),
+        err.contains("integrity") && err.contains(key.as_str()),
         "{err}"
     );
     assert_eq!(read_current(&early), want);

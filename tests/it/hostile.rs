@@ -500,3 +500,55 @@ async fn a_manifest_at_the_last_possible_version_is_refused_by_subscribers() {
     b.check(&b.dir("fresh"), None, "the last possible version (fresh)")
         .await;
 }
+
+/// A corrupt newest version is quarantined, not served: a follower keeps its
+/// verified version, a fresh subscriber materializes the newest version it
+/// can verify, both report the bad one (catch-up result, registration), and
+/// the next good anchor moves both on with the quarantine cleared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_newest_version_is_quarantined_and_the_fleet_serves_the_last_good_one() {
+    let mut b = Bucket::new(41).await;
+    b.damage(&Damage::Objects("deltas/", |bytes| {
+        let n = bytes.len();
+        bytes[n - 3] ^= 0x40;
+    }))
+    .await;
+    let (follower, fresh) = (b.dir("follower"), b.dir("fresh"));
+    for (out, who) in [(&follower, "follower"), (&fresh, "fresh")] {
+        let mut cfg = weightcast::subscriber::DaemonConfig::new(out);
+        cfg.id = Some(who.to_string());
+        let (c, _) = weightcast::subscriber::once(&b.store, &cfg)
+            .await
+            .unwrap_or_else(|e| panic!("{who}: a bad newest version stalled it: {e}"))
+            .expect("a version");
+        assert_eq!(c.version, 1, "{who} serves the last verifiable version");
+        let (w, config) = &b.contents[&1];
+        common::assert_replica(out, w, config, who);
+        let q: Vec<u64> = c.quarantined.iter().map(|q| q.version).collect();
+        assert_eq!(q, vec![2], "{who} reports the bad version");
+        assert!(
+            c.quarantined[0].error.contains("deltas/"),
+            "the reason names the object: {:?}",
+            c.quarantined[0]
+        );
+    }
+    let regs = weightcast::protocol::registrations(&b.store).await.unwrap();
+    assert_eq!(regs.len(), 2);
+    for r in &regs {
+        assert_eq!(
+            (r.version, r.quarantined.clone()),
+            (Some(1), vec![2]),
+            "{r:?}"
+        );
+    }
+    // The next version is an anchor (every 3): both reach it, nothing quarantined.
+    let v = b.publish().await;
+    assert_eq!(v, 3);
+    for (out, who) in [(&follower, "follower"), (&fresh, "fresh")] {
+        let c = catch_up(&b.store, out).await.unwrap().unwrap();
+        assert_eq!(c.version, 3, "{who}");
+        assert!(c.quarantined.is_empty(), "{who}: {:?}", c.quarantined);
+        let (w, config) = &b.contents[&3];
+        common::assert_replica(out, w, config, who);
+    }
+}

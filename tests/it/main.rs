@@ -22,6 +22,7 @@ mod publisher_crash;
 mod publisher_daemon;
 mod races;
 mod real_model;
+mod resources;
 mod roundtrip;
 mod store;
 mod subscriber;

@@ -346,3 +346,60 @@ async fn publisher_refuses_garage_unless_single_writer() {
         assert!(same_tensors(replayed, &original), "{name} differs");
     }
 }
+
+/// A checkpoint without tensors is refused naming it; a tensor set unrelated
+/// to the last version (other names) is published as an anchor, never as a
+/// delta against weights it has nothing to do with.
+#[tokio::test]
+async fn empty_or_unrelated_tensor_sets_are_never_deltas() {
+    let (store, _bucket) = common::local_store();
+    let work = tempfile::tempdir().unwrap();
+    let mut p = Publisher::open(store.clone(), cfg(&work.path().join("state"), 100))
+        .await
+        .unwrap();
+    let empty = work.path().join("empty");
+    let none: Vec<(String, weightcast::dtype::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    write_checkpoint(&empty, &TensorSet::from_tensors(none).unwrap(), "{}");
+    let e = p
+        .publish_path(&empty, &Default::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), weightcast::error::ErrorKind::BadRequest, "{e}");
+    assert!(e.to_string().contains("no tensors"), "{e}");
+    assert!(versions_after(&store, None).await.unwrap().is_empty());
+
+    let mut g = Generator::new(GeneratorConfig::tiny(5));
+    let a = work.path().join("a");
+    write_checkpoint(&a, &g.snapshot(), "{}");
+    assert_eq!(
+        p.publish_path(&a, &Default::default())
+            .await
+            .unwrap()
+            .version,
+        0
+    );
+    g.step();
+    // Same weights under other names: structurally unrelated.
+    let s = g.snapshot();
+    let renamed = TensorSet::from_tensors(
+        s.tensors()
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                (
+                    format!("other.{}", t.name),
+                    t.dtype,
+                    t.shape.clone(),
+                    s.data(i).to_vec(),
+                )
+            })
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let b = work.path().join("b");
+    write_checkpoint(&b, &renamed, "{}");
+    let out = p.publish_path(&b, &Default::default()).await.unwrap();
+    assert_eq!(out.version, 1);
+    let m = read_manifest(&store, 1).await.unwrap().unwrap();
+    assert_eq!(m.kind, VersionKind::Anchor, "{m:?}");
+}

@@ -142,14 +142,25 @@ async fn suite(store: Store) {
     let mid = bad.len() - 3;
     bad[mid] ^= 0x10;
     store.put(&delta.key, Bytes::from(bad)).await.unwrap();
-    let err = catch_up(&store, &lagging).await.unwrap_err().to_string();
-    assert!(err.contains("integrity") || err.contains("object"), "{err}");
+    // Quarantined: version 8 stays, 9 is reported with the reason.
+    let quarantined = |c: Option<weightcast::subscriber::CaughtUp>| {
+        let c = c.expect("a version is held");
+        assert_eq!(c.version, 8, "{c:?}");
+        assert_eq!(c.quarantined.len(), 1, "{c:?}");
+        assert_eq!(c.quarantined[0].version, 9, "{c:?}");
+        c.quarantined[0].error.clone()
+    };
+    let err = quarantined(catch_up(&store, &lagging).await.unwrap());
+    assert!(
+        err.contains("integrity") && err.contains(&delta.key),
+        "{err}"
+    );
     assert_matches(&lagging, &t.published[8]);
 
     // A deleted delta is refused the same way.
     store.put(&delta.key, original.clone()).await.unwrap();
     store.delete(&delta.key).await.unwrap();
-    let err = catch_up(&store, &lagging).await.unwrap_err().to_string();
+    let err = quarantined(catch_up(&store, &lagging).await.unwrap());
     assert!(err.contains("missing"), "{err}");
     assert_matches(&lagging, &t.published[8]);
 

@@ -353,3 +353,74 @@ fn kill_9_at_any_instant_then_restart_continues_from_a_verified_version() {
         "only {interrupted} kills interrupted a run, {in_update} a slot update"
     );
 }
+
+/// The subscriber killed (abort, as `kill -9`) at every named phase of a slot
+/// update — deterministically, by failpoint — on a bootstrap and on an
+/// incremental update: what is left satisfies the invariants, and the next
+/// run reaches the newest version exactly.
+#[test]
+fn killed_at_every_named_phase_then_restart_converges() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (store, bucket): (Store, _) = common::local_store();
+    let url = url::Url::from_directory_path(bucket.path())
+        .unwrap()
+        .to_string();
+    let work = tempfile::tempdir().unwrap();
+    let model = GeneratorConfig::llama(13, 2048, 128, 256, 2);
+    let part = |frozen: bool| {
+        let mut c = model.clone();
+        c.tensors.retain(|t| t.name.contains(".layers.") != frozen);
+        c
+    };
+    let cfg = common::publisher_config(&work.path().join("pub-state"), 1000, None);
+    let mut t = Trainer {
+        g: Generator::new(part(false)),
+        frozen: Generator::new(part(true)).snapshot_without_digests(),
+        publisher: rt.block_on(Publisher::open(store.clone(), cfg)).unwrap(),
+        work: work.path().to_path_buf(),
+        published: BTreeMap::new(),
+    };
+    rt.block_on(t.publish());
+    let bootstrap = [
+        "subscriber.after_begin",
+        "subscriber.after_anchor",
+        "subscriber.before_switch",
+        "subscriber.after_switch",
+    ];
+    let incremental = [
+        "subscriber.after_begin",
+        "subscriber.mid_apply",
+        "subscriber.before_switch",
+        "subscriber.after_switch",
+    ];
+    let crash = |out: &Path, point: &str| {
+        let status = subscribe(&url, out)
+            .env("WEIGHTCAST_FAILPOINT", point)
+            .status()
+            .unwrap();
+        assert!(!status.success(), "{point} was not reached");
+    };
+    for point in bootstrap {
+        let out = work.path().join(format!("fresh-{point}"));
+        crash(&out, point);
+        let when = format!("bootstrap killed at {point}");
+        check_invariants(&out, &t, &when);
+        assert!(subscribe(&url, &out).status().unwrap().success(), "{when}");
+        assert_eq!(check_invariants(&out, &t, &when), (Some(t.newest()), false));
+    }
+    let out = work.path().join("following");
+    assert!(subscribe(&url, &out).status().unwrap().success());
+    for point in incremental {
+        let before = t.newest();
+        let v = rt.block_on(t.publish());
+        let when = format!("update to v{v} killed at {point}");
+        crash(&out, point);
+        let (current, _) = check_invariants(&out, &t, &when);
+        assert!(
+            current == Some(before) || current == Some(v),
+            "{when}: current {current:?}"
+        );
+        assert!(subscribe(&url, &out).status().unwrap().success(), "{when}");
+        assert_eq!(check_invariants(&out, &t, &when), (Some(v), false));
+    }
+}

@@ -23,8 +23,46 @@ fn exit_code(e: &anyhow::Error) -> i32 {
         .map_or(1, |w| w.kind().exit_code())
 }
 
+/// Open files the process needs at the least: the runtime's own, the
+/// store's connections, concurrent ranged downloads, output files.
+const MIN_OPEN_FILES: u64 = 64;
+/// The soft open-file limit is raised towards this (within the hard limit).
+const WANT_OPEN_FILES: u64 = 4096;
+
+/// Raises the soft open-file limit towards [`WANT_OPEN_FILES`] (as far as the
+/// hard limit allows) and refuses to start below [`MIN_OPEN_FILES`]: with too
+/// few descriptors the async runtime itself cannot start (tokio panics), and
+/// downloads would fail half-way with EMFILE.
+fn ensure_open_files() -> Result<(), String> {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    let current = limit.current.unwrap_or(u64::MAX);
+    let maximum = limit.maximum.unwrap_or(u64::MAX);
+    if current < WANT_OPEN_FILES && maximum > current {
+        let raised = Rlimit {
+            current: Some(WANT_OPEN_FILES.min(maximum)),
+            maximum: limit.maximum,
+        };
+        if setrlimit(Resource::Nofile, raised).is_ok() {
+            return Ok(());
+        }
+    }
+    if current < MIN_OPEN_FILES {
+        return Err(format!(
+            "the open-file limit (ulimit -n) is {current}; weightcast needs at least \
+             {MIN_OPEN_FILES}: raise it (`ulimit -n {WANT_OPEN_FILES}`, or LimitNOFILE= in a \
+             systemd unit, or the container runtime's nofile ulimit)"
+        ));
+    }
+    Ok(())
+}
+
 fn main() {
     let cli = cli::Cli::parse();
+    if let Err(e) = ensure_open_files() {
+        eprintln!("Error: {e}");
+        std::process::exit(weightcast::error::ErrorKind::Config.exit_code());
+    }
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("weightcast=info"));
     let logs = tracing_subscriber::fmt()
