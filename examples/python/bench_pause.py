@@ -90,10 +90,14 @@ def run(a: argparse.Namespace, root: str, store: str) -> None:
     # one training step at the given density: random elements nudged by a
     # relative 2^-6 (a bf16 value that always changes)
     per = int(side * side * a.density)
-    for w in trainer.values():
-        idx = torch.randint(0, side * side, (per,), generator=g)
-        flat = w.view(-1)
-        flat[idx] = flat[idx] * (1 + 2.0**-6) + 1e-4
+
+    def train_step() -> None:
+        for w in trainer.values():
+            idx = torch.randint(0, side * side, (per,), generator=g)
+            flat = w.view(-1)
+            flat[idx] = flat[idx] * (1 + 2.0**-6) + 1e-4
+
+    train_step()
     t = time.perf_counter()
     out = pub.publish(trainer, step=1)
     publish_delta_s = time.perf_counter() - t
@@ -137,10 +141,7 @@ def run(a: argparse.Namespace, root: str, store: str) -> None:
     # re-publish the same step pattern twice more and apply each
     more = []
     for step in range(2, 2 + a.repeats - 1):
-        for w in trainer.values():
-            idx = torch.randint(0, side * side, (per,), generator=g)
-            flat = w.view(-1)
-            flat[idx] = flat[idx] * (1 + 2.0**-6) + 1e-4
+        train_step()
         pub.publish(trainer, step=step)
         u = sub.poll()
         t = time.perf_counter()
@@ -150,10 +151,7 @@ def run(a: argparse.Namespace, root: str, store: str) -> None:
     # the single-pass apply (write, check, put back on failure)
     single = []
     for step in range(2 + a.repeats - 1, 2 + 2 * (a.repeats - 1) + 1):
-        for w in trainer.values():
-            idx = torch.randint(0, side * side, (per,), generator=g)
-            flat = w.view(-1)
-            flat[idx] = flat[idx] * (1 + 2.0**-6) + 1e-4
+        train_step()
         pub.publish(trainer, step=step)
         u = sub.poll()
         t = time.perf_counter()
