@@ -461,10 +461,8 @@ class Subscriber:
         for ever)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = min(0.05, self.poll_interval)
-        first = True
         while True:
-            update = self.poll(thorough=first)
-            first = False
+            update = self.poll()
             if update is not None:
                 return update
             if deadline is not None:
