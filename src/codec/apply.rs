@@ -389,31 +389,62 @@ pub fn apply_in_place_with(
     delta: &[u8],
     opts: &InPlaceOptions,
 ) -> Result<InPlaceReport> {
-    let (header, st) = open(delta)?;
+    let mut reports = apply_in_place_all(targets, &[delta], opts)?;
+    Ok(reports.pop().expect("one report per delta"))
+}
+
+/// [`apply_in_place_with`] over the delta objects of one version at once (a
+/// sharded checkpoint has one per tensor file): every delta is verified
+/// against `targets` before anything is written, so the whole version is
+/// applied or nothing is. Returns one report per delta, in order. A tensor
+/// changed by two of the deltas is refused (the tensor files of a version
+/// hold distinct tensors).
+pub fn apply_in_place_all(
+    targets: &mut [Target<'_>],
+    deltas: &[&[u8]],
+    opts: &InPlaceOptions,
+) -> Result<Vec<InPlaceReport>> {
+    let opened = deltas.iter().map(|d| open(d)).collect::<Result<Vec<_>>>()?;
     let mut by_name = HashMap::with_capacity(targets.len());
     for (i, t) in targets.iter().enumerate() {
         if by_name.insert(t.name, i).is_some() {
             return Err(Error::tensor(t.name, "given twice among the targets"));
         }
     }
-    for name in header.tensors.keys() {
-        if let Some(&i) = by_name.get(name.as_str()) {
-            let t = &targets[i];
-            check_size(t.name, t.dtype, t.shape, t.data.len())?;
+    let mut claimed = vec![false; targets.len()];
+    for (header, _) in &opened {
+        for name in header.tensors.keys() {
+            if let Some(&i) = by_name.get(name.as_str()) {
+                let t = &targets[i];
+                check_size(t.name, t.dtype, t.shape, t.data.len())?;
+                if std::mem::replace(&mut claimed[i], true) {
+                    return Err(Error::tensor(
+                        t.name,
+                        "changed by two delta objects of one version",
+                    ));
+                }
+            }
         }
     }
-    let jobs = weightcast_jobs(&header, &st, |name| {
-        by_name.get(name).map(|&i| {
-            let t = &targets[i];
-            Local {
-                idx: i,
-                dtype: t.dtype,
-                shape: t.shape,
-                words: t.data.len() / word_bytes(t.dtype),
-                digest: None,
-            }
-        })
-    })?;
+    // Every delta's jobs, flattened; `owner[k]` is the delta of job `k`.
+    let mut jobs = Vec::new();
+    let mut owner = Vec::new();
+    for (d, (header, st)) in opened.iter().enumerate() {
+        let js = weightcast_jobs(header, st, |name| {
+            by_name.get(name).map(|&i| {
+                let t = &targets[i];
+                Local {
+                    idx: i,
+                    dtype: t.dtype,
+                    shape: t.shape,
+                    words: t.data.len() / word_bytes(t.dtype),
+                    digest: None,
+                }
+            })
+        })?;
+        owner.extend(std::iter::repeat_n(d, js.len()));
+        jobs.extend(js);
+    }
     let seeds: Vec<(Dtype, TensorSeed)> = jobs
         .iter()
         .map(|j| {
@@ -454,34 +485,44 @@ pub fn apply_in_place_with(
         .map(|(w, v)| write_job(w, v))
         .collect::<Result<()>>()?;
 
-    let h = &header;
-    let tensors: Vec<TensorChange> = jobs
+    let reports = opened
         .iter()
-        .zip(&verified)
-        .map(|(j, v)| {
-            let x = j.expect.expect("weightcast jobs carry digests");
-            TensorChange {
-                name: j.name.clone(),
-                changed: v.tally.changed,
-                base_digest: x.base,
-                digest: x.digest,
-                digest_change: x.digest.wrapping_sub(x.base),
+        .enumerate()
+        .map(|(d, (h, _))| {
+            let mine = || {
+                jobs.iter()
+                    .zip(&verified)
+                    .zip(&owner)
+                    .filter(move |(_, o)| **o == d)
+                    .map(|(jv, _)| jv)
+            };
+            let tensors: Vec<TensorChange> = mine()
+                .map(|(j, v)| {
+                    let x = j.expect.expect("weightcast jobs carry digests");
+                    TensorChange {
+                        name: j.name.clone(),
+                        changed: v.tally.changed,
+                        base_digest: x.base,
+                        digest: x.digest,
+                        digest_change: x.digest.wrapping_sub(x.base),
+                    }
+                })
+                .collect();
+            InPlaceReport {
+                model_version: h.model_version,
+                base_version: h.base_version,
+                encoding: h.encoding,
+                changed: tensors.iter().map(|t| t.changed).sum(),
+                changed_tensors: tensors.iter().map(|t| t.name.clone()).collect(),
+                tensors,
+                kept: mine()
+                    .flat_map(|(_, v)| v.kept.iter().flatten())
+                    .map(|k| k.len() as u64)
+                    .sum(),
             }
         })
         .collect();
-    Ok(InPlaceReport {
-        model_version: h.model_version,
-        base_version: h.base_version,
-        encoding: h.encoding,
-        changed: tensors.iter().map(|t| t.changed).sum(),
-        changed_tensors: tensors.iter().map(|t| t.name.clone()).collect(),
-        tensors,
-        kept: verified
-            .iter()
-            .flat_map(|v| v.kept.iter().flatten())
-            .map(|k| k.len() as u64)
-            .sum(),
-    })
+    Ok(reports)
 }
 
 /// What pass 1 found for one tensor.
@@ -1035,6 +1076,101 @@ fn check_change(job: &Job<'_>, changed: u64, dig: u64) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn targets<'a>(set: &'a TensorSet, bufs: &'a mut [Vec<u8>]) -> Vec<Target<'a>> {
+        set.tensors()
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(t, b)| Target {
+                name: &t.name,
+                dtype: t.dtype,
+                shape: &t.shape,
+                data: b,
+            })
+            .collect()
+    }
+
+    /// `set`'s tensors split in two files (even and odd positions).
+    fn halves(set: &TensorSet) -> [TensorSet; 2] {
+        [0, 1].map(|h| {
+            TensorSet::from_tensors(
+                set.tensors()
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| i % 2 == h)
+                    .map(|(i, t)| {
+                        (
+                            t.name.clone(),
+                            t.dtype,
+                            t.shape.clone(),
+                            set.data(i).to_vec(),
+                        )
+                    }),
+            )
+            .unwrap()
+        })
+    }
+
+    #[test]
+    fn all_deltas_of_a_version_are_verified_before_any_is_written() {
+        use crate::codec::{DeltaOptions, encode_delta};
+        use crate::generator::{Generator, GeneratorConfig};
+        let mut g = Generator::new(GeneratorConfig::tiny(3));
+        let v0 = g.snapshot();
+        g.step();
+        let v1 = g.snapshot();
+        let opts = DeltaOptions::new(Encoding::Compact, 1, 0);
+        let (b, n) = (halves(&v0), halves(&v1));
+        let deltas: Vec<Vec<u8>> = (0..2)
+            .map(|h| {
+                let mut new = n[h].clone();
+                encode_delta(&b[h], &mut new, &opts).unwrap().0
+            })
+            .collect();
+        let refs: Vec<&[u8]> = deltas.iter().map(Vec::as_slice).collect();
+        let mut bufs: Vec<Vec<u8>> = (0..v0.len()).map(|i| v0.data(i).to_vec()).collect();
+        // A changed element of the second file's first changed tensor moved
+        // off its base: the first file must not be written either.
+        let second = &n[1];
+        let (ti, pos) = (0..second.len())
+            .find_map(|i| {
+                let name = &second.tensors()[i].name;
+                let k = v0.position(name).unwrap();
+                (0..v0.data(k).len())
+                    .find(|&p| v0.data(k)[p] != second.data(i)[p])
+                    .map(|p| (k, p))
+            })
+            .expect("the step changed something in the second file");
+        bufs[ti][pos] ^= 0x55;
+        let before = bufs.clone();
+        {
+            let mut t = targets(&v0, &mut bufs);
+            let err = apply_in_place_all(&mut t, &refs, &InPlaceOptions::default()).unwrap_err();
+            assert!(matches!(err, Error::WrongBase { .. }), "{err}");
+        }
+        assert_eq!(
+            bufs, before,
+            "nothing written when one delta of the version fails"
+        );
+        bufs[ti][pos] ^= 0x55;
+        {
+            let mut t = targets(&v0, &mut bufs);
+            let reports = apply_in_place_all(&mut t, &refs, &InPlaceOptions::default()).unwrap();
+            assert_eq!(reports.len(), 2);
+            assert!(
+                reports
+                    .iter()
+                    .all(|r| r.model_version == 1 && r.changed > 0)
+            );
+            // The same delta twice changes each tensor twice: refused.
+            let twice = [refs[0], refs[0]];
+            let err = apply_in_place_all(&mut t, &twice, &InPlaceOptions::default()).unwrap_err();
+            assert!(err.to_string().contains("two delta objects"), "{err}");
+        }
+        for (i, b) in bufs.iter().enumerate() {
+            assert_eq!(&b[..], v1.data(i), "tensor {}", v1.tensors()[i].name);
+        }
+    }
 
     #[test]
     fn positions_pick_their_width() {

@@ -20,7 +20,7 @@ pub mod vector;
 pub use crate::digest::tensor_digest_of;
 pub use apply::{
     Delta, InPlaceOptions, InPlaceReport, Positions, Target, TensorChange, apply_in_place,
-    apply_in_place_with,
+    apply_in_place_all, apply_in_place_with,
 };
 
 use std::collections::BTreeMap;

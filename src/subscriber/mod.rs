@@ -378,6 +378,20 @@ impl<S: Sink> Subscriber<S> {
         );
     }
 
+    /// Brings the sink to exactly version `target` (committed in the bucket),
+    /// newer or older than what it holds: a replay when that is cheaper,
+    /// otherwise from the anchor, verified and repaired as
+    /// [`Subscriber::catch_up`] does. For callers that choose the version
+    /// themselves (a Python `Update.save_to`).
+    pub async fn catch_up_to(&mut self, target: u64) -> Result<CaughtUp> {
+        let requests = self.fetcher.requests();
+        let held = self.sink.held();
+        if held == Some(target) {
+            return Ok(CaughtUp::unchanged(target, 0));
+        }
+        self.reach(held, target, requests).await
+    }
+
     /// Brings the sink from `held` to `target` (replay, or bootstrap from
     /// the anchor; a replay that fails verification is redone from it).
     async fn reach(&mut self, held: Option<u64>, target: u64, requests: u64) -> Result<CaughtUp> {
@@ -519,4 +533,75 @@ impl<S: Sink> Subscriber<S> {
 /// has no version yet.
 pub async fn catch_up(store: &Store, out: &Path) -> Result<Option<CaughtUp>> {
     Ok(once(store, &DaemonConfig::new(out)).await?.map(|(c, _)| c))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::generator::{Generator, GeneratorConfig};
+    use crate::publisher::{Checkpoint, PublishOptions, Publisher, PublisherConfig};
+
+    #[tokio::test]
+    async fn catch_up_to_reaches_the_version_asked_for() {
+        let store = Store::open("memory://").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let mut publisher = Publisher::open(
+            store.clone(),
+            PublisherConfig {
+                state_dir: dir.path().join("state"),
+                encoding: crate::format::Encoding::Compact,
+                anchors: Default::default(),
+                single_writer: false,
+                notify_urls: Vec::new(),
+                notify_key: None,
+                retention: None,
+                checkpoint: Default::default(),
+                anchor_encoding: Default::default(),
+                layout: Default::default(),
+                trl: Default::default(),
+                distributed: None,
+            },
+        )
+        .await
+        .unwrap();
+        let mut g = Generator::new(GeneratorConfig::tiny(5));
+        let mut truth = Vec::new();
+        for v in 0..3u64 {
+            if v > 0 {
+                g.step();
+            }
+            truth.push(g.snapshot());
+            let cp = Checkpoint::from_sets(
+                BTreeMap::from([("model.safetensors".into(), g.snapshot_without_digests())]),
+                BTreeMap::new(),
+            )
+            .unwrap();
+            let p = publisher.publish(cp, &PublishOptions::default()).await;
+            assert_eq!(p.unwrap().version, v);
+        }
+        let mut sub = Subscriber::new(
+            Fetcher::new(store),
+            VersionSource::new(std::time::Duration::from_secs(1), 0.0),
+            MemorySink::new(),
+        );
+        let held = |sub: &Subscriber<MemorySink>| sub.sink.tensors()["model.safetensors"].digest();
+        let c = sub.catch_up_to(1).await.unwrap();
+        assert!(c.from_anchor);
+        assert_eq!((c.version, held(&sub)), (1, truth[1].digest()));
+        let c = sub.catch_up_to(2).await.unwrap();
+        assert_eq!((c.version, c.deltas_applied, c.from_anchor), (2, 1, false));
+        assert_eq!(held(&sub), truth[2].digest());
+        // Back to an older version: from its anchor.
+        let c = sub.catch_up_to(0).await.unwrap();
+        assert_eq!((c.version, c.from_anchor), (0, true));
+        assert_eq!(held(&sub), truth[0].digest());
+        assert_eq!(sub.catch_up_to(0).await.unwrap().requests, 0);
+        assert!(
+            sub.catch_up_to(9).await.is_err(),
+            "a version never committed"
+        );
+        let (version, tensors, _) = sub.sink.into_parts();
+        assert_eq!(version, Some(0));
+        assert_eq!(tensors["model.safetensors"].digest(), truth[0].digest());
+    }
 }

