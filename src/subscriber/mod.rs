@@ -547,20 +547,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut publisher = Publisher::open(
             store.clone(),
-            PublisherConfig {
-                state_dir: dir.path().join("state"),
-                encoding: crate::format::Encoding::Compact,
-                anchors: Default::default(),
-                single_writer: false,
-                notify_urls: Vec::new(),
-                notify_key: None,
-                retention: None,
-                checkpoint: Default::default(),
-                anchor_encoding: Default::default(),
-                layout: Default::default(),
-                trl: Default::default(),
-                distributed: None,
-            },
+            PublisherConfig::new(dir.path().join("state")),
         )
         .await
         .unwrap();

@@ -172,21 +172,12 @@ pub fn publisher_config(
     notify_key: Option<weightcast::notify::Key>,
 ) -> weightcast::publisher::PublisherConfig {
     weightcast::publisher::PublisherConfig {
-        state_dir: state_dir.to_path_buf(),
-        encoding: weightcast::format::Encoding::Compact,
         anchors: weightcast::publisher::AnchorPolicy {
             every: anchor_every,
             ..Default::default()
         },
-        single_writer: false,
-        notify_urls: Vec::new(),
         notify_key,
-        retention: None,
-        checkpoint: Default::default(),
-        anchor_encoding: Default::default(),
-        layout: Default::default(),
-        trl: Default::default(),
-        distributed: None,
+        ..weightcast::publisher::PublisherConfig::new(state_dir)
     }
 }
 
