@@ -304,7 +304,7 @@ fn store_hint(url: &str, e: &object_store::Error) -> String {
 const CLIENT_DEFAULTS: [(&str, &str); 2] = [("timeout", "300s"), ("connect_timeout", "10s")];
 
 /// Longest a failing request is retried, from its first attempt (see
-/// [`retry_config`]).
+/// `retry_config`).
 pub const RETRY_BUDGET: Duration = Duration::from_secs(240);
 
 /// Retries, bounded by time: a request that fails with a 5xx, 429 or 408, a
