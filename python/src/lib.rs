@@ -271,6 +271,34 @@ fn json<T: serde::Serialize>(v: &T) -> String {
 // ---------------------------------------------------------------------------
 // Publisher
 
+/// One rank of `world` publishing its shards of each step
+/// (`weightcast publish --rank R --world W`); `None` for a lone publisher.
+fn distributed(
+    rank: Option<u32>,
+    world: u32,
+    rank_timeout: f64,
+) -> Result<Option<weightcast::publisher::Distributed>> {
+    match (rank, world) {
+        (None, 1) => Ok(None),
+        (Some(rank), world) if world >= 2 && rank < world => {
+            if !(rank_timeout > 0.0 && rank_timeout.is_finite()) {
+                return Err(Error::Config(
+                    "rank_timeout must be a positive number of seconds".into(),
+                ));
+            }
+            Ok(Some(weightcast::publisher::Distributed {
+                rank,
+                world,
+                timeout: std::time::Duration::from_secs_f64(rank_timeout),
+            }))
+        }
+        (rank, world) => Err(Error::Config(format!(
+            "rank {rank:?} of world {world}: give both, with world >= 2 and 0 <= rank < world \
+             (or neither, for one publisher)"
+        ))),
+    }
+}
+
 /// The library's publisher over one store prefix.
 #[pyclass(module = "weightcast._native")]
 struct NativePublisher {
@@ -280,7 +308,7 @@ struct NativePublisher {
 #[pymethods]
 impl NativePublisher {
     #[new]
-    #[pyo3(signature = (store_url, state_dir, encoding, anchor_every, anchor_encoding, single_writer, keep_anchors, notify_urls, notify_key, store_options))]
+    #[pyo3(signature = (store_url, state_dir, encoding, anchor_every, anchor_encoding, single_writer, keep_anchors, notify_urls, notify_key, store_options, rank=None, world=1, rank_timeout=600.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -294,6 +322,9 @@ impl NativePublisher {
         notify_urls: Vec<String>,
         notify_key: Option<String>,
         store_options: Vec<(String, String)>,
+        rank: Option<u32>,
+        world: u32,
+        rank_timeout: f64,
     ) -> PyResult<NativePublisher> {
         let open = || -> Result<Publisher> {
             let encoding = encoding.parse().map_err(|_| {
@@ -331,7 +362,7 @@ impl NativePublisher {
                 anchor_encoding,
                 layout: Default::default(),
                 trl: Default::default(),
-                distributed: None,
+                distributed: distributed(rank, world, rank_timeout)?,
             };
             let store = store(&store_url, &store_options)?;
             block_on(Publisher::open(store, cfg))?

@@ -269,3 +269,49 @@ def test_single_pass_apply_is_bit_identical_and_puts_back_on_refusal(bucket):
     assert {k: as_bytes(_arr(v)) for k, v in mine.items()} == before, "every write put back"
     assert sub.version == 2
     assert sub.poll().kind == "anchor"
+
+
+def test_two_ranks_publish_one_version_per_step(tmp_path):
+    """Two trainer ranks (threads, each with its own state) publish their
+    own shard files of each step; one version per step holds both shards."""
+    import threading
+
+    url = f"file://{tmp_path}/bucket"
+    full = model(3)
+    names = sorted(full)
+    shards = [{k: full[k] for k in names[:2]}, {k: full[k] for k in names[2:]}]
+    pubs = [
+        weightcast.Publisher(url, state_dir=str(tmp_path / f"state-{r}"), rank=r, world=2,
+                             rank_timeout=60)
+        for r in range(2)
+    ]
+    sub = weightcast.Subscriber(url)
+    mine, rng = None, np.random.default_rng(4)
+    for step in range(1, 5):
+        if step > 1:
+            train_step(full, rng)
+        outs, errors = [None, None], []
+
+        def run(r):
+            try:
+                outs[r] = pubs[r].publish(shards[r], step=step,
+                                          file_name=f"model-0000{r + 1}-of-00002.safetensors")
+            except Exception as e:  # surfaced below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert outs[0]["version"] == outs[1]["version"] == step - 1, outs
+        assert outs[0]["kind"] == outs[1]["kind"]
+        u = sub.poll()
+        assert u is not None and u.version == step - 1
+        if mine is None:
+            mine = zeros_like(full)
+        u.apply_to(mine)
+        assert same(mine, full), f"step {step}"
+    with pytest.raises(weightcast.Error, match="rank"):
+        weightcast.Publisher(url, state_dir=str(tmp_path / "s"), rank=2, world=2)

@@ -78,6 +78,13 @@ class Publisher:
     ``anchor_encoding`` (``planes`` or ``raw``), ``single_writer``,
     ``keep_anchors`` (collect older versions after each anchor),
     ``notify_urls`` and ``notify_key`` (signed notifications to subscribers).
+
+    A trainer of ``world`` hosts publishes each step as one version: every
+    rank creates its own ``Publisher(..., rank=r, world=w)`` with its own
+    ``state_dir`` and publishes its own shard files with the same ``step``
+    (required); the version is committed once all ranks have uploaded
+    (``weightcast publish --rank R --world W``, waiting up to
+    ``rank_timeout`` seconds for the others).
     """
 
     def __init__(
@@ -93,6 +100,9 @@ class Publisher:
         notify_urls: Sequence[str] = (),
         notify_key: Optional[str] = None,
         store_options: Optional[Mapping[str, str]] = None,
+        rank: Optional[int] = None,
+        world: int = 1,
+        rank_timeout: float = 600.0,
     ) -> None:
         self.store_url = store_url
         self._native = _native.NativePublisher(
@@ -106,6 +116,9 @@ class Publisher:
             list(notify_urls),
             notify_key,
             _store_options(store_options),
+            rank,
+            int(world),
+            float(rank_timeout),
         )
         # Pinned host buffers reused for CUDA tensors, by (file, name).
         self._staging: Dict[Tuple[str, str], Any] = {}

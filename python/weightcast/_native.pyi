@@ -9,7 +9,8 @@ class NativePublisher:
     def __init__(self, store_url: str, state_dir: str, encoding: str, anchor_every: int,
                  anchor_encoding: str, single_writer: bool, keep_anchors: Optional[int],
                  notify_urls: List[str], notify_key: Optional[str],
-                 store_options: List[Tuple[str, str]]) -> None: ...
+                 store_options: List[Tuple[str, str]], rank: Optional[int] = None,
+                 world: int = 1, rank_timeout: float = 600.0) -> None: ...
     @property
     def version(self) -> Optional[int]: ...
     def publish(self, tensor_files: List[Tuple[str, List[Spec]]],
