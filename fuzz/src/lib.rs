@@ -257,6 +257,7 @@ pub fn check_registration(data: &[u8]) {
             id: "good".into(),
             notify_url: Some("http://127.0.0.1:8480/v1/notify".into()),
             version: Some(3),
+            quarantined: Vec::new(),
             updated_at: NOW,
         };
         store
