@@ -18,6 +18,9 @@ use super::status::Shared;
 use super::trl::TrlFollower;
 use super::{CaughtUp, Subscriber};
 
+/// Quarantined versions a registration lists at most (the newest).
+const REGISTERED_QUARANTINE: usize = 16;
+
 /// How often a subscriber that stays at one version rewrites its registration
 /// (a new version rewrites it at once). Well inside the publishers' default
 /// registration horizon of a day.
@@ -258,7 +261,10 @@ impl Daemon {
     }
 
     /// Rewrites the registration when the version changed or it is due.
-    async fn register(&mut self, version: Option<u64>, quarantined: Vec<u64>) {
+    async fn register(&mut self, version: Option<u64>, mut quarantined: Vec<u64>) {
+        // The newest few only: a registration must stay under its 4 KiB bound
+        // however many bad versions pile up.
+        quarantined.truncate(REGISTERED_QUARANTINE);
         let Some(id) = &self.cfg.id else {
             return;
         };

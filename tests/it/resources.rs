@@ -166,6 +166,23 @@ async fn running_out_of_file_descriptors_fails_cleanly_and_it_recovers() {
         failed > 0,
         "no limit got in the way: the test proves nothing"
     );
+    // A soft limit it can raise, but only to a hard limit still too low:
+    // refused at start too.
+    let o = std::process::Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -Sn 16; ulimit -Hn 48; exec '{}' subscribe --once --quiet --store '{url}' --out '{}'",
+            env!("CARGO_BIN_EXE_weightcast"),
+            out.display()
+        ))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(78), "{stderr}");
+    assert!(
+        stderr.contains("ulimit -n") && stderr.contains("is 48"),
+        "{stderr}"
+    );
     let o = subscribe(None);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     common::assert_replica(&out, &t.weights(), &t.config(), "descriptors back");

@@ -36,15 +36,16 @@ const WANT_OPEN_FILES: u64 = 4096;
 fn ensure_open_files() -> Result<(), String> {
     use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
     let limit = getrlimit(Resource::Nofile);
-    let current = limit.current.unwrap_or(u64::MAX);
+    let mut current = limit.current.unwrap_or(u64::MAX);
     let maximum = limit.maximum.unwrap_or(u64::MAX);
     if current < WANT_OPEN_FILES && maximum > current {
+        let want = WANT_OPEN_FILES.min(maximum);
         let raised = Rlimit {
-            current: Some(WANT_OPEN_FILES.min(maximum)),
+            current: Some(want),
             maximum: limit.maximum,
         };
         if setrlimit(Resource::Nofile, raised).is_ok() {
-            return Ok(());
+            current = want;
         }
     }
     if current < MIN_OPEN_FILES {
