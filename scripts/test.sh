@@ -32,6 +32,31 @@ venv=.ci-work/venv
 [ -x "$venv/bin/pip" ] || python3 -m venv "$venv"
 "$venv/bin/pip" install --quiet --disable-pip-version-check -r scripts/test-requirements.txt
 export WEIGHTCAST_PYTHON="$PWD/$venv/bin/python"
+# torch for the package's torch tests, once per venv: the CPU wheel (~200 MB)
+# from download.pytorch.org when it is reachable, else PyPI's Linux wheel
+# (it pulls ~4 GB of CUDA packages; `--no-deps` does not import without them).
+# The wheels download in the background while the servers build and the Rust
+# suite runs (the network, not the CPU, is their bottleneck); they are installed
+# from that directory just before the Python step, so nothing writes into the
+# venv while the tests use it. WEIGHTCAST_ALLOW_NO_TORCH=1 skips the torch tests
+# visibly instead of failing.
+torch_pid=""
+if ! "$venv/bin/python" -c 'import torch' 2>/dev/null && [ "${WEIGHTCAST_ALLOW_NO_TORCH:-0}" != 1 ]; then
+  mkdir -p .ci-work/wheels
+  ( "$venv/bin/pip" download --quiet --disable-pip-version-check --dest .ci-work/wheels "torch==2.*" --retries 1 \
+      --index-url https://download.pytorch.org/whl/cpu \
+    || "$venv/bin/pip" download --quiet --disable-pip-version-check --dest .ci-work/wheels "torch==2.*"
+  ) >.ci-work/torch-download.log 2>&1 &
+  torch_pid=$!
+fi
+# The tests start each server once per test binary; none of them, and no
+# download, outlives this script.
+cleanup() {
+  for s in "${MOTO_SERVER:-}" "${FAKE_GCS_SERVER:-}" "${GARAGE:-}" "${AZURITE_BLOB:-}" "--dest .ci-work/wheels"; do
+    if [ -n "$s" ]; then pkill -f -- "$s" 2>/dev/null || true; fi
+  done
+}
+trap cleanup EXIT
 export MOTO_SERVER="$PWD/$venv/bin/moto_server"
 DOCKER_COMPOSE="$("$venv/bin/python" -c 'import compose, pathlib; print(pathlib.Path(compose.__file__).parent / "docker-compose")')"
 export DOCKER_COMPOSE
@@ -60,9 +85,6 @@ if [ -z "${AZURITE_BLOB:-}" ]; then
 fi
 export AZURITE_BLOB
 "$AZURITE_BLOB" --version >/dev/null
-# The tests start each server once per test binary; none outlives this script.
-cleanup() { for s in "$MOTO_SERVER" "$FAKE_GCS_SERVER" "$GARAGE" "$AZURITE_BLOB"; do pkill -f -- "$s" 2>/dev/null || true; done; }
-trap cleanup EXIT
 
 step "format"
 cargo fmt --all -- --check
@@ -91,14 +113,10 @@ step "container tests (MinIO through testcontainers; skipped, visibly, without a
 cargo test --test minio_container -- --nocapture 2>&1 | grep -E 'SKIPPED|test result|running|minio' || true
 
 step "Python package (pip install ./python, then pytest python/tests)"
-# torch for the package's torch tests, once per venv: the CPU wheel (~200 MB)
-# from download.pytorch.org when it is reachable, else PyPI's Linux wheel
-# (it pulls ~4 GB of CUDA packages; `--no-deps` does not import without them).
-# WEIGHTCAST_ALLOW_NO_TORCH=1 skips the torch tests visibly instead of failing.
-if ! "$venv/bin/python" -c 'import torch' 2>/dev/null && [ "${WEIGHTCAST_ALLOW_NO_TORCH:-0}" != 1 ]; then
-  "$venv/bin/pip" install --quiet --disable-pip-version-check "torch==2.*" \
-      --index-url https://download.pytorch.org/whl/cpu \
-    || "$venv/bin/pip" install --quiet --disable-pip-version-check "torch==2.*"
+if [ -n "$torch_pid" ]; then
+  wait "$torch_pid" || { cat .ci-work/torch-download.log >&2; echo "downloading torch failed (log above)" >&2; exit 1; }
+  "$venv/bin/pip" install --quiet --disable-pip-version-check --no-index --find-links .ci-work/wheels "torch==2.*"
+  rm -rf .ci-work/wheels
 fi
 cargo clippy -p weightcast-python -- -D warnings
 # maturin builds the binding into this checkout's target/ (shared with cargo)

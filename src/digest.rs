@@ -193,6 +193,11 @@ impl TensorSeed {
         self.change_sum_scalar(b)
     }
 
+    // Inlined into the apply kernels (AVX2 `target_feature` functions), where
+    // it vectorizes: out of line it is scalar SSE2 code and the apply costs
+    // 16% more instructions (a release build's codegen units decide where it
+    // lands otherwise; docs/benchmarks.md, "Build time").
+    #[inline]
     fn change_sum_scalar(&self, b: &ChangeBatch) -> u64 {
         (0..LANES).fold(0u64, |acc, j| {
             acc.wrapping_add(self.change(b.index[j], b.old[j], b.new[j]))

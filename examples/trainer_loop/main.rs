@@ -31,6 +31,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
 use weightcast::generator::{Generator, GeneratorConfig};
 
 /// Name of the checkpoint directory of `step`.
@@ -161,12 +163,20 @@ async fn stop_signal() {
 
 #[tokio::main]
 async fn main() -> Result<()> {
+    // RUST_LOG's `target=level` directives; info when unset.
+    let filter: tracing_subscriber::filter::Targets = std::env::var("RUST_LOG")
+        .ok()
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| {
+            s.parse()
+                .with_context(|| format!("RUST_LOG={s:?} is not a log filter"))
+        })
+        .transpose()?
+        .unwrap_or_else(|| "info".parse().expect("a bare level parses"));
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
         .with_writer(std::io::stderr)
+        .finish()
+        .with(filter)
         .init();
     let args = cli::Args::parse();
 

@@ -256,31 +256,35 @@ pub(crate) fn hash_file(src: &FileSource) -> Result<(u64, String)> {
 }
 
 struct Filter {
-    include: Option<globset::GlobSet>,
-    exclude: globset::GlobSet,
+    include: Option<Vec<glob::Pattern>>,
+    exclude: Vec<glob::Pattern>,
 }
 
-fn globs(patterns: &[impl AsRef<str>], what: &str) -> Result<globset::GlobSet> {
-    let mut b = globset::GlobSetBuilder::new();
-    for p in patterns {
-        let p = p.as_ref();
-        let g = globset::GlobBuilder::new(p)
-            .literal_separator(true)
-            .build()
-            .map_err(|e| Error::Config(format!("{what} glob `{p}`: {e}")))?;
-        b.add(g);
-        // `**/x` also matches `x` at the root.
-        if let Some(rest) = p.strip_prefix("**/") {
-            b.add(
-                globset::GlobBuilder::new(rest)
-                    .literal_separator(true)
-                    .build()
-                    .map_err(|e| Error::Config(format!("{what} glob `{p}`: {e}")))?,
-            );
-        }
-    }
-    b.build()
-        .map_err(|e| Error::Config(format!("{what} globs: {e}")))
+/// `*`, `?` and `[...]` stay within one path component; `**` spans any
+/// number of them, including none (so `**/x` also matches `x` at the root).
+const GLOB_OPTIONS: glob::MatchOptions = glob::MatchOptions {
+    case_sensitive: true,
+    require_literal_separator: true,
+    require_literal_leading_dot: false,
+};
+
+fn globs(patterns: &[impl AsRef<str>], what: &str) -> Result<Vec<glob::Pattern>> {
+    patterns
+        .iter()
+        .map(|p| {
+            let p = p.as_ref();
+            glob::Pattern::new(p).map_err(|e| {
+                Error::Config(format!(
+                    "{what} glob `{p}`: {} at character {} (globs take `*`, `?`, `[...]` and `**` as a whole path component)",
+                    e.msg, e.pos
+                ))
+            })
+        })
+        .collect()
+}
+
+fn any_match(globs: &[glob::Pattern], rel: &str) -> bool {
+    globs.iter().any(|g| g.matches_with(rel, GLOB_OPTIONS))
 }
 
 impl Filter {
@@ -296,13 +300,13 @@ impl Filter {
     }
 
     fn wants(&self, rel: &str) -> bool {
-        self.include.as_ref().is_none_or(|i| i.is_match(rel)) && !self.exclude.is_match(rel)
+        self.include.as_ref().is_none_or(|i| any_match(i, rel)) && !any_match(&self.exclude, rel)
     }
 
     /// Whether a directory may hold wanted files (an excluded directory
     /// pattern like `global_step*/**` prunes it).
     fn enters(&self, rel: &str) -> bool {
-        !self.exclude.is_match(format!("{rel}/x"))
+        !any_match(&self.exclude, &format!("{rel}/x"))
     }
 }
 
@@ -431,6 +435,43 @@ mod tests {
             ..Default::default()
         };
         Checkpoint::open(&snap, &opts).unwrap();
+    }
+
+    #[test]
+    fn globs_keep_to_path_components_and_double_star_spans_them() {
+        let g = globs(
+            &[
+                "**/optimizer*.pt",
+                "*.json",
+                "global_step*/**",
+                "a/[bc]?.bin",
+            ],
+            "x",
+        )
+        .unwrap();
+        for yes in [
+            "optimizer.pt",
+            "sub/dir/optimizer_0.pt",
+            "config.json",
+            "global_step7/zero.pt",
+            "global_step7/deep/er.pt",
+            "a/bx.bin",
+        ] {
+            assert!(any_match(&g, yes), "{yes} should match");
+        }
+        for no in [
+            "tokenizer/vocab.json",
+            "optimizer.bin",
+            "xglobal_step7/a",
+            "a/dx.bin",
+            "a/b/x.bin",
+        ] {
+            assert!(!any_match(&g, no), "{no} should not match");
+        }
+        let e = globs(&["a[".to_string()], "exclude")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("exclude glob `a[`"), "{e}");
     }
 
     #[test]

@@ -10,6 +10,8 @@ mod commands;
 
 use clap::Parser;
 use peak_alloc::PeakAlloc;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
 
 /// The allocator, counted, so `bench` can report peak heap use.
 #[global_allocator]
@@ -58,20 +60,44 @@ fn ensure_open_files() -> Result<(), String> {
     Ok(())
 }
 
+/// The log filter: `RUST_LOG`'s `target=level` directives (e.g.
+/// `weightcast=debug,info`), `weightcast=info` when unset. A filter that does
+/// not parse is refused, naming the variable.
+fn log_filter() -> anyhow::Result<tracing_subscriber::filter::Targets> {
+    let spec = std::env::var("RUST_LOG").unwrap_or_default();
+    let spec = if spec.trim().is_empty() {
+        "weightcast=info"
+    } else {
+        &spec
+    };
+    spec.parse().map_err(|e| {
+        anyhow::anyhow!(
+            "RUST_LOG={spec:?} is not a log filter ({e}): use comma-separated `target=level` \
+             directives or a bare level, e.g. RUST_LOG=weightcast=debug,info"
+        )
+    })
+}
+
 fn main() {
     let cli = cli::Cli::parse();
     if let Err(e) = ensure_open_files() {
         eprintln!("Error: {e}");
         std::process::exit(weightcast::error::ErrorKind::Config.exit_code());
     }
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("weightcast=info"));
+    let filter = match log_filter() {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("Error: {e}");
+            std::process::exit(weightcast::error::ErrorKind::Config.exit_code());
+        }
+    };
+    // Colours only on a terminal (not in files, journald or log pipelines).
     let logs = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     match cli.log_format {
-        cli::LogFormat::Text => logs.init(),
-        cli::LogFormat::Json => logs.json().init(),
+        cli::LogFormat::Text => logs.finish().with(filter).init(),
+        cli::LogFormat::Json => logs.json().finish().with(filter).init(),
     }
     let result = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
