@@ -18,7 +18,7 @@ case "${1:-}" in
   *) echo "usage: $0 [--long]" >&2; exit 2 ;;
 esac
 
-step() { printf '\n== %s ==\n' "$*"; }
+step() { printf '\n== %s (at %d s) ==\n' "$*" "$SECONDS"; }
 
 # Real object-store servers the integration tests start on loopback, installed
 # under .ci-work/ (git-ignored): moto (S3 that enforces conditional writes),
