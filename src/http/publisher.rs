@@ -2,8 +2,10 @@
 //!
 //! - `POST /v1/publish {"checkpoint": PATH, "step": N}` with
 //!   `Authorization: Bearer <token>` publishes PATH (under the checkpoint
-//!   root) as the next version and answers what `weightcast publish` prints;
-//!   errors answer `{"error", "kind"}` with the status of their kind.
+//!   root) as the next version and answers what `weightcast publish` prints
+//!   as soon as the version is committed, without `notified`: the
+//!   subscribers are notified in the background; errors answer
+//!   `{"error", "kind"}` with the status of their kind.
 //! - `GET /healthz`: 200, or 503 with the reason when the last publish failed
 //!   for a reason the daemon cannot fix alone (the store unreachable, bad
 //!   configuration, local I/O); a lost race or a foreign commit is not one —

@@ -69,28 +69,42 @@ pub async fn register(store: &Store, reg: &Registration) -> Result<()> {
 /// Reads every registration (unreadable ones are skipped with a warning: the
 /// bucket is shared, not trusted).
 pub async fn registrations(store: &Store) -> Result<Vec<Registration>> {
-    let mut out = Vec::new();
-    for l in store.list(SUBSCRIBERS_PREFIX).await? {
+    use futures::StreamExt;
+    let listed = store.list(SUBSCRIBERS_PREFIX).await?;
+    let read = |l: crate::store::Listed| async move {
         if l.size > MAX_REGISTRATION_BYTES {
             tracing::warn!(key = %l.key, "oversized registration ignored");
-            continue;
+            return None;
         }
         // The listing's size is only a hint: the read enforces the limit too.
         let body = match store.get_at_most(&l.key, MAX_REGISTRATION_BYTES).await {
             Ok(Some(body)) => body,
-            Ok(None) => continue,
+            Ok(None) => return None,
             Err(e) => {
                 tracing::warn!(key = %l.key, error = %e, "unreadable registration ignored");
-                continue;
+                return None;
             }
         };
         match serde_json::from_slice::<Registration>(&body) {
-            Ok(r) if valid_id(&r.id) => out.push(r),
-            _ => tracing::warn!(key = %l.key, "malformed registration ignored"),
+            Ok(r) if valid_id(&r.id) => Some(r),
+            _ => {
+                tracing::warn!(key = %l.key, "malformed registration ignored");
+                None
+            }
         }
-    }
+    };
+    // A fleet of hundreds is read in a few round trips, not one per member.
+    let out: Vec<Registration> = futures::stream::iter(listed)
+        .map(read)
+        .buffered(REGISTRATIONS_IN_FLIGHT)
+        .filter_map(std::future::ready)
+        .collect()
+        .await;
     Ok(out)
 }
+
+/// Registrations read at once.
+const REGISTRATIONS_IN_FLIGHT: usize = 32;
 
 /// One subscriber in the fleet view.
 #[derive(Clone, Debug, Serialize)]

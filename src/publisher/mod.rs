@@ -186,8 +186,11 @@ pub struct Published {
     /// Bytes of an anchor's bridge deltas (included in `bytes`).
     #[serde(skip_serializing_if = "is_zero")]
     pub bridge_bytes: u64,
-    /// Subscribers notified successfully.
-    pub notified: usize,
+    /// Subscribers that acknowledged this version's notification; absent
+    /// while it is still being sent in the background (the fan-out never
+    /// delays the publish: see [`Publisher::notifications_settled`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub notified: Option<usize>,
     /// What automatic retention removed after this version, when it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub collected: Option<crate::protocol::Collected>,
@@ -210,7 +213,7 @@ impl Published {
             unchanged: true,
             anchor_reason: None,
             bridge_bytes: 0,
-            notified: 0,
+            notified: Some(0),
             collected: None,
         }
     }
@@ -236,6 +239,9 @@ pub struct Publisher {
     snapshot: Option<Snapshot>,
     /// The last state read (numbering, even when the snapshot is not trusted).
     state: Option<State>,
+    /// Notifications being sent in the background (each: how many
+    /// subscribers acknowledged).
+    notifications: tokio::task::JoinSet<usize>,
 }
 
 impl Publisher {
@@ -285,6 +291,7 @@ impl Publisher {
             cfg,
             snapshot,
             state,
+            notifications: tokio::task::JoinSet::new(),
         })
     }
 
@@ -589,7 +596,7 @@ impl Publisher {
         let snap = self.snapshot.as_mut().expect("checked above");
         snap.finish_delta(&deltas, after.clone())?;
         self.state = Some(after);
-        let notified = self.notify(next, base.anchor_version).await;
+        let notified = self.notify(next, base.anchor_version);
         Ok(Published {
             version: next,
             kind: VersionKind::Delta,
@@ -755,7 +762,7 @@ impl Publisher {
         self.snapshot = None;
         self.snapshot = Some(state::install_anchor(&dir, after.clone())?);
         self.state = Some(after);
-        let notified = self.notify(next, next).await;
+        let notified = self.notify(next, next);
         let collected = self.collect().await;
         Ok(Published {
             version: next,
@@ -879,26 +886,64 @@ impl Publisher {
         }
     }
 
-    /// Notifies the static and registered subscribers; never fails the publish.
-    async fn notify(&self, version: u64, anchor_version: u64) -> usize {
-        let Some(key) = &self.cfg.notify_key else {
-            return 0;
+    /// Notifies the static and registered subscribers in a background task
+    /// (reading the registrations and the fan-out never delay the publish,
+    /// and never fail it). `Some(0)` when there is nobody to notify: no
+    /// notify key, or a distributed rank other than 0 (rank 0 notifies for
+    /// all); `None` when a notification is under way.
+    fn notify(&mut self, version: u64, anchor_version: u64) -> Option<usize> {
+        // Reap the notifications of earlier versions that finished.
+        while self.notifications.try_join_next().is_some() {}
+        let Some(key) = self.cfg.notify_key.clone() else {
+            return Some(0);
         };
         if self.cfg.distributed.as_ref().is_some_and(|d| d.rank != 0) {
-            return 0;
+            return Some(0);
         }
         let max_age = crate::notify::registration_horizon(self.cfg.retention.as_ref());
-        let urls = crate::notify::fleet_urls(&self.store, &self.cfg.notify_urls, max_age).await;
+        let (store, urls) = (self.store.clone(), self.cfg.notify_urls.clone());
         let n = crate::notify::Notification {
             store: self.store.url().to_string(),
             version,
             anchor_version,
         };
-        crate::notify::send(&urls, key, &n)
-            .await
-            .iter()
-            .filter(|d| d.ok)
-            .count()
+        self.notifications.spawn(async move {
+            let urls = crate::notify::fleet_urls(&store, &urls, max_age).await;
+            let d = crate::notify::send(&urls, &key, &n).await;
+            let ok = d.iter().filter(|d| d.ok).count();
+            tracing::info!(
+                version,
+                notified = ok,
+                subscribers = urls.len(),
+                "notifications sent"
+            );
+            ok
+        });
+        None
+    }
+
+    /// Waits for the notifications under way (a one-shot process calls this
+    /// before it exits); returns how many subscribers acknowledged them.
+    pub async fn notifications_settled(&mut self) -> usize {
+        let mut ok = 0;
+        while let Some(r) = self.notifications.join_next().await {
+            ok += r.unwrap_or(0);
+        }
+        ok
+    }
+
+    /// [`Publisher::publish`], then waits for its notifications, so that
+    /// `notified` is known (what `weightcast publish` prints).
+    pub async fn publish_and_notify(
+        &mut self,
+        cp: Checkpoint,
+        opts: &PublishOptions,
+    ) -> Result<Published> {
+        let mut p = self.publish(cp, opts).await?;
+        if p.notified.is_none() {
+            p.notified = Some(self.notifications_settled().await);
+        }
+        Ok(p)
     }
 }
 

@@ -205,7 +205,7 @@ impl Publisher {
             unchanged: false,
             anchor_reason: None,
             bridge_bytes: 0,
-            notified: 0,
+            notified: Some(0),
             collected: None,
         })
     }
@@ -286,7 +286,7 @@ impl Publisher {
                 "no trusted snapshot of the bucket's last step".into()
             }),
             bridge_bytes: 0,
-            notified: 0,
+            notified: Some(0),
             collected: None,
         })
     }

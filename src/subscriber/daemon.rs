@@ -144,20 +144,27 @@ impl Daemon {
             self.hooks_owed = None;
             tracing::info!(version = event.version, "the engine confirmed the version");
         }
-        // A bucket in TRL's layout is recognized by its keys, while nothing
-        // is held yet.
-        if self.trl.is_none()
-            && self.sub.sink.held().is_none()
-            && crate::protocol::trl::is_trl_bucket(self.sub.fetcher.store()).await?
-        {
-            tracing::info!(
-                "the bucket is in TRL's layout; following it as a single-file checkpoint"
-            );
-            self.trl = Some(TrlFollower::open(&self.cfg.out)?);
-        }
         let caught = match &mut self.trl {
             Some(t) => t.catch_up(self.sub.fetcher.store()).await,
-            None => self.sub.catch_up(thorough).await,
+            None => match self.sub.catch_up(thorough).await {
+                // A bucket without weightcast versions may be in TRL's
+                // layout, recognized by its keys while nothing is held (a
+                // weightcast bucket never pays for this check).
+                Ok(None)
+                    if self.sub.sink.held().is_none()
+                        && crate::protocol::trl::is_trl_bucket(self.sub.fetcher.store())
+                            .await? =>
+                {
+                    tracing::info!(
+                        "the bucket is in TRL's layout; following it as a single-file checkpoint"
+                    );
+                    self.trl
+                        .insert(TrlFollower::open(&self.cfg.out)?)
+                        .catch_up(self.sub.fetcher.store())
+                        .await
+                }
+                other => other,
+            },
         };
         let requests = self.sub.fetcher.requests();
         if let Ok(mut s) = shared.status.lock() {

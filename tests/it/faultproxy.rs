@@ -109,6 +109,9 @@ impl Rule {
 pub struct Seen {
     pub method: Method,
     pub path: String,
+    /// The access key id the request was signed with (AWS SigV4
+    /// `Credential=<key id>/…`), which tells clients sharing the proxy apart.
+    pub client: Option<String>,
     /// The fault injected, if any.
     pub fault: Option<Fault>,
     /// The status answered (from the upstream or injected), if one was.
@@ -180,11 +183,24 @@ impl FaultProxy {
 
     /// Records a request as it arrives (a client may give up on it before it
     /// is answered); returns its index for [`FaultProxy::answered`].
-    fn record(&self, method: &Method, path: &str, fault: &Option<Fault>) -> usize {
+    fn record(
+        &self,
+        method: &Method,
+        path: &str,
+        headers: &HeaderMap,
+        fault: &Option<Fault>,
+    ) -> usize {
+        let client = headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split("Credential=").nth(1))
+            .and_then(|v| v.split('/').next())
+            .map(str::to_string);
         let mut seen = self.seen.lock().unwrap();
         seen.push(Seen {
             method: method.clone(),
             path: path.to_string(),
+            client,
             fault: fault.clone(),
             status: None,
         });
@@ -242,7 +258,7 @@ async fn forward(State(p): State<Arc<FaultProxy>>, req: Request) -> Response {
     let body = match axum::body::to_bytes(req.into_body(), 512 << 20).await {
         Ok(b) => b,
         Err(e) => {
-            let i = p.record(&method, &path, &None);
+            let i = p.record(&method, &path, &headers, &None);
             p.answered(i, 502);
             return respond(
                 StatusCode::BAD_GATEWAY,
@@ -252,7 +268,7 @@ async fn forward(State(p): State<Arc<FaultProxy>>, req: Request) -> Response {
         }
     };
     let fault = p.fault_for(&method, &path);
-    let i = p.record(&method, &path, &fault);
+    let i = p.record(&method, &path, &headers, &fault);
     if let Some(Fault::Status(code)) = fault {
         p.answered(i, code);
         let body = "<Error><Code>ServiceUnavailable</Code><Message>injected</Message></Error>";

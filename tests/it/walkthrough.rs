@@ -67,7 +67,6 @@ fn the_walkthrough_runs_as_written() {
         "{stdout}"
     );
     // Every version was pushed to the subscriber that registered on the
-    // empty bucket.
-    let notified = stdout.matches("'notified': 1").count();
-    assert_eq!(notified, 3, "{stdout}");
+    // empty bucket (its full status counts the notifications it accepted).
+    assert!(stdout.contains("\"notifications\":3"), "{stdout}");
 }

@@ -69,8 +69,10 @@ pub async fn run(command: Command) -> Result<()> {
         } => {
             let mut p = opts.open(!quiet, &ranks).await?;
             let opts = weightcast::publisher::PublishOptions { step };
+            let cp = weightcast::publisher::Checkpoint::open(&checkpoint, p.checkpoint_options())?;
+            // The process exits next: its notifications are waited for.
             emit(serde_json::to_string(
-                &p.publish_path(&checkpoint, &opts).await?,
+                &p.publish_and_notify(cp, &opts).await?,
             )?);
             Ok(())
         }
