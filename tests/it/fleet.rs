@@ -379,5 +379,27 @@ fn hundreds_of_subscribers_follow_by_push_and_a_killed_third_catches_up() {
             versions - 1,
             proxy.seen().len()
         );
+        // The baseline: how long the same server, through the same proxy,
+        // takes to answer as many small reads as one version costs the fleet
+        // (5 per subscriber), 64 at once.
+        let t = Instant::now();
+        let reads = 5 * n;
+        {
+            use futures::StreamExt;
+            let key = weightcast::protocol::LATEST_KEY;
+            let got: Vec<bool> = futures::stream::iter(0..reads)
+                .map(|_| {
+                    let store = store.clone();
+                    async move { store.get_at_most(key, 1 << 20).await.is_ok() }
+                })
+                .buffer_unordered(64)
+                .collect()
+                .await;
+            assert!(got.iter().all(|&ok| ok));
+        }
+        println!(
+            "fleet: baseline: the server answers {reads} reads of latest.json in {:.2} s",
+            t.elapsed().as_secs_f64()
+        );
     });
 }
