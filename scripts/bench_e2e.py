@@ -8,13 +8,16 @@ checkpoint (random N(0, 0.02) weights, `--shards` files of tensors of at most
 (the lowest bit of the bf16 word flips), rewriting the files in place. It
 drives the real `weightcast` binary:
 
-- `publish` of the anchor (v0) and of each delta, timed, with the process's
-  peak RSS and peak RssAnon (anonymous memory, not the page cache) sampled
-  from /proc every 2 ms;
+- the `publisher` daemon, sent one `POST /v1/publish` per version as a
+  trainer loop sends it: the anchor (v0), then each delta, timed, with the
+  daemon's peak RSS and peak RssAnon (anonymous memory, not the page cache)
+  during the request, sampled from /proc every 2 ms;
 - a `subscribe` daemon A notified after every version (one behind: its own
-  `last_apply_seconds`, and the wall time from the notification until its
-  `/v1/status` shows the version), a daemon B notified only after the tenth
-  delta (ten behind), and a fresh `subscribe --once` after the first delta
+  `last_apply_seconds`, and the wall time from the end of the POST until its
+  `/v1/status` shows the version), a daemon B stopped after its bootstrap
+  and restarted after the last delta (`--versions` behind: its
+  `last_apply_seconds` for the catch-up, after its start-up check of its
+  current slot), and a fresh `subscribe --once` after the first delta
   (anchor + delta), each with its peak RssAnon;
 - the baselines in the same run, on the same files: reading the checkpoint
   once from the page cache (`cat`), a plain copy of it (`cp`), and a plain
@@ -213,7 +216,22 @@ def run_measured(cmd: list[str], env: dict) -> dict:
     return {"seconds": secs, "peak_rss_mib": rss, "peak_rss_anon_mib": anon, "stdout": out}
 
 
-class Daemon:
+class Proc:
+    """A daemon this script started, with its memory sampled."""
+
+    p: subprocess.Popen
+    sampler: Sampler
+
+    def stop(self):
+        self.sampler.stop()
+        self.p.send_signal(signal.SIGTERM)
+        try:
+            self.p.wait(30)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+
+
+class Daemon(Proc):
     """A `weightcast subscribe` daemon on an output directory."""
 
     def __init__(self, bin_: str, store: str, out: Path, port: int, env: dict, log: Path,
@@ -259,16 +277,9 @@ class Daemon:
             time.sleep(0.01)
         sys.exit(f"subscriber {self.out}: the standby slot did not reach v{v}")
 
-    def stop(self):
-        self.sampler.stop()
-        self.p.send_signal(signal.SIGTERM)
-        try:
-            self.p.wait(30)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
 
 
-class PublisherDaemon:
+class PublisherDaemon(Proc):
     """`weightcast publisher`: each version is a POST, as a trainer loop sends it."""
 
     TOKEN = "bench-e2e-publisher-token"
@@ -306,13 +317,6 @@ class PublisherDaemon:
         rss, anon = self.sampler.take()
         return {"seconds": secs, "peak_rss_mib": rss, "peak_rss_anon_mib": anon, "report": report}
 
-    def stop(self):
-        self.sampler.stop()
-        self.p.send_signal(signal.SIGTERM)
-        try:
-            self.p.wait(30)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
 
 
 def free_port() -> int:
