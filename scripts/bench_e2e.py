@@ -33,8 +33,8 @@ the checkpoint and downloading it again (multipart, 8 threads).
         --work /tmp/wc-e2e --json docs/bench/e2e.json --plot docs/bench/e2e.png
 
 Needs `cargo build --release` (the binary at target/release/weightcast),
-numpy, and for `--s3` moto's server and boto3 (`MOTO_SERVER`, default
-`.ci-work/venv/bin/moto_server`) and root. Disk under `--work`: about 4x the
+numpy, and for `--s3` root and a Python with moto and boto3 to run this
+script (`.ci-work/venv/bin/python`, which `./scripts/test.sh` sets up). Disk under `--work`: about 4x the
 largest model (checkpoint, its previous copy, the publisher's snapshot, the
 bucket), plus the subscribers' slots under `--out-root` (two slots each).
 """
@@ -333,7 +333,7 @@ def free_port() -> int:
 class ShapedS3:
     """moto in network namespace `ns`, reached over a veth pair shaped with tbf."""
 
-    def __init__(self, moto: str, mbps: float, ns: str = "wc-e2e"):
+    def __init__(self, python: str, mbps: float, ns: str = "wc-e2e"):
         self.ns, self.ip, self.port = ns, "10.231.0.2", 9000
         self.url = f"http://{self.ip}:{self.port}"
         self.cleanup()
@@ -353,8 +353,11 @@ class ShapedS3:
             f"ip netns exec {ns} tc qdisc add dev wce2e1 root tbf rate {rate} burst {burst} latency 50ms",
         ]:
             subprocess.run(c.split(), check=True)
+        # moto through scripts/netlab.py, which serves ranged GETs from the
+        # object's spool (stock moto reads the whole object for each one).
         self.moto = subprocess.Popen(
-            ["ip", "netns", "exec", ns, moto, "-H", self.ip, "-p", str(self.port)],
+            ["ip", "netns", "exec", ns, python, str(Path(__file__).resolve().parent / "netlab.py"),
+             "--max-seconds", "14400", "moto", self.ip, str(self.port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         for _ in range(300):
@@ -441,7 +444,9 @@ def run_size(a, elements: int, store_kind: str, s3: ShapedS3 | None) -> dict:
 
     row["read_once_s"] = cat_seconds(ckpt)
     port_a = free_port()
-    pub = PublisherDaemon(bin_, store, work / "state", work,
+    state = Path(a.state_root) / f"{store_kind}-{elements:.0e}-state"
+    shutil.rmtree(state, ignore_errors=True)
+    pub = PublisherDaemon(bin_, store, state, work,
                           [f"http://127.0.0.1:{port_a}/v1/notify"], env, work / "publisher.log")
 
     def publish(v: int) -> dict:
@@ -513,6 +518,7 @@ def run_size(a, elements: int, store_kind: str, s3: ShapedS3 | None) -> dict:
         row["full_sync"] = s3.full_sync(ckpt, bucket, work / "full")
     shutil.rmtree(work)
     shutil.rmtree(out_root, ignore_errors=True)
+    shutil.rmtree(state, ignore_errors=True)
     return row
 
 
@@ -602,10 +608,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--work", default="/tmp/wc-e2e", help="checkpoint, state and file bucket")
     ap.add_argument("--out-root", default=None, help="subscriber outputs (default: --work)")
+    ap.add_argument("--state-root", default=None,
+                    help="the publisher's snapshot (default: --work; on tmpfs it costs no disk writes)")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     a = ap.parse_args()
     a.out_root = a.out_root or a.work
+    a.state_root = a.state_root or a.work
     if not (ROOT / "target/release/weightcast").exists():
         sys.exit("build the binary first: cargo build --release")
     sizes = [int(float(x)) for x in a.sizes.split(",")]
@@ -616,8 +625,7 @@ def main() -> None:
             rows.append(run_size(a, n, "file", None))
             print(json.dumps(summarize(rows[-1])), flush=True)
         if s3_sizes:
-            moto = os.environ.get("MOTO_SERVER", str(ROOT / ".ci-work/venv/bin/moto_server"))
-            s3 = ShapedS3(moto, a.link_mbps)
+            s3 = ShapedS3(sys.executable, a.link_mbps)
             for n in s3_sizes:
                 rows.append(run_size(a, n, "s3", s3))
                 print(json.dumps(summarize(rows[-1])), flush=True)
