@@ -40,7 +40,9 @@ use weightcast::tensors::{Digests, TensorSet, write_safetensors};
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
 #[derive(Parser)]
-#[command(about = "Writes the synthetic model as a sharded checkpoint, one step per `next` on stdin")]
+#[command(
+    about = "Writes the synthetic model as a sharded checkpoint, one step per `next` on stdin"
+)]
 struct Args {
     /// Model size in bf16 elements (the generator's Llama shape at least this big).
     #[arg(long, default_value_t = 1_000_000_000)]
@@ -233,7 +235,10 @@ impl Writer {
 
 /// Writes `path` through a hidden temporary file in the same directory,
 /// renamed over it.
-fn replace(path: &Path, write: impl FnOnce(&mut dyn Write) -> Result<()>) -> Result<()> {
+fn replace(
+    path: &Path,
+    write: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> Result<()>,
+) -> Result<()> {
     let dir = path.parent().ok_or("a file path has a directory")?;
     let name = path
         .file_name()
@@ -280,7 +285,9 @@ fn run(args: Args) -> Result<()> {
         match line.trim() {
             "next" => {}
             "" => continue,
-            other => return Err(format!("unexpected input line `{other}` (expected `next`)").into()),
+            other => {
+                return Err(format!("unexpected input line `{other}` (expected `next`)").into());
+            }
         }
         let started = Instant::now();
         g.step();
