@@ -64,7 +64,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Lab", "Link", "Counters", "NetlabError", "require_root"]
+__all__ = ["Lab", "Link", "Counters", "NetlabError", "require_root", "die_with_parent"]
 
 
 class NetlabError(RuntimeError):
@@ -107,7 +107,7 @@ def _pid_alive(pid: int) -> bool:
 _libc = None
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """preexec_fn: SIGKILL this child when its parent thread dies."""
     global _libc
     if _libc is None:
@@ -325,7 +325,7 @@ class Lab:
                 stderr=logf,
                 stdin=stdin if stdin is not None else subprocess.DEVNULL,
                 cwd=cwd,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         finally:
             if log is not None:
@@ -339,7 +339,7 @@ class Lab:
             r = subprocess.run(
                 ["ip", "netns", "exec", ns, *argv],
                 capture_output=True, text=True, timeout=timeout, env=env,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         except subprocess.TimeoutExpired as e:
             raise NetlabError(f"in {ns}: `{' '.join(argv)}` did not finish within {timeout} s") from e
@@ -420,8 +420,6 @@ def moto_main(host: str, port: int) -> None:
     def lazy_value(self):
         return Window(self) if getattr(local, "lazy", False) else value.fget(self)
 
-    models.FakeKey.value = property(lazy_value, value.fset)
-
     def simple_range(header: str) -> bool:
         unit, _, spec = header.partition("=")
         if unit.strip() != "bytes" or "," in spec:
@@ -452,6 +450,83 @@ def moto_main(host: str, port: int) -> None:
         return status, hdrs, body
 
     responses.S3Response.key_response = whole_if_unsliced
+
+    # CompleteMultipartUpload: stock moto joins the parts in memory several
+    # times over (the object, a copy for its checksum, bytes() of both: about
+    # 4x the object); here the parts are copied into the new object's spool
+    # one 16 MiB block at a time and the checksum moto records by default
+    # (CRC64NVME, or CRC32 without awscrt) is computed incrementally. Uploads
+    # that ask for a checksum algorithm keep moto's own code.
+    class Joined:
+        def __init__(self, parts):
+            self.parts = parts
+            self.size = sum(p.contentsize for p in parts)
+
+        def __len__(self) -> int:
+            return self.size
+
+        def blocks(self):
+            for p in self.parts:
+                with p.lock:
+                    p._value_buffer.seek(0)
+                    while True:
+                        b = p._value_buffer.read(16 << 20)
+                        if not b:
+                            break
+                        yield b
+
+    def set_value(self, new_value):
+        if not isinstance(new_value, Joined):
+            return value.fset(self, new_value)
+        self._value_buffer.seek(0)
+        self._value_buffer.truncate()
+        for b in new_value.blocks():
+            self._value_buffer.write(b)
+        self.contentsize = new_value.size
+
+    models.FakeKey.value = property(lazy_value, set_value)
+
+    complete = models.FakeMultipart.complete
+
+    def streaming_complete(self, body):
+        if self.metadata.get("x-amz-checksum-algorithm") or self.metadata.get("x-amz-checksum-type"):
+            return complete(self, body)
+        import base64
+        import binascii
+        import codecs
+
+        decode_hex = codecs.getdecoder("hex_codec")
+        md5s, parts, last = bytearray(), [], None
+        for pn, etag in body:
+            part = self.parts.get(pn)
+            if part is None or part.etag.replace('"', "") != etag.replace('"', ""):
+                raise models.InvalidPart()
+            if last is not None and last.contentsize < models.S3_UPLOAD_PART_MIN_SIZE:
+                raise models.EntityTooSmall()
+            md5s.extend(decode_hex(part.etag.replace('"', ""))[0])
+            parts.append(part)
+            last = part
+        if not parts:
+            raise models.MalformedXML
+        joined = Joined(parts)
+        try:
+            from awscrt import checksums
+
+            crc = 0
+            for b in joined.blocks():
+                crc = checksums.crc64nvme(b, crc)
+            digest = crc.to_bytes(8, "big")
+        except ImportError:
+            crc = 0
+            for b in joined.blocks():
+                crc = binascii.crc32(b, crc)
+            digest = crc.to_bytes(4, "big")
+        full_etag = models.md5_hash()
+        full_etag.update(bytes(md5s))
+        checksum = ("FULL_OBJECT", base64.b64encode(digest).decode(), 1)
+        return joined, f"{full_etag.hexdigest()}-{len(parts)}", checksum
+
+    models.FakeMultipart.complete = streaming_complete
 
     from moto.server import main
 
