@@ -453,35 +453,45 @@ def moto_main(host: str, port: int) -> None:
 
     # CompleteMultipartUpload: stock moto joins the parts in memory several
     # times over (the object, a copy for its checksum, bytes() of both: about
-    # 4x the object); here the parts are copied into the new object's spool
-    # one 16 MiB block at a time and the checksum moto records by default
-    # (CRC64NVME, or CRC32 without awscrt) is computed incrementally. Uploads
-    # that ask for a checksum algorithm keep moto's own code.
+    # 4x the object). Here the parts are copied, one 16 MiB block at a time,
+    # into a spool file that becomes the new object's (moto disposes of the
+    # parts before it creates the object), and the checksum moto records by
+    # default (CRC64NVME, or CRC32 without awscrt) is computed on the way.
+    # Uploads that ask for a checksum algorithm keep moto's own code.
+    import tempfile
+
     class Joined:
         def __init__(self, parts):
-            self.parts = parts
-            self.size = sum(p.contentsize for p in parts)
+            self.spool = tempfile.SpooledTemporaryFile(models.get_s3_default_key_buffer_size())
+            self.size = 0
+            self.crc, self.crc_bytes = 0, 4
+            try:
+                from awscrt import checksums
 
-        def __len__(self) -> int:
-            return self.size
+                update, self.crc_bytes = checksums.crc64nvme, 8
+            except ImportError:
+                import binascii
 
-        def blocks(self):
-            for p in self.parts:
+                update = binascii.crc32
+            for p in parts:
                 with p.lock:
                     p._value_buffer.seek(0)
                     while True:
                         b = p._value_buffer.read(16 << 20)
                         if not b:
                             break
-                        yield b
+                        self.spool.write(b)
+                        self.crc = update(b, self.crc)
+                        self.size += len(b)
+
+        def __len__(self) -> int:
+            return self.size
 
     def set_value(self, new_value):
         if not isinstance(new_value, Joined):
             return value.fset(self, new_value)
-        self._value_buffer.seek(0)
-        self._value_buffer.truncate()
-        for b in new_value.blocks():
-            self._value_buffer.write(b)
+        self._value_buffer.close()
+        self._value_buffer = new_value.spool
         self.contentsize = new_value.size
 
     models.FakeKey.value = property(lazy_value, set_value)
@@ -492,7 +502,6 @@ def moto_main(host: str, port: int) -> None:
         if self.metadata.get("x-amz-checksum-algorithm") or self.metadata.get("x-amz-checksum-type"):
             return complete(self, body)
         import base64
-        import binascii
         import codecs
 
         decode_hex = codecs.getdecoder("hex_codec")
@@ -509,18 +518,7 @@ def moto_main(host: str, port: int) -> None:
         if not parts:
             raise models.MalformedXML
         joined = Joined(parts)
-        try:
-            from awscrt import checksums
-
-            crc = 0
-            for b in joined.blocks():
-                crc = checksums.crc64nvme(b, crc)
-            digest = crc.to_bytes(8, "big")
-        except ImportError:
-            crc = 0
-            for b in joined.blocks():
-                crc = binascii.crc32(b, crc)
-            digest = crc.to_bytes(4, "big")
+        digest = joined.crc.to_bytes(joined.crc_bytes, "big")
         full_etag = models.md5_hash()
         full_etag.update(bytes(md5s))
         checksum = ("FULL_OBJECT", base64.b64encode(digest).decode(), 1)
