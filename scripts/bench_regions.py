@@ -528,6 +528,17 @@ class Bench:
                     for name, c in crossed.items()
                 },
             }
+            if len(relayed) == len(self.regions):
+                last_relay = max(x["seconds"] for x in relayed.values())
+                row["stages"] = {
+                    "publish": row["publish_seconds"],
+                    "relay": last_relay - row["publish_seconds"],
+                    "subscribers": row["fleet_seconds"] - last_relay,
+                }
+                row["relay_MBps"] = {
+                    name: (x["bytes"] or 0) / 1e6 / max(1e-9, x["seconds"] - row["publish_seconds"])
+                    for name, x in relayed.items()
+                }
             row["link_over_published"] = {
                 name: c["total"] / max(1, published["bytes"]) for name, c in row["link_bytes"].items()
             }
@@ -657,7 +668,10 @@ class Bench:
 
 
 def table(mode: str, res: dict, regions: list[str]) -> str:
-    head = ["v", "kind", "publish s", "time-to-fleet s", *[f"link {r} MiB" for r in regions], "published MiB", "link/published"]
+    head = [
+        "v", "kind", "publish s", "relay s", "subscribers s", "time-to-fleet s",
+        *[f"link {r} MiB" for r in regions], "published MiB", "link/published",
+    ]
     rows = []
     for row in res["versions"]:
         rows.append(
@@ -665,6 +679,8 @@ def table(mode: str, res: dict, regions: list[str]) -> str:
                 str(row["version"]),
                 row["kind"],
                 f"{row['publish_seconds']:.2f}",
+                f"{row['stages']['relay']:.2f}" if "stages" in row else "-",
+                f"{row['stages']['subscribers']:.2f}" if "stages" in row else "-",
                 f"{row['fleet_seconds']:.2f}",
                 *[f"{row['link_bytes'][r]['total'] / MIB:.2f}" for r in regions],
                 f"{row['published_bytes'] / MIB:.2f}",
@@ -676,7 +692,49 @@ def table(mode: str, res: dict, regions: list[str]) -> str:
     return "\n".join(lines)
 
 
-def summarize(results: dict) -> dict:
+def print_report(report: dict) -> None:
+    """The link test, one table per mode, the ratio and the checks."""
+    linktest, results = report["link_test"], report["modes"]
+    modes = list(results)
+    regions = sorted(results[modes[0]]["versions"][0]["link_bytes"])
+    print()
+    print(
+        f"link test ({linktest['object_bytes'] / 1e6:.0f} MB GET from the origin's moto): loopback "
+        f"{linktest['origin_loopback_MBps']:.0f} MB/s; through one link "
+        + ", ".join(f"{x['region']} {x['MBps']:.1f}" for x in linktest["one_link"])
+        + " MB/s; all links at once "
+        + ", ".join(f"{x['region']} {x['MBps']:.1f}" for x in linktest["all_links_at_once"])
+        + " MB/s"
+    )
+    for m in modes:
+        print()
+        print(table(m, results[m], regions))
+    s = report["summary"]
+    if "full_over_delta_time_to_fleet" in s:
+        print()
+        print(
+            "full / delta time-to-fleet, delta versions: "
+            + ", ".join(f"v{v} {r:.1f}x" for v, r in s["full_over_delta_time_to_fleet"].items())
+            + f" (median {s['full_over_delta_time_to_fleet_median']:.1f}x; goal >= 30x)"
+        )
+    if "full_link_bound_over_delta" in s:
+        print(
+            "the same with the full baseline's relay stage at the measured link rate: "
+            + ", ".join(f"v{v} {r:.1f}x" for v, r in s["full_link_bound_over_delta"].items())
+            + f" (median {s['full_link_bound_over_delta_median']:.1f}x)"
+        )
+    for m in modes:
+        c = results[m]["checks"]
+        print(
+            f"checks {m}: {'ok' if c['ok'] else 'FAILED'} (subscribers hold v{c['last_version']}: "
+            f"{c['every_subscriber_holds_last']}, bit-identical: {c['bit_identical']} "
+            f"({c['tensors_compared']} tensors, {c['files_compared']} files), one copy per region: "
+            f"{c['one_copy_per_region']})"
+        )
+    print(f"wall time {report['wall_seconds']:.0f} s")
+
+
+def summarize(results: dict, link_rate: float | None = None) -> dict:
     out = {}
     if "delta" in results and "full" in results:
         d = {r["version"]: r for r in results["delta"]["versions"]}
@@ -694,10 +752,31 @@ def summarize(results: dict) -> dict:
             fl = [f[v]["fleet_seconds"] for v in ratios]
             out["delta_time_to_fleet_mean"] = statistics.mean(dl)
             out["full_time_to_fleet_mean"] = statistics.mean(fl)
+            # The full baseline with its relay stage at the link's measured
+            # rate instead of what the relays achieved on this machine.
+            rate = link_rate * 1e6 if link_rate else None
+            if rate and all("stages" in f[v] for v in ratios):
+                bound = {
+                    v: f[v]["stages"]["publish"]
+                    + f[v]["published_bytes"] / rate
+                    + f[v]["stages"]["subscribers"]
+                    for v in ratios
+                }
+                out["full_link_bound_time_to_fleet"] = bound
+                out["full_link_bound_over_delta"] = {v: bound[v] / d[v]["fleet_seconds"] for v in ratios}
+                out["full_link_bound_over_delta_median"] = statistics.median(out["full_link_bound_over_delta"].values())
     return out
 
 
-def plot(results: dict, path: Path, title: str) -> None:
+def plot(report: dict, path: Path) -> None:
+    """Time-to-fleet per version and bytes per link per version, delta vs full."""
+    results = report["modes"]
+    sc = report["scenario"]
+    title = (
+        f"{sc['elements'] / 1e9:.2f}e9 bf16 elements, {sc['regions']} regions x "
+        f"{sc['subscribers_per_region']} subscribers, {sc['link_MBps_each_way']:g} MB/s links (tbf), "
+        f"{report['machine']['cpus']} cores"
+    )
     try:
         import matplotlib
 
@@ -761,7 +840,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-bin", default=str(REPO / "target/release/examples/bench_model"), help="bench_model")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--plot", type=Path, help="write the figure here (PNG, needs matplotlib)")
+    ap.add_argument("--from-json", type=Path, metavar="FILE",
+                    help="run nothing: print the report of an earlier --json FILE (and --plot it)")
     a = ap.parse_args(argv)
+    if a.from_json:
+        report = json.loads(a.from_json.read_text())
+        print_report(report)
+        if a.plot:
+            plot(report, a.plot)
+        return 0
     if a.small:
         a.elements, a.regions, a.subscribers, a.deltas, a.shards = 4e6, 2, 2, 2, 2
         a.link_test_mb, a.version_timeout, a.check = 64, 120.0, True
@@ -804,7 +891,6 @@ def main(argv: list[str] | None = None) -> int:
         sampler.stop()
         if not a.keep:
             shutil.rmtree(bench.work, ignore_errors=True)
-    regions = [r.name for r in bench.regions]
     report = {
         "scenario": {
             "elements_requested": a.elements,
@@ -828,47 +914,16 @@ def main(argv: list[str] | None = None) -> int:
         },
         "link_test": linktest,
         "modes": results,
-        "summary": summarize(results),
+        "summary": summarize(results, min(x["MBps"] for x in linktest["all_links_at_once"])),
         "wall_seconds": time.monotonic() - started,
     }
-    print()
-    print(
-        f"link test ({linktest['object_bytes'] / 1e6:.0f} MB GET from the origin's moto): loopback "
-        f"{linktest['origin_loopback_MBps']:.0f} MB/s; through one link "
-        + ", ".join(f"{x['region']} {x['MBps']:.1f}" for x in linktest["one_link"])
-        + " MB/s; all links at once "
-        + ", ".join(f"{x['region']} {x['MBps']:.1f}" for x in linktest["all_links_at_once"])
-        + " MB/s"
-    )
-    for m in modes:
-        print()
-        print(table(m, results[m], regions))
-    s = report["summary"]
-    if "full_over_delta_time_to_fleet" in s:
-        print()
-        print(
-            "full / delta time-to-fleet, delta versions: "
-            + ", ".join(f"v{v} {r:.1f}x" for v, r in s["full_over_delta_time_to_fleet"].items())
-            + f" (median {s['full_over_delta_time_to_fleet_median']:.1f}x; goal >= 30x)"
-        )
-    for m in modes:
-        c = results[m]["checks"]
-        print(f"checks {m}: {'ok' if c['ok'] else 'FAILED'} (subscribers hold v{c['last_version']}: "
-              f"{c['every_subscriber_holds_last']}, bit-identical: {c['bit_identical']} "
-              f"({c['tensors_compared']} tensors, {c['files_compared']} files), one copy per region: "
-              f"{c['one_copy_per_region']})")
-    print(f"wall time {report['wall_seconds']:.0f} s")
+    print_report(report)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(report, indent=1) + "\n")
     if a.plot:
         a.plot.parent.mkdir(parents=True, exist_ok=True)
-        plot(
-            results,
-            a.plot,
-            f"{report['scenario']['elements'] / 1e9:.2f}e9 bf16 elements, {a.regions} regions x "
-            f"{a.subscribers} subscribers, {a.link_mbps:g} MB/s links (tbf), {os.cpu_count()} cores",
-        )
+        plot(report, a.plot)
     failed = [m for m in modes if not results[m]["checks"]["ok"]]
     if failed and a.check:
         print(f"FAILED: checks of {', '.join(failed)}", file=sys.stderr)
