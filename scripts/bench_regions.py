@@ -244,6 +244,7 @@ class Bench:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.work = Path(args.work).resolve()
+        self.out_root = Path(args.out_root).resolve() if args.out_root else self.work
         self.lab = netlab.Lab(prefix="wcreg")
         self.origin = self.lab.namespace("origin")
         rate = args.link_mbps * 8  # MB/s -> megabit/s
@@ -339,8 +340,9 @@ class Bench:
     def run_mode(self, mode: str) -> dict:
         a = self.args
         mdir = self.work / mode
-        if mdir.exists():
-            shutil.rmtree(mdir)
+        for d in (mdir, self.out_root / mode):
+            if d.exists():
+                shutil.rmtree(d)
         mdir.mkdir(parents=True)
         started = []  # processes of this mode, stopped at its end
 
@@ -396,7 +398,7 @@ class Bench:
             self.lab.wait_http(reg.ns, f"http://{listen}/healthz", proc=reg.relay)
             reg.subs = []
             for s in range(a.subscribers):
-                out = mdir / reg.name / f"s{s}"
+                out = self.out_root / mode / reg.name / f"s{s}"
                 port = SUB_PORT + s
                 p = keep(
                     self.lab.spawn(
@@ -535,9 +537,12 @@ class Bench:
                     "relay": last_relay - row["publish_seconds"],
                     "subscribers": row["fleet_seconds"] - last_relay,
                 }
+                # Only meaningful for large versions: a delta's relay can
+                # even finish before the publish process has exited.
                 row["relay_MBps"] = {
-                    name: (x["bytes"] or 0) / 1e6 / max(1e-9, x["seconds"] - row["publish_seconds"])
+                    name: (x["bytes"] or 0) / 1e6 / (x["seconds"] - row["publish_seconds"])
                     for name, x in relayed.items()
+                    if (x["bytes"] or 0) >= 64 * MIB and x["seconds"] - row["publish_seconds"] > 0.5
                 }
             row["link_over_published"] = {
                 name: c["total"] / max(1, published["bytes"]) for name, c in row["link_bytes"].items()
@@ -557,6 +562,7 @@ class Bench:
             reg.relay = reg.relay_lines = reg.watch = None
         if not a.keep:
             shutil.rmtree(mdir, ignore_errors=True)
+            shutil.rmtree(self.out_root / mode, ignore_errors=True)
             for reg in ["origin", *[r.name for r in self.regions]]:
                 shutil.rmtree(self.work / f"moto-{mode}-{reg}", ignore_errors=True)
         return {"versions": versions, "checks": checks}
@@ -784,27 +790,40 @@ def plot(report: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise SystemExit(f"--plot needs matplotlib ({e}); install it or leave --plot out") from e
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
     modes = [m for m in ("delta", "full") if m in results]
+    colors = {"delta": ("#08519c", "#4292c6", "#9ecae1"), "full": ("#a63603", "#f16913", "#fdae6b")}
     width = 0.38
     for i, m in enumerate(modes):
-        vs = [r["version"] for r in results[m]["versions"]]
+        rows = results[m]["versions"]
+        vs = [r["version"] for r in rows]
         xs = [v + (i - (len(modes) - 1) / 2) * width for v in vs]
-        ax1.bar(xs, [r["fleet_seconds"] for r in results[m]["versions"]], width, label=f"{m}: time-to-fleet")
-        ax1.scatter(xs, [r["publish_seconds"] for r in results[m]["versions"]], marker="_", s=200, color="black",
-                    label="publish alone" if i == 0 else None, zorder=3)
-        regions = sorted(results[m]["versions"][0]["link_bytes"])
+        if all("stages" in r for r in rows):
+            bottom = [0.0] * len(rows)
+            for k, stage in enumerate(("publish", "relay", "subscribers")):
+                h = [max(0.0, r["stages"][stage]) for r in rows]
+                ax1.bar(xs, h, width, bottom=bottom, color=colors[m][k], label=f"{m}: {stage}")
+                bottom = [b + x for b, x in zip(bottom, h)]
+        else:
+            ax1.bar(xs, [r["fleet_seconds"] for r in rows], width, color=colors[m][0], label=f"{m}: time-to-fleet")
+        for x, r in zip(xs, rows):
+            ax1.annotate(f"{r['fleet_seconds']:.1f}", (x, r["fleet_seconds"]), ha="center", va="bottom", fontsize=7)
+        regions = sorted(rows[0]["link_bytes"])
         for j, reg in enumerate(regions):
-            ax2.plot(vs, [r["link_bytes"][reg]["total"] for r in results[m]["versions"]],
+            ax2.plot(vs, [r["link_bytes"][reg]["total"] for r in rows], color=colors[m][j % 2],
                      marker="o" if m == "delta" else "s", linestyle="-" if j == 0 else "--",
                      label=f"{m}: link {reg}")
-        ax2.plot(vs, [r["published_bytes"] for r in results[m]["versions"]], color="gray", linestyle=":",
-                 marker="x", label=f"{m}: version's objects")
+        ax2.plot(vs, [r["published_bytes"] for r in rows], color="gray", linestyle=":",
+                 marker="x", label=f"{m}: the version's objects")
+    ticks = sorted({r["version"] for m in modes for r in results[m]["versions"]})
+    ax2.set_xticks(ticks)
     ax1.set_xlabel("version (0 = anchor)")
     ax1.set_ylabel("seconds")
-    ax1.set_title("time from publish to the last subscriber")
-    ax1.set_xticks(sorted({r["version"] for m in modes for r in results[m]["versions"]}))
-    ax1.legend(fontsize=8)
+    ax1.set_title("time-to-fleet: publish start to the last subscriber")
+    ax1.set_xticks(ticks)
+    top = max(r["fleet_seconds"] for m in modes for r in results[m]["versions"])
+    ax1.set_ylim(0, top * 1.45)
+    ax1.legend(fontsize=7, ncol=2, loc="upper right")
     ax2.set_yscale("log")
     ax2.set_xlabel("version (0 = anchor)")
     ax2.set_ylabel("bytes across the link (both directions)")
@@ -835,6 +854,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="subscriber poll interval, s (30; wake-up is the relay's notification)")
     ap.add_argument("--version-timeout", type=float, default=1800.0, help="seconds a version may take (1800)")
     ap.add_argument("--work", default=None, help="work directory on disk (default /var/tmp/wc-regions-PID)")
+    ap.add_argument("--out-root", default=None,
+                    help="where the subscribers' output directories go (default: under --work), e.g. /dev/shm/...")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--bin", default=str(REPO / "target/release/weightcast"), help="the weightcast binary")
     ap.add_argument("--model-bin", default=str(REPO / "target/release/examples/bench_model"), help="bench_model")
@@ -891,6 +912,11 @@ def main(argv: list[str] | None = None) -> int:
         sampler.stop()
         if not a.keep:
             shutil.rmtree(bench.work, ignore_errors=True)
+            if a.out_root:
+                try:
+                    os.rmdir(a.out_root)  # only when empty: it may be shared
+                except OSError:
+                    pass
     report = {
         "scenario": {
             "elements_requested": a.elements,
@@ -903,7 +929,7 @@ def main(argv: list[str] | None = None) -> int:
             "link_MBps_each_way": a.link_mbps,
             "relay_interval": a.relay_interval,
             "subscriber_poll_interval": a.poll_interval,
-            "subscriber_output": "disk (" + str(Path(a.work)) + ")",
+            "subscriber_output": a.out_root or a.work,
         },
         "machine": {
             "cpus": os.cpu_count(),
