@@ -253,7 +253,7 @@ class Bench:
             ns = self.lab.namespace(f"r{r}")
             link = self.lab.link(self.origin, ns, rate_mbit=rate, burst=args.burst, latency="50ms")
             self.regions.append(Region(r, ns, link, f"region{r}"))
-        self.logs = self.work / "logs"
+        self.logs = Path(args.logs).resolve() if args.logs else self.work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
 
     # -- helpers --
@@ -856,7 +856,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default=None, help="work directory on disk (default /var/tmp/wc-regions-PID)")
     ap.add_argument("--out-root", default=None,
                     help="where the subscribers' output directories go (default: under --work), e.g. /dev/shm/...")
-    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the work directory (both modes' buckets, checkpoints and outputs: disk and, "
+                    "with --out-root on tmpfs, memory)")
+    ap.add_argument("--logs", default=None, help="where the processes' logs go (default: WORK/logs, removed with it)")
     ap.add_argument("--bin", default=str(REPO / "target/release/weightcast"), help="the weightcast binary")
     ap.add_argument("--model-bin", default=str(REPO / "target/release/examples/bench_model"), help="bench_model")
     ap.add_argument("--json", type=Path, help="write the results here")
