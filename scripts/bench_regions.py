@@ -254,6 +254,7 @@ class Bench:
             link = self.lab.link(self.origin, ns, rate_mbit=rate, burst=args.burst, latency="50ms")
             self.regions.append(Region(r, ns, link, f"region{r}"))
         self.logs = Path(args.logs).resolve() if args.logs else self.work / "logs"
+        self.partial: dict = {}
         self.logs.mkdir(parents=True, exist_ok=True)
 
     # -- helpers --
@@ -474,6 +475,7 @@ class Bench:
         for reg in self.regions:
             notify += ["--notify", f"http://{reg.link.addr_b}:{RELAY_PORT}/v1/notify"]
         versions = []
+        self.partial[mode] = {"versions": versions}  # what a failed run still reports
         for v in range(a.deltas + 1):
             if v > 0:
                 model.stdin.write("next\n")
@@ -906,16 +908,26 @@ def main(argv: list[str] | None = None) -> int:
     sampler = Sampler()
     bench = Bench(a)
     results: dict = {}
+    linktest = None
     try:
         linktest = bench.link_test()
         for m in modes:
             results[m] = bench.run_mode(m)
+    except BaseException as e:
+        if a.json:
+            a.json.parent.mkdir(parents=True, exist_ok=True)
+            failed = {"error": f"{type(e).__name__}: {e}", "link_test": linktest, "partial": bench.partial}
+            a.json.write_text(json.dumps(failed, indent=1) + "\n")
+            log(f"the run failed; what it measured is in {a.json}")
+        raise
     finally:
         bench.lab.close()
         sampler.stop()
         if not a.keep:
             shutil.rmtree(bench.work, ignore_errors=True)
             if a.out_root:
+                for m in modes:
+                    shutil.rmtree(bench.out_root / m, ignore_errors=True)
                 try:
                     os.rmdir(a.out_root)  # only when empty: it may be shared
                 except OSError:
