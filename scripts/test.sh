@@ -126,6 +126,10 @@ HF_HUB_OFFLINE=1 "$venv/bin/python" -m pytest -q python/tests
 step "demo (the README's first command)"
 cargo run --release --quiet -- demo --steps 6 --anchor-every 4
 
+step "regions over emulated links (bench_regions.py --small: namespaces, tbf links, moto, relays; needs root)"
+cargo build --release --quiet --example bench_model
+"$venv/bin/python" scripts/bench_regions.py --small
+
 if [ "${FUZZ_SECONDS:-20}" != "0" ] && [ -x fuzz/run.sh ]; then
   step "fuzz smoke: every decoder target for ${FUZZ_SECONDS:-20}s"
   fuzz/run.sh "${FUZZ_SECONDS:-20}"
