@@ -262,7 +262,10 @@ class Bench:
     def moto(self, ns: str, host: str, name: str) -> subprocess.Popen:
         tmp = self.work / f"moto-{name}"
         tmp.mkdir(parents=True, exist_ok=True)
-        env = base_env("", {"TMPDIR": str(tmp)})
+        # Large buffers (16 MiB parts, ranged reads) from mmap, returned on
+        # free (glibc's dynamic threshold keeps them in the heap otherwise):
+        # peak RSS 696 MB instead of 875 MB in a 300 MB full-mode run.
+        env = base_env("", {"TMPDIR": str(tmp), "MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
         p = self.lab.tool(ns, ["moto", host, str(MOTO_PORT)], env=env, log=self.logs / f"moto-{name}.log")
         self.lab.wait_http(ns, f"http://127.0.0.1:{MOTO_PORT}/", timeout=60, proc=p)
         return p
