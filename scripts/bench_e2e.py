@@ -582,7 +582,7 @@ def plot(rows: list[dict], path: str) -> None:
         for k, v in rs[-1]["peak_rss_anon_mib"].items():
             ax[1].plot(x, [r["peak_rss_anon_mib"][k] for r in rs], mark, label=f"{k} ({kind})")
         if kind == "s3":
-            ax[2].plot(x, [r["full_sync_s"] for r in rs], "k:", label="full sync (boto3 up + down)")
+            ax[2].plot(x, [r["full_sync_s"] for r in rs], "k^:", label="full sync (boto3 up + down)")
             ax[2].plot(x, [r["e2e_delta_s"] for r in rs], mark, label="publish + catch-up (delta)")
             ax[2].plot(x, [r["publish_anchor_s"] for r in rs], mark, label="publish anchor")
     ax[0].set(xlabel="model (billion bf16 elements)", ylabel="seconds", title="time against size")
@@ -612,7 +612,17 @@ def main() -> None:
                     help="the publisher's snapshot (default: --work; on tmpfs it costs no disk writes)")
     ap.add_argument("--json")
     ap.add_argument("--plot")
+    ap.add_argument("--from-json", nargs="+", metavar="FILE",
+                    help="plot (--plot) and print the summaries of earlier runs' JSON files instead of running")
     a = ap.parse_args()
+    if a.from_json:
+        summary = [s for f in a.from_json for s in json.loads(Path(f).read_text())["summary"]]
+        summary.sort(key=lambda s: (s["store"], s["elements"]))
+        for s in summary:
+            print(json.dumps(s))
+        if a.plot:
+            plot(summary, a.plot)
+        return
     a.out_root = a.out_root or a.work
     a.state_root = a.state_root or a.work
     if not (ROOT / "target/release/weightcast").exists():
