@@ -77,6 +77,8 @@ MOTO_PORT = 5000
 ROUTER_PORT = 5100
 RELAY_PORT = 7000
 SUB_PORT = 7100
+PUBLISHER_PORT = 7200
+PUBLISHER_TOKEN = "bench-regions-publisher-token"
 MIB = 1 << 20
 REPO = Path(__file__).resolve().parent.parent
 
@@ -477,6 +479,28 @@ class Bench:
         notify = []
         for reg in self.regions:
             notify += ["--notify", f"http://{reg.link.addr_b}:{RELAY_PORT}/v1/notify"]
+        state = (Path(a.state_root) / f"publisher-state-{mode}") if a.state_root else mdir / "publisher-state"
+        shutil.rmtree(state, ignore_errors=True)
+        publisher_args = [
+            "--store", f"s3://{ORIGIN_BUCKET}/{PREFIX}", "--state", str(state),
+            "--notify-key", KEY, *notify, *mode_flags,
+        ]
+        if a.publisher == "daemon":
+            # As a training loop runs it: one daemon, one POST per version
+            # (the one-shot command verifies the whole snapshot at each start).
+            daemon = keep(
+                self.lab.spawn(
+                    self.origin,
+                    self.wc(
+                        "publisher", *publisher_args, "--token", PUBLISHER_TOKEN,
+                        "--checkpoint-root", str(ckpt.parent),
+                        "--listen", f"127.0.0.1:{PUBLISHER_PORT}",
+                    ),
+                    env=base_env(f"http://127.0.0.1:{MOTO_PORT}"),
+                    log=self.logs / f"publisher-{mode}.log",
+                )
+            )
+            self.lab.wait_http(self.origin, f"http://127.0.0.1:{PUBLISHER_PORT}/healthz", proc=daemon)
         versions = []
         self.partial[mode] = {"versions": versions}  # what a failed run still reports
         for v in range(a.deltas + 1):
@@ -487,25 +511,23 @@ class Bench:
             log(f"[{mode}] v{v}: checkpoint written ({step['changed']} elements changed, {step['seconds']:.1f} s)")
             before = {reg.name: reg.link.counters() for reg in self.regions}
             t0 = time.monotonic()
-            out = self.lab.run(
-                self.origin,
-                self.wc(
-                    "publish",
-                    "-q",
-                    "--store",
-                    f"s3://{ORIGIN_BUCKET}/{PREFIX}",
-                    "--checkpoint",
-                    str(ckpt),
-                    "--state",
-                    str(mdir / "publisher-state"),
-                    "--notify-key",
-                    KEY,
-                    *notify,
-                    *mode_flags,
-                ),
-                timeout=a.version_timeout,
-                env=base_env(f"http://127.0.0.1:{MOTO_PORT}"),
-            )
+            if a.publisher == "daemon":
+                body = json.dumps({"checkpoint": str(ckpt), "step": v + 1})
+                out = self.lab.run(
+                    self.origin,
+                    ["curl", "-sS", "--fail-with-body", "-X", "POST",
+                     "-H", f"Authorization: Bearer {PUBLISHER_TOKEN}",
+                     "-H", "Content-Type: application/json", "--data", body,
+                     f"http://127.0.0.1:{PUBLISHER_PORT}/v1/publish"],
+                    timeout=a.version_timeout,
+                )
+            else:
+                out = self.lab.run(
+                    self.origin,
+                    self.wc("publish", "-q", "--checkpoint", str(ckpt), *publisher_args),
+                    timeout=a.version_timeout,
+                    env=base_env(f"http://127.0.0.1:{MOTO_PORT}"),
+                )
             t_pub = time.monotonic()
             published = json.loads(out.strip().splitlines()[-1])
             if published["version"] != v:
@@ -566,6 +588,7 @@ class Bench:
         for reg in self.regions:
             reg.relay = reg.relay_lines = reg.watch = None
         if not a.keep:
+            shutil.rmtree(state, ignore_errors=True)
             shutil.rmtree(mdir, ignore_errors=True)
             shutil.rmtree(self.out_root / mode, ignore_errors=True)
             for reg in ["origin", *[r.name for r in self.regions]]:
@@ -861,6 +884,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default=None, help="work directory on disk (default /var/tmp/wc-regions-PID)")
     ap.add_argument("--out-root", default=None,
                     help="where the subscribers' output directories go (default: under --work), e.g. /dev/shm/...")
+    ap.add_argument("--publisher", choices=("daemon", "once"), default="daemon",
+                    help="`publisher` daemon sent one POST per version (as a training loop runs it), "
+                    "or `publish` once per version (verifies its whole snapshot at each start) (daemon)")
+    ap.add_argument("--state-root", default=None,
+                    help="where the publisher's snapshot goes (default: under --work), e.g. /dev/shm/...")
     ap.add_argument("--keep", action="store_true",
                     help="keep the work directory (both modes' buckets, checkpoints and outputs: disk and, "
                     "with --out-root on tmpfs, memory)")
