@@ -82,14 +82,19 @@ def require_root() -> None:
             raise NetlabError(f"`{tool}` not found on PATH (install iproute2)")
 
 
-def _run(argv: list[str], timeout: float = 30.0) -> str:
+def _run(argv: list[str], timeout: float = 30.0, env: dict[str, str] | None = None,
+         ns: str | None = None) -> str:
+    """Runs `argv` (inside namespace `ns` when given) to completion; its stdout."""
+    where = f"in {ns}: " if ns else ""
+    full = ["ip", "netns", "exec", ns, *argv] if ns else argv
     try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(full, capture_output=True, text=True, timeout=timeout, env=env,
+                           preexec_fn=die_with_parent if ns else None)
     except subprocess.TimeoutExpired as e:
-        raise NetlabError(f"`{' '.join(argv)}` did not finish within {timeout} s") from e
+        raise NetlabError(f"{where}`{' '.join(argv)}` did not finish within {timeout} s") from e
     if r.returncode != 0:
         raise NetlabError(
-            f"`{' '.join(argv)}` failed (exit {r.returncode}): {(r.stderr or r.stdout).strip()}"
+            f"{where}`{' '.join(argv)}` failed (exit {r.returncode}): {(r.stderr or r.stdout).strip()[-2000:]}"
         )
     return r.stdout
 
@@ -335,19 +340,7 @@ class Lab:
 
     def run(self, ns: str, argv: list[str], timeout: float = 120.0, env: dict[str, str] | None = None) -> str:
         """Runs `argv` inside `ns` to completion; returns its stdout."""
-        try:
-            r = subprocess.run(
-                ["ip", "netns", "exec", ns, *argv],
-                capture_output=True, text=True, timeout=timeout, env=env,
-                preexec_fn=die_with_parent,
-            )
-        except subprocess.TimeoutExpired as e:
-            raise NetlabError(f"in {ns}: `{' '.join(argv)}` did not finish within {timeout} s") from e
-        if r.returncode != 0:
-            raise NetlabError(
-                f"in {ns}: `{' '.join(argv)}` failed (exit {r.returncode}): {(r.stderr or r.stdout).strip()[-2000:]}"
-            )
-        return r.stdout
+        return _run(argv, timeout, env, ns)
 
     def wait_http(self, ns: str, url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
         """Waits until `url` answers any HTTP status from inside `ns` (and
