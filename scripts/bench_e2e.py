@@ -56,6 +56,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))  # netlab
 KEY = "bench-e2e-notify-secret"
 MAX_TENSOR = 64 << 20  # elements
 
@@ -222,6 +223,11 @@ class Proc:
     p: subprocess.Popen
     sampler: Sampler
 
+    def start(self, cmd: list[str], env: dict, log: Path) -> None:
+        with open(log, "w") as f:
+            self.p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=f)
+        self.sampler = Sampler(self.p.pid)
+
     def stop(self):
         self.sampler.stop()
         self.p.send_signal(signal.SIGTERM)
@@ -239,12 +245,9 @@ class Daemon(Proc):
         self.out, self.base = out, f"http://127.0.0.1:{port}"
         if fresh:
             shutil.rmtree(out, ignore_errors=True)
-        self.p = subprocess.Popen(
-            [bin_, "subscribe", "-q", "--store", store, "--out", str(out),
-             "--listen", f"127.0.0.1:{port}", "--notify-key", KEY, "--poll-interval", "3600"],
-            env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"),
-        )
-        self.sampler = Sampler(self.p.pid)
+        self.start([bin_, "subscribe", "-q", "--store", store, "--out", str(out),
+                    "--listen", f"127.0.0.1:{port}", "--notify-key", KEY, "--poll-interval", "3600"],
+                   env, log)
 
     def status(self) -> dict:
         req = urllib.request.Request(self.base + "/v1/status", headers={"Authorization": f"Bearer {KEY}"})
@@ -293,8 +296,7 @@ class PublisherDaemon(Proc):
                "--anchor-every", "1000", "--notify-key", KEY]
         for u in notify:
             cmd += ["--notify", u]
-        self.p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
-        self.sampler = Sampler(self.p.pid)
+        self.start(cmd, env, log)
         for _ in range(600):
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1)
@@ -331,40 +333,26 @@ def free_port() -> int:
 
 
 class ShapedS3:
-    """moto in network namespace `ns`, reached over a veth pair shaped with tbf."""
+    """moto in its own network namespace, reached from this host over a veth
+    pair shaped with tbf (`scripts/netlab.py`)."""
 
-    def __init__(self, python: str, mbps: float, ns: str = "wc-e2e"):
-        self.ns, self.ip, self.port = ns, "10.231.0.2", 9000
-        self.url = f"http://{self.ip}:{self.port}"
-        self.cleanup()
-        rate = f"{int(mbps * 8)}mbit"
-        # burst: 1 ms of traffic at least; latency bounds the queue.
-        burst = f"{max(int(mbps * 1e6 / 1000), 65536)}"
-        for c in [
-            f"ip netns add {ns}",
-            f"ip link add wce2e0 type veth peer name wce2e1",
-            f"ip link set wce2e1 netns {ns}",
-            f"ip addr add 10.231.0.1/24 dev wce2e0",
-            f"ip link set wce2e0 up",
-            f"ip -n {ns} addr add {self.ip}/24 dev wce2e1",
-            f"ip -n {ns} link set wce2e1 up",
-            f"ip -n {ns} link set lo up",
-            f"tc qdisc add dev wce2e0 root tbf rate {rate} burst {burst} latency 50ms",
-            f"ip netns exec {ns} tc qdisc add dev wce2e1 root tbf rate {rate} burst {burst} latency 50ms",
-        ]:
-            subprocess.run(c.split(), check=True)
-        # moto through scripts/netlab.py, which serves ranged GETs from the
-        # object's spool (stock moto reads the whole object for each one).
-        self.moto = subprocess.Popen(
-            ["ip", "netns", "exec", ns, python, str(Path(__file__).resolve().parent / "netlab.py"),
-             "--max-seconds", "14400", "moto", self.ip, str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
+    def __init__(self, mbps: float):
+        from netlab import HOST, Lab
+
+        self.lab = Lab(prefix="wce2e", net=231)
+        ns = self.lab.namespace("s3")
+        self.link = self.lab.link(HOST, ns, rate_mbit=mbps * 8)
+        self.url = f"http://{self.link.addr_b}:9000"
+        # netlab's moto serves ranged GETs from the object's spool (stock
+        # moto reads the whole object for each one).
+        moto = self.lab.tool(ns, ["--max-seconds", "14400", "moto", self.link.addr_b, "9000"])
         for _ in range(300):
             try:
                 urllib.request.urlopen(self.url, timeout=1)
                 break
             except OSError:
+                if moto.poll() is not None:
+                    sys.exit(f"moto exited ({moto.returncode}) in the namespace")
                 time.sleep(0.1)
         else:
             sys.exit("moto did not start in the namespace")
@@ -379,8 +367,7 @@ class ShapedS3:
         urllib.request.urlopen(urllib.request.Request(f"{self.url}/{name}", method="PUT"), timeout=30)
 
     def link_bytes(self) -> int:
-        s = Path("/sys/class/net/wce2e0/statistics")
-        return int((s / "tx_bytes").read_text()) + int((s / "rx_bytes").read_text())
+        return self.link.counters().total
 
     def full_sync(self, d: Path, bucket: str, scratch: Path) -> dict:
         """The baseline: boto3 uploads every checkpoint file, then downloads them."""
@@ -408,11 +395,7 @@ class ShapedS3:
                 "upload_mb_s": size / up / 1e6, "download_mb_s": size / down / 1e6}
 
     def cleanup(self):
-        if getattr(self, "moto", None):
-            self.moto.kill()
-            self.moto.wait()
-        subprocess.run(["ip", "netns", "del", self.ns], stderr=subprocess.DEVNULL)
-        subprocess.run(["ip", "link", "del", "wce2e0"], stderr=subprocess.DEVNULL)
+        self.lab.close()
 
 
 # ------------------------------------------------------------ one run
@@ -635,7 +618,7 @@ def main() -> None:
             rows.append(run_size(a, n, "file", None))
             print(json.dumps(summarize(rows[-1])), flush=True)
         if s3_sizes:
-            s3 = ShapedS3(sys.executable, a.link_mbps)
+            s3 = ShapedS3(a.link_mbps)
             for n in s3_sizes:
                 rows.append(run_size(a, n, "s3", s3))
                 print(json.dumps(summarize(rows[-1])), flush=True)

@@ -135,12 +135,21 @@ class Counters:
         return Counters(self.a_to_b - earlier.a_to_b, self.b_to_a - earlier.b_to_a)
 
 
+#: The machine's own network namespace, as an end of a link.
+HOST = None
+
+
+def _in(ns: str | None, tool: str) -> list[str]:
+    """`ip`/`tc` acting in namespace `ns` (or the host's)."""
+    return [tool] if ns is HOST else [tool, "-n", ns]
+
+
 @dataclass
 class Link:
-    """A veth pair between two namespaces, `a` end and `b` end."""
+    """A veth pair between two namespaces (or the host, `HOST`), `a` end and `b` end."""
 
     lab: "Lab"
-    ns_a: str
+    ns_a: str | None
     ns_b: str
     if_a: str
     if_b: str
@@ -272,7 +281,7 @@ class Lab:
 
     def link(
         self,
-        ns_a: str,
+        ns_a: str | None,
         ns_b: str,
         rate_mbit: float | None = None,
         burst: str = "512kb",
@@ -280,31 +289,35 @@ class Lab:
     ) -> Link:
         """Joins two namespaces with a veth pair on a /30 (a end .1, b end .2),
         shaped at `rate_mbit` (megabits per second, 800 = 100 MB/s) at both
-        ends when given."""
+        ends when given. `ns_a` may be `HOST`: the machine's own namespace
+        (its end is named after this lab's process, and goes when `ns_b` is
+        deleted)."""
         i = len(self.links) + 1
         if i > 250:
             raise NetlabError("at most 250 links per lab")
-        if_a, if_b = f"l{i}a", f"l{i}b"
-        _run(["ip", "link", "add", if_a, "netns", ns_a, "type", "veth", "peer", "name", if_b, "netns", ns_b])
+        if_a = f"h{os.getpid()}x{i}" if ns_a is HOST else f"l{i}a"
+        if_b = f"l{i}b"
+        where_a = [] if ns_a is HOST else ["netns", ns_a]
+        _run(["ip", "link", "add", if_a, *where_a, "type", "veth", "peer", "name", if_b, "netns", ns_b])
         addr_a, addr_b = f"10.{self.net}.{i}.1", f"10.{self.net}.{i}.2"
         for ns, dev, addr in ((ns_a, if_a, addr_a), (ns_b, if_b, addr_b)):
-            _run(["ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev])
-            _run(["ip", "-n", ns, "link", "set", dev, "up"])
+            _run([*_in(ns, "ip"), "addr", "add", f"{addr}/30", "dev", dev])
+            _run([*_in(ns, "ip"), "link", "set", dev, "up"])
             if rate_mbit is not None:
                 self.shape(ns, dev, rate_mbit, burst, latency)
         link = Link(self, ns_a, ns_b, if_a, if_b, addr_a, addr_b)
         self.links.append(link)
         return link
 
-    def shape(self, ns: str, dev: str, rate_mbit: float, burst: str = "512kb", latency: str = "50ms") -> None:
+    def shape(self, ns: str | None, dev: str, rate_mbit: float, burst: str = "512kb", latency: str = "50ms") -> None:
         """Limits what leaves `dev` to `rate_mbit` with a token bucket filter."""
         _run(
-            ["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
+            [*_in(ns, "tc"), "qdisc", "replace", "dev", dev, "root", "tbf",
              "rate", f"{rate_mbit:g}mbit", "burst", burst, "latency", latency]
         )
 
-    def tx_bytes(self, ns: str, dev: str) -> int:
-        out = json.loads(_run(["ip", "-n", ns, "-s", "-j", "link", "show", "dev", dev]))
+    def tx_bytes(self, ns: str | None, dev: str) -> int:
+        out = json.loads(_run([*_in(ns, "ip"), "-s", "-j", "link", "show", "dev", dev]))
         return int(out[0]["stats64"]["tx"]["bytes"])
 
     # -- processes --------------------------------------------------------
