@@ -117,23 +117,19 @@
 
 #![warn(missing_docs)]
 
-pub mod bench;
-pub mod codec;
+pub use weightcast_core::{
+    bench, codec, digest, dtype, error, format, generator, platform, tensors,
+};
+
 #[cfg(feature = "store")]
 pub mod demo;
-pub mod digest;
-pub mod dtype;
-pub mod error;
 pub mod failpoint;
-pub mod format;
-pub mod generator;
 #[cfg(feature = "store")]
 pub mod hooks;
 #[cfg(feature = "store")]
 pub mod http;
 #[cfg(feature = "store")]
 pub mod notify;
-pub mod platform;
 #[cfg(feature = "store")]
 pub mod protocol;
 #[cfg(feature = "store")]
@@ -144,6 +140,5 @@ pub mod relay;
 pub mod store;
 #[cfg(feature = "store")]
 pub mod subscriber;
-pub mod tensors;
 
 pub use error::{Error, Result};

@@ -33,7 +33,7 @@ use object_store::{
     local::LocalFileSystem, memory::InMemory, prefix::PrefixStore,
 };
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 
 /// Objects at least this large are uploaded in parts.
 pub const MULTIPART_THRESHOLD: usize = 64 << 20;
@@ -249,6 +249,24 @@ pub fn install_crypto_provider() {
     });
 }
 
+/// What the caller should do about a backend error.
+fn store_kind(e: &object_store::Error) -> ErrorKind {
+    use object_store::Error as E;
+    match e {
+        E::NotFound { .. } => ErrorKind::NotFound,
+        E::AlreadyExists { .. } | E::Precondition { .. } | E::NotModified { .. } => {
+            ErrorKind::Precondition
+        }
+        E::PermissionDenied { .. }
+        | E::Unauthenticated { .. }
+        | E::UnknownConfigurationKey { .. }
+        | E::NotSupported { .. }
+        | E::NotImplemented { .. }
+        | E::InvalidPath { .. } => ErrorKind::Config,
+        _ => ErrorKind::Unavailable,
+    }
+}
+
 /// What to tell an operator about a store failure, beyond the backend's own
 /// words: the setting that most likely fixes it.
 fn store_hint(url: &str, e: &object_store::Error) -> String {
@@ -364,6 +382,7 @@ impl Store {
             key: key.to_string(),
             url: self.url.clone(),
             hint: store_hint(&self.url, &source),
+            kind: store_kind(&source),
             source: Box::new(source),
         }
     }
@@ -1363,5 +1382,39 @@ mod tests {
         );
         // The probe leaves nothing behind.
         assert!(honest.list("").await.unwrap().is_empty());
+    }
+
+    #[test]
+    fn store_errors_are_classified_by_their_cause() {
+        let store = Store::open("memory://").unwrap();
+        let e = |source| store.err("get", "k", source);
+        let nf = object_store::Error::NotFound {
+            path: "k".into(),
+            source: "gone".into(),
+        };
+        assert_eq!(e(nf).kind(), ErrorKind::NotFound);
+        let pre = object_store::Error::Precondition {
+            path: "k".into(),
+            source: "etag".into(),
+        };
+        assert_eq!(e(pre).kind(), ErrorKind::Precondition);
+        let denied = object_store::Error::PermissionDenied {
+            path: "k".into(),
+            source: "403".into(),
+        };
+        assert_eq!(e(denied).kind(), ErrorKind::Config);
+        let generic = object_store::Error::Generic {
+            store: "S3",
+            source: "connection reset".into(),
+        };
+        assert_eq!(e(generic).kind(), ErrorKind::Unavailable);
+        assert!(
+            e(object_store::Error::Generic {
+                store: "S3",
+                source: "x".into()
+            })
+            .kind()
+            .is_retryable()
+        );
     }
 }

@@ -282,6 +282,7 @@ fn check_dockerfile(text: &str, problems: &mut Vec<String>) -> Image {
             && !ignored.lines().any(|l| l.trim() == src)
     };
     let mut image = Image::default();
+    let mut copied: Vec<String> = Vec::new();
     for line in text
         .replace("\\\n", " ")
         .lines()
@@ -296,6 +297,7 @@ fn check_dockerfile(text: &str, problems: &mut Vec<String>) -> Image {
                 for src in words.iter().rev().skip(1).filter(|s| !context(s)) {
                     bad! {problems, "{DOCKERFILE}: COPY {src}: not in the build context"}
                 }
+                copied.extend(words.iter().rev().skip(1).cloned());
             }
             "RUN" => {
                 for kind in ["bin", "example"] {
@@ -315,6 +317,17 @@ fn check_dockerfile(text: &str, problems: &mut Vec<String>) -> Image {
             _ => {}
         }
     }
+    // Cargo refuses to load a workspace whose members are missing, so the
+    // build stage needs every member's directory, not only `src/`.
+    for member in workspace_members() {
+        let covered = |c: &String| {
+            let c = c.trim_end_matches('/');
+            member == c || member.starts_with(&format!("{c}/"))
+        };
+        if member != "." && !copied.iter().any(covered) {
+            bad! {problems, "{DOCKERFILE}: the workspace member `{member}` (Cargo.toml) is not copied in; cargo cannot load the workspace without it"}
+        }
+    }
     if !image
         .entrypoint
         .first()
@@ -323,6 +336,16 @@ fn check_dockerfile(text: &str, problems: &mut Vec<String>) -> Image {
         bad! {problems, "{DOCKERFILE}: ENTRYPOINT {:?} is not copied in", image.entrypoint}
     }
     image
+}
+
+/// The `[workspace] members` of Cargo.toml.
+fn workspace_members() -> Vec<String> {
+    let manifest = read("Cargo.toml");
+    let list = manifest
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("members = "))
+        .expect("Cargo.toml has a `members = [...]` line");
+    serde_json::from_str(list).expect("`members` is a JSON-compatible list of strings")
 }
 
 fn image() -> Image {
@@ -896,6 +919,8 @@ fn dockerfile_checker_catches_mistakes() {
             "COPY exemples",
         ),
         ("COPY src ./src", "COPY tests ./tests", "COPY tests"),
+        ("COPY crates ./crates\n", "", "`crates/core`"),
+        ("COPY python ./python\n", "", "`python`"),
         (
             "--example trainer_loop",
             "--example trainer_lop",

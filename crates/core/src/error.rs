@@ -198,7 +198,6 @@ pub enum Error {
     },
 
     /// An object-store operation failed.
-    #[cfg(feature = "store")]
     #[error("store {op} `{key}` at `{url}`: {source}{hint}")]
     Store {
         /// The operation.
@@ -209,9 +208,12 @@ pub enum Error {
         url: String,
         /// A hint about the likely fix, with a leading separator, or empty.
         hint: String,
-        /// The backend's error.
+        /// What the caller should do, classified from the backend's error
+        /// by the store layer (`weightcast::store`) when it made this one.
+        kind: ErrorKind,
+        /// The backend's error (an `object_store::Error`).
         #[source]
-        source: Box<object_store::Error>,
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
 
     /// A bucket object is larger than the reader accepts for it.
@@ -253,8 +255,7 @@ impl Error {
             Error::Config(_) | Error::Layout { .. } => ErrorKind::Config,
             Error::NotFound(_) => ErrorKind::NotFound,
             Error::Conflict(_) => ErrorKind::Precondition,
-            #[cfg(feature = "store")]
-            Error::Store { source, .. } => store_kind(source),
+            Error::Store { kind, .. } => *kind,
             Error::Io { source, .. } => match source.kind() {
                 std::io::ErrorKind::NotFound => ErrorKind::NotFound,
                 _ => ErrorKind::Io,
@@ -282,43 +283,28 @@ impl Error {
         }
     }
 
-    pub(crate) fn tensor(tensor: impl Into<String>, reason: impl Into<String>) -> Self {
+    #[doc(hidden)]
+    pub fn tensor(tensor: impl Into<String>, reason: impl Into<String>) -> Self {
         Error::Tensor {
             tensor: tensor.into(),
             reason: reason.into(),
         }
     }
 
-    pub(crate) fn metadata(field: impl Into<String>, reason: impl Into<String>) -> Self {
+    #[doc(hidden)]
+    pub fn metadata(field: impl Into<String>, reason: impl Into<String>) -> Self {
         Error::Metadata {
             field: field.into(),
             reason: reason.into(),
         }
     }
 
-    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+    #[doc(hidden)]
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         Error::Io {
             context: context.into(),
             source,
         }
-    }
-}
-
-#[cfg(feature = "store")]
-fn store_kind(e: &object_store::Error) -> ErrorKind {
-    use object_store::Error as E;
-    match e {
-        E::NotFound { .. } => ErrorKind::NotFound,
-        E::AlreadyExists { .. } | E::Precondition { .. } | E::NotModified { .. } => {
-            ErrorKind::Precondition
-        }
-        E::PermissionDenied { .. }
-        | E::Unauthenticated { .. }
-        | E::UnknownConfigurationKey { .. }
-        | E::NotSupported { .. }
-        | E::NotImplemented { .. }
-        | E::InvalidPath { .. } => ErrorKind::Config,
-        _ => ErrorKind::Unavailable,
     }
 }
 
@@ -363,45 +349,5 @@ mod tests {
         // Transient I/O passes through.
         let e = Error::io("x", std::io::Error::other("eio")).in_input("f");
         assert_eq!(e.kind(), ErrorKind::Io);
-    }
-
-    #[cfg(feature = "store")]
-    #[test]
-    fn store_errors_are_classified_by_their_cause() {
-        let e = |source| Error::Store {
-            op: "get".into(),
-            key: "k".into(),
-            url: "s3://b".into(),
-            hint: String::new(),
-            source: Box::new(source),
-        };
-        let nf = object_store::Error::NotFound {
-            path: "k".into(),
-            source: "gone".into(),
-        };
-        assert_eq!(e(nf).kind(), ErrorKind::NotFound);
-        let pre = object_store::Error::Precondition {
-            path: "k".into(),
-            source: "etag".into(),
-        };
-        assert_eq!(e(pre).kind(), ErrorKind::Precondition);
-        let denied = object_store::Error::PermissionDenied {
-            path: "k".into(),
-            source: "403".into(),
-        };
-        assert_eq!(e(denied).kind(), ErrorKind::Config);
-        let generic = object_store::Error::Generic {
-            store: "S3",
-            source: "connection reset".into(),
-        };
-        assert_eq!(e(generic).kind(), ErrorKind::Unavailable);
-        assert!(
-            e(object_store::Error::Generic {
-                store: "S3",
-                source: "x".into()
-            })
-            .kind()
-            .is_retryable()
-        );
     }
 }
