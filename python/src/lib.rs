@@ -25,6 +25,7 @@ use weightcast::publisher::{
     AnchorEncoding, AnchorPolicy, Checkpoint, PublishOptions, Publisher, PublisherConfig,
 };
 use weightcast::store::Store;
+use weightcast::subscriber::status::Shared;
 use weightcast::subscriber::{DirSink, Fetcher, MemorySink, Seen, Subscriber, VersionSource};
 use weightcast::tensors::{ExternalBuffer, TensorSet};
 
@@ -423,6 +424,20 @@ impl NativePublisher {
         };
         py.detach(run).py()
     }
+
+    /// Waits for the notifications of the versions published so far
+    /// (`publish` returns at the commit and notifies in the background);
+    /// returns how many subscribers acknowledged them.
+    fn notifications_settled(&self, py: Python<'_>) -> PyResult<usize> {
+        py.detach(|| -> Result<usize> {
+            let mut p = self
+                .inner
+                .lock()
+                .map_err(|_| Error::BadRequest("a previous publish panicked".into()))?;
+            block_on(p.notifications_settled())
+        })
+        .py()
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -448,6 +463,96 @@ struct SubState {
     fetcher: Fetcher,
     source: VersionSource,
     held: Held,
+    /// Push: the notify endpoint's state (its wake-up and status) when the
+    /// subscriber listens, and its registration in the bucket.
+    push: Option<Push>,
+}
+
+/// A listening subscriber: the library's subscriber endpoint
+/// (`weightcast::http::subscriber`, as `weightcast subscribe --listen`
+/// serves it) on the shared runtime, and the registration that makes the
+/// publisher notify it.
+struct Push {
+    shared: Arc<Shared>,
+    /// Registration id and notify URL; `None` id: not registered.
+    id: Option<String>,
+    notify_url: String,
+    /// The version last registered, and when.
+    registered: Option<(Option<u64>, std::time::Instant)>,
+    /// Dropping it stops the server.
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+impl Push {
+    /// Starts the endpoint on `listen`.
+    fn start(
+        store_url: &str,
+        listen: &str,
+        key: Option<&str>,
+        advertise: Option<String>,
+        id: Option<String>,
+    ) -> Result<Push> {
+        let addr: std::net::SocketAddr = listen.parse().map_err(|e| {
+            Error::Config(format!("listen `{listen}`: {e}; expected HOST:PORT, e.g. 0.0.0.0:8471"))
+        })?;
+        if let Some(id) = &id
+            && !weightcast::protocol::valid_id(id)
+        {
+            return Err(Error::Config(format!(
+                "id `{id}` must be [A-Za-z0-9._-]{{1,128}}"
+            )));
+        }
+        let key = key.map(weightcast::notify::Key::new).transpose()?;
+        if key.is_none() {
+            return Err(Error::Config(
+                "listen needs notify_key (the publisher's secret): every unsigned \
+                 notification is refused"
+                    .into(),
+            ));
+        }
+        let shared = Shared::new(store_url, key);
+        let rt = runtime()?;
+        let listener = rt
+            .block_on(tokio::net::TcpListener::bind(addr))
+            .map_err(|e| io_err(format!("binding {addr}"), e))?;
+        let bound = listener
+            .local_addr()
+            .map_err(|e| io_err(format!("binding {addr}"), e))?;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let s = shared.clone();
+        rt.spawn(async move {
+            let shutdown = async move {
+                let _ = stopped.await;
+            };
+            if let Err(e) = weightcast::http::subscriber::serve(listener, s, shutdown).await {
+                tracing::error!(error = %e, "notify endpoint stopped");
+            }
+        });
+        tracing::info!(%bound, "serving /v1/notify, /v1/status, /healthz, /metrics");
+        Ok(Push {
+            shared,
+            id,
+            notify_url: advertise.unwrap_or_else(|| format!("http://{bound}/v1/notify")),
+            registered: None,
+            _stop: stop,
+        })
+    }
+
+    /// The registration, when the held version changed since the last one
+    /// or the last is older than the library's refresh interval.
+    fn due(&self, version: Option<u64>) -> Option<weightcast::protocol::Registration> {
+        let id = self.id.clone()?;
+        let due = self.registered.is_none_or(|(v, at)| {
+            v != version || at.elapsed() >= weightcast::subscriber::REGISTRATION_REFRESH
+        });
+        due.then(|| weightcast::protocol::Registration {
+            id,
+            notify_url: Some(self.notify_url.clone()),
+            version,
+            quarantined: Vec::new(),
+            updated_at: weightcast::notify::unix_now(),
+        })
+    }
 }
 
 /// The library's fetcher and version source, and the version the caller's
@@ -466,14 +571,34 @@ fn lock(state: &Mutex<SubState>) -> Result<std::sync::MutexGuard<'_, SubState>> 
 #[pymethods]
 impl NativeSubscriber {
     #[new]
-    #[pyo3(signature = (store_url, version, poll_interval, store_options))]
+    #[pyo3(signature = (store_url, version, poll_interval, store_options, listen=None, notify_key=None, advertise=None, id=None))]
+    #[allow(clippy::too_many_arguments)] // the Python keyword arguments, one each
     fn new(
+        py: Python<'_>,
         store_url: String,
         version: Option<u64>,
         poll_interval: f64,
         store_options: Vec<(String, String)>,
+        listen: Option<String>,
+        notify_key: Option<String>,
+        advertise: Option<String>,
+        id: Option<String>,
     ) -> PyResult<NativeSubscriber> {
         let store = store(&store_url, &store_options).py()?;
+        let push = match listen {
+            Some(listen) => Some(
+                py.detach(|| {
+                    Push::start(store.url(), &listen, notify_key.as_deref(), advertise, id)
+                })
+                .py()?,
+            ),
+            None if id.is_some() || advertise.is_some() => {
+                return Err(to_py(Error::Config(
+                    "id and advertise register a notify endpoint: they need listen".into(),
+                )));
+            }
+            None => None,
+        };
         let interval = Duration::try_from_secs_f64(poll_interval).map_err(|_| {
             to_py(Error::Config(format!(
                 "poll_interval {poll_interval}: not a duration"
@@ -487,8 +612,56 @@ impl NativeSubscriber {
                     version,
                     ..Held::default()
                 },
+                push,
             })),
         })
+    }
+
+    /// The notify URL this subscriber registers (`None` when it does not
+    /// listen).
+    #[getter]
+    fn notify_url(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        py.detach(|| lock(&self.state).map(|s| s.push.as_ref().map(|p| p.notify_url.clone())))
+            .py()
+    }
+
+    /// Notifications accepted so far (0 when not listening).
+    #[getter]
+    fn notifications(&self, py: Python<'_>) -> PyResult<u64> {
+        py.detach(|| {
+            let st = lock(&self.state)?;
+            Ok(st.push.as_ref().map_or(0, |p| {
+                p.shared.status.lock().map_or(0, |s| s.notifications)
+            }))
+        })
+        .py()
+    }
+
+    /// Waits up to `seconds` for a notification (GIL released); true when
+    /// one arrived (one that arrived since the last wait counts at once),
+    /// false when the time ran out or the subscriber does not listen.
+    fn wait_notified(&self, py: Python<'_>, seconds: f64) -> PyResult<bool> {
+        let d = Duration::try_from_secs_f64(seconds.max(0.0)).map_err(|_| {
+            to_py(Error::BadRequest(format!("wait of {seconds} s: not a duration")))
+        })?;
+        let shared = py
+            .detach(|| lock(&self.state).map(|s| s.push.as_ref().map(|p| p.shared.clone())))
+            .py()?;
+        py.detach(|| {
+            block_on(async {
+                match shared {
+                    Some(sh) => tokio::select! {
+                        _ = tokio::time::sleep(d) => false,
+                        _ = sh.wake.notified() => true,
+                    },
+                    None => {
+                        tokio::time::sleep(d).await;
+                        false
+                    }
+                }
+            })
+        })
+        .py()
     }
 
     /// The version the caller's tensors hold (advanced by a successful apply).
@@ -602,10 +775,22 @@ async fn poll(
     anchor: bool,
 ) -> Result<Option<NativeUpdate>> {
     // Work on copies; the state is locked only to read and to record.
-    let (fetcher, mut source, held) = {
+    let (fetcher, mut source, held, registration) = {
         let st = lock(&state)?;
-        (st.fetcher.clone(), st.source.clone(), st.held.clone())
+        let reg = st.push.as_ref().and_then(|p| p.due(st.held.version));
+        (st.fetcher.clone(), st.source.clone(), st.held.clone(), reg)
     };
+    if let Some(reg) = registration {
+        fetcher.count(1);
+        match weightcast::protocol::register(fetcher.store(), &reg).await {
+            Ok(()) => {
+                if let Some(p) = lock(&state)?.push.as_mut() {
+                    p.registered = Some((reg.version, std::time::Instant::now()));
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "registration failed"),
+        }
+    }
     let version = held.version;
     let want_anchor = anchor || held.needs_anchor;
     // One step at a time: a newer version seen before is still the target
@@ -766,7 +951,12 @@ impl NativeUpdate {
     }
 
     /// Records a delta apply: the held version and the changed tensors' digests.
-    fn advance(&self, held: &mut Held, changes: &[(String, Dtype, Vec<usize>, Digest)]) {
+    fn advance(&self, st: &mut SubState, changes: &[(String, Dtype, Vec<usize>, Digest)]) {
+        self.advance_held(&mut st.held, changes);
+        report_held(st);
+    }
+
+    fn advance_held(&self, held: &mut Held, changes: &[(String, Dtype, Vec<usize>, Digest)]) {
         if let Some(known) = held.version.filter(|_| !held.digests.is_empty()) {
             debug_assert_eq!(Some(known), self.base);
         }
@@ -776,6 +966,19 @@ impl NativeUpdate {
         }
         held.version = Some(self.version);
         held.needs_anchor = false;
+    }
+}
+
+/// Records a version the caller's tensors now hold in the notify
+/// endpoint's status (`/v1/status`, `/metrics`), when listening.
+fn report_held(st: &SubState) {
+    if let Some(p) = &st.push
+        && let Ok(mut s) = p.shared.status.lock()
+    {
+        s.version = st.held.version;
+        s.newest = st.held.newest;
+        s.lag = s.newest.zip(s.version).map(|(n, v)| n.saturating_sub(v));
+        s.versions_applied += 1;
     }
 }
 
@@ -965,7 +1168,7 @@ impl NativeUpdate {
                     .filter(|t| report.changed_tensors.contains(&t.name))
                     .map(|t| (t.name.clone(), t.dtype, t.shape.clone(), t.digest))
                     .collect();
-                self.advance(&mut st.held, &changes);
+                self.advance(&mut st, &changes);
                 let seconds = started.elapsed().as_secs_f64();
                 tracing::info!(
                     version = self.version,
@@ -1004,7 +1207,7 @@ impl NativeUpdate {
                             (t.name.clone(), d, s, t.digest)
                         })
                         .collect();
-                    self.advance(&mut st.held, &changes);
+                    self.advance(&mut st, &changes);
                     let changed: u64 = reports.iter().map(|r| r.changed).sum();
                     let seconds = started.elapsed().as_secs_f64();
                     tracing::info!(
@@ -1072,7 +1275,7 @@ impl NativeUpdate {
                         .collect();
                     st.held.digests.clear();
                     st.held.tensor_files = Some(tensors.keys().cloned().collect());
-                    self.advance(&mut st.held, &changes);
+                    self.advance(&mut st, &changes);
                     let seconds = started.elapsed().as_secs_f64();
                     tracing::info!(
                         version = self.version,
@@ -1188,7 +1391,7 @@ impl NativeUpdate {
                 st.held.digests.clear();
                 st.held.tensor_files = Some(tensors.keys().cloned().collect());
             }
-            self.advance(&mut st.held, &changes);
+            self.advance(&mut st, &changes);
             Ok(())
         })
         .py()

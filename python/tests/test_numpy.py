@@ -226,6 +226,48 @@ def test_wait_times_out_and_wakes_on_a_new_version(bucket):
     assert u is not None and u.version == 0
 
 
+def test_a_listening_subscriber_is_pushed_each_version(bucket):
+    """Push, as `weightcast subscribe --listen --id` does it: the subscriber
+    registers its endpoint in the bucket, the publisher notifies it, and
+    wait() returns at once although the poll interval is far longer than the
+    wait's timeout (without the notification every wait below would time
+    out)."""
+    import json as _json
+    import urllib.request
+
+    url, state = bucket
+    key = "a-test-secret-of-32-characters-x"
+    pub = weightcast.Publisher(url, state_dir=state, notify_key=key)
+    sub = weightcast.Subscriber(url, poll_interval=600, listen="127.0.0.1:0",
+                                notify_key=key, id="py-engine-1")
+    assert sub.notify_url.startswith("http://127.0.0.1:") and sub.notify_url.endswith("/v1/notify")
+    assert sub.poll() is None, "an empty bucket has no update; this poll registers"
+    registered = os.path.join(url[len("file://"):], "subscribers", "py-engine-1.json")
+    assert _json.load(open(registered))["notify_url"] == sub.notify_url
+    w, mine, rng = model(), zeros_like(model()), np.random.default_rng(3)
+    for step in range(1, 4):
+        if step > 1:
+            train_step(w, rng)
+        out = pub.publish(w, step=step)
+        assert "notified" not in out, "publish returns before the fan-out"
+        assert pub.notifications_settled() == 1
+        u = sub.wait(timeout=30)
+        assert u is not None and u.version == out["version"], (u, out)
+        u.apply_to(mine)
+        assert same(mine, w)
+    assert sub.notifications == 3
+    # The endpoint is the library's: its status reports the held version.
+    status = _json.load(urllib.request.urlopen(sub.notify_url.replace("/v1/notify", "/v1/status")))
+    assert status["version"] == 2 and status["lag"] == 0, status
+    # The registration follows the version the tensors hold.
+    sub.poll()
+    assert _json.load(open(registered))["version"] == 2
+    with pytest.raises(weightcast.ConfigError, match="notify_key"):
+        weightcast.Subscriber(url, listen="127.0.0.1:0")
+    with pytest.raises(weightcast.ConfigError, match="listen"):
+        weightcast.Subscriber(url, id="x")
+
+
 def test_hooks_python_callables_and_library_kinds(tmp_path):
     seen = []
     marker = tmp_path / "hook-ran"

@@ -163,6 +163,10 @@ class Publisher:
         returns); CUDA tensors are copied to pinned host memory first.
         ``files`` adds other files (config, tokenizer): bytes, or a path to
         read. ``step`` is the trainer's step, which must increase.
+
+        It returns at the commit: notifications to subscribers go out in
+        the background (the report has no ``notified``); a process that
+        exits right after publishing calls :meth:`notifications_settled`.
         """
         groups = group_files(tensors, file_name)
         specs = []
@@ -198,6 +202,12 @@ class Publisher:
             out.get("total"), time.perf_counter() - started,
         )
         return out
+
+    def notifications_settled(self) -> int:
+        """Waits until the notifications of every version published so far
+        are delivered or given up (the library's bounded retries); returns
+        how many subscribers acknowledged them."""
+        return self._native.notifications_settled()
 
 
 class Update:
@@ -431,12 +441,27 @@ class Subscriber:
         version: Optional[int] = None,
         poll_interval: float = 1.0,
         store_options: Optional[Mapping[str, str]] = None,
+        listen: Optional[str] = None,
+        notify_key: Optional[str] = None,
+        advertise: Optional[str] = None,
+        id: Optional[str] = None,
     ) -> None:
+        """``listen`` (``HOST:PORT``; port 0 picks one) serves the
+        subscriber's notify endpoint (``POST /v1/notify``, ``/v1/status``,
+        ``/healthz``, ``/metrics``: the same server as ``weightcast subscribe
+        --listen``) in the background, accepting notifications signed with
+        ``notify_key``; :meth:`wait` then returns as soon as one arrives and
+        polls only every ``poll_interval``. With ``id`` the subscriber
+        registers in the bucket (``subscribers/<id>.json``, with its version,
+        refreshed by :meth:`poll`) so that the publisher notifies it at
+        ``advertise`` (default ``http://<bound address>/v1/notify``)."""
         self.store_url = store_url
         self.poll_interval = float(poll_interval)
         self._native = _native.NativeSubscriber(
-            store_url, version, self.poll_interval, _store_options(store_options)
+            store_url, version, self.poll_interval, _store_options(store_options),
+            listen, notify_key, advertise, id,
         )
+        self.listening = listen is not None
 
     @property
     def version(self) -> Optional[int]:
@@ -452,6 +477,17 @@ class Subscriber:
     def requests(self) -> int:
         """Store requests made so far."""
         return self._native.requests
+
+    @property
+    def notify_url(self) -> Optional[str]:
+        """The URL notifications reach this subscriber at (``None`` when it
+        does not listen)."""
+        return self._native.notify_url
+
+    @property
+    def notifications(self) -> int:
+        """Notifications accepted so far."""
+        return self._native.notifications
 
     def poll(self, *, anchor: bool = False, thorough: bool = False) -> Optional[Update]:
         """The next update, downloaded and checked against its manifest, or
@@ -469,22 +505,28 @@ class Subscriber:
         return update
 
     def wait(self, timeout: Optional[float] = None) -> Optional[Update]:
-        """Polls until an update is ready (backing off from 50 ms to the poll
-        interval) or ``timeout`` seconds pass (then ``None``; ``None`` waits
-        for ever)."""
+        """The next update, as soon as there is one, or ``None`` after
+        ``timeout`` seconds (``None`` waits for ever). A listening subscriber
+        returns when a notification arrives (then checks the bucket
+        thoroughly) and otherwise polls every ``poll_interval``; one that
+        does not listen polls, backing off from 50 ms to the poll
+        interval. The GIL is released while it waits."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        delay = min(0.05, self.poll_interval)
+        delay = self.poll_interval if self.listening else min(0.05, self.poll_interval)
+        woken = False
         while True:
-            update = self.poll()
+            update = self.poll(thorough=woken)
             if update is not None:
                 return update
+            step = delay
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
-                time.sleep(min(delay, left))
-            else:
-                time.sleep(delay)
+                step = min(delay, left)
+            woken = self._native.wait_notified(step)
+            if woken:
+                logger.debug("notified: checking the bucket")
             delay = min(delay * 2, self.poll_interval)
 
     def verify(self, params: Union[Tensors, Any]) -> Dict[str, Any]:

@@ -63,7 +63,7 @@ impl Fetcher {
     }
 
     /// Counts `n` requests made through [`Fetcher::store`] directly.
-    pub(crate) fn count(&self, n: u64) {
+    pub fn count(&self, n: u64) {
         self.requests.fetch_add(n, Ordering::Relaxed);
     }
 
