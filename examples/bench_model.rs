@@ -93,16 +93,12 @@ fn plan_shards(sizes: &[u64], n: usize) -> Vec<usize> {
         .collect()
 }
 
-/// Elements (bf16 words) whose bytes differ between `a` and `b`.
+/// Elements (bf16 words) whose bytes differ between `a` and `b` (the
+/// library's SIMD compare: this crate's own code builds at opt-level 0).
 fn changed_words(a: &[u8], b: &[u8]) -> u64 {
     a.par_chunks(1 << 20)
         .zip(b.par_chunks(1 << 20))
-        .map(|(x, y)| {
-            x.chunks_exact(2)
-                .zip(y.chunks_exact(2))
-                .filter(|(p, q)| p != q)
-                .count() as u64
-        })
+        .map(|(x, y)| weightcast::codec::scan::count_changed_plain(2, x, y))
         .sum()
 }
 

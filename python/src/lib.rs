@@ -493,7 +493,9 @@ impl Push {
         id: Option<String>,
     ) -> Result<Push> {
         let addr: std::net::SocketAddr = listen.parse().map_err(|e| {
-            Error::Config(format!("listen `{listen}`: {e}; expected HOST:PORT, e.g. 0.0.0.0:8471"))
+            Error::Config(format!(
+                "listen `{listen}`: {e}; expected HOST:PORT, e.g. 0.0.0.0:8471"
+            ))
         })?;
         if let Some(id) = &id
             && !weightcast::protocol::valid_id(id)
@@ -630,9 +632,10 @@ impl NativeSubscriber {
     fn notifications(&self, py: Python<'_>) -> PyResult<u64> {
         py.detach(|| {
             let st = lock(&self.state)?;
-            Ok(st.push.as_ref().map_or(0, |p| {
-                p.shared.status.lock().map_or(0, |s| s.notifications)
-            }))
+            Ok(st
+                .push
+                .as_ref()
+                .map_or(0, |p| p.shared.status.lock().map_or(0, |s| s.notifications)))
         })
         .py()
     }
@@ -642,7 +645,9 @@ impl NativeSubscriber {
     /// false when the time ran out or the subscriber does not listen.
     fn wait_notified(&self, py: Python<'_>, seconds: f64) -> PyResult<bool> {
         let d = Duration::try_from_secs_f64(seconds.max(0.0)).map_err(|_| {
-            to_py(Error::BadRequest(format!("wait of {seconds} s: not a duration")))
+            to_py(Error::BadRequest(format!(
+                "wait of {seconds} s: not a duration"
+            )))
         })?;
         let shared = py
             .detach(|| lock(&self.state).map(|s| s.push.as_ref().map(|p| p.shared.clone())))

@@ -28,13 +28,13 @@
 //! none (every block decoded twice), and a full digest pass over the model,
 //! each against the compare run just before it.
 
-use weightcast::bench::plain_compare;
-use weightcast::codec::{
+use weightcast_core::bench::plain_compare;
+use weightcast_core::codec::{
     DeltaOptions, InPlaceOptions, Target, apply_delta, apply_in_place_with, encode_delta,
 };
-use weightcast::format::Encoding;
-use weightcast::generator::{Generator, GeneratorConfig};
-use weightcast::tensors::TensorSet;
+use weightcast_core::format::Encoding;
+use weightcast_core::generator::{Generator, GeneratorConfig};
+use weightcast_core::tensors::TensorSet;
 
 #[inline(never)]
 fn compare_phase(a: &TensorSet, b: &TensorSet) -> u64 {
@@ -112,7 +112,7 @@ fn main() {
         let scan_only = |a: &TensorSet, b: &TensorSet| -> u64 {
             let mut n = 0u64;
             for i in 0..a.len() {
-                weightcast::codec::scan::for_each_change_piece(
+                weightcast_core::codec::scan::for_each_change_piece(
                     2,
                     a.data(i),
                     b.data(i),
@@ -135,28 +135,28 @@ fn main() {
         }
         {
             // In-cache costs: the same work on a 256 KiB slice, repeated.
-            use weightcast::codec::compact::encode_tensor;
-            use weightcast::digest::TensorSeed;
-            use weightcast::dtype::KeyKind;
+            use weightcast_core::codec::compact::encode_tensor;
+            use weightcast_core::digest::TensorSeed;
+            use weightcast_core::dtype::KeyKind;
             // The slice whose density is nearest the model's 1%.
             let (a, b) = (0..base.len())
                 .filter(|&i| base.data(i).len() >= 1 << 18)
                 .map(|i| (&base.data(i)[..1 << 18], &new.data(i)[..1 << 18]))
                 .min_by_key(|(a, b)| {
-                    weightcast::codec::scan::count_changed_plain(2, a, b).abs_diff(1340)
+                    weightcast_core::codec::scan::count_changed_plain(2, a, b).abs_diff(1340)
                 })
                 .unwrap();
-            let n = weightcast::codec::scan::count_changed_plain(2, a, b);
+            let n = weightcast_core::codec::scan::count_changed_plain(2, a, b);
             let r = 2000;
             let t = std::time::Instant::now();
             for _ in 0..r {
-                std::hint::black_box(weightcast::codec::scan::count_changed_plain(2, a, b));
+                std::hint::black_box(weightcast_core::codec::scan::count_changed_plain(2, a, b));
             }
             let tc = t.elapsed().as_secs_f64() / r as f64;
             let t = std::time::Instant::now();
             for _ in 0..r {
                 let mut m = 0u64;
-                weightcast::codec::scan::for_each_change_piece(2, a, b, |_, c, _, _| {
+                weightcast_core::codec::scan::for_each_change_piece(2, a, b, |_, c, _, _| {
                     m += c.len() as u64
                 });
                 std::hint::black_box(m);
@@ -174,7 +174,7 @@ fn main() {
             }
             let te = t.elapsed().as_secs_f64() / r as f64;
             // Apply: the slice's delta forth and back, alternately.
-            use weightcast::codec::compact::{Block, BlockUndo, Ctx, apply_block};
+            use weightcast_core::codec::compact::{Block, BlockUndo, Ctx, apply_block};
             let fwd = encode_tensor(KeyKind::SignMagnitude, 2, TensorSeed(1), a, b);
             let back = encode_tensor(KeyKind::SignMagnitude, 2, TensorSeed(1), b, a);
             let mut buf = a.to_vec();

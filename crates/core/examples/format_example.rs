@@ -3,10 +3,10 @@
 //!
 //! `cargo run --example format_example`
 
-use weightcast::codec::{DeltaOptions, encode_delta, inspect};
-use weightcast::dtype::Dtype;
-use weightcast::format::Encoding;
-use weightcast::tensors::TensorSet;
+use weightcast_core::codec::{DeltaOptions, encode_delta, inspect};
+use weightcast_core::dtype::Dtype;
+use weightcast_core::format::Encoding;
+use weightcast_core::tensors::TensorSet;
 
 fn bf16s(v: &[f32]) -> Vec<u8> {
     v.iter()

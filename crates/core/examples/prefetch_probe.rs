@@ -14,7 +14,7 @@
 
 use std::time::Instant;
 
-use weightcast::platform::{prefetch, prefetch_l2};
+use weightcast_core::platform::{prefetch, prefetch_l2};
 
 const BYTES: usize = 256 << 20;
 
@@ -71,7 +71,7 @@ fn main() {
         let (mut ratios, mut times) = (Vec::new(), Vec::new());
         for _ in 0..7 {
             let t = Instant::now();
-            let c = weightcast::codec::scan::count_changed_plain(2, &data, &other);
+            let c = weightcast_core::codec::scan::count_changed_plain(2, &data, &other);
             std::hint::black_box(c);
             let tc = t.elapsed().as_secs_f64();
             let t = Instant::now();

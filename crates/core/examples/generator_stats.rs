@@ -4,9 +4,9 @@
 //!
 //! `cargo run --release --example generator_stats`
 
-use weightcast::codec::scan::for_each_change;
-use weightcast::generator::{Generator, GeneratorConfig, change_stats};
-use weightcast::tensors::TensorSet;
+use weightcast_core::codec::scan::for_each_change;
+use weightcast_core::generator::{Generator, GeneratorConfig, change_stats};
+use weightcast_core::tensors::TensorSet;
 
 fn changed_positions(a: &TensorSet, b: &TensorSet) -> Vec<Vec<usize>> {
     (0..a.len())
