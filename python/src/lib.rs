@@ -65,27 +65,6 @@ fn to_py(e: Error) -> PyErr {
     })
 }
 
-fn meta_err(field: impl Into<String>, reason: impl Into<String>) -> Error {
-    Error::Metadata {
-        field: field.into(),
-        reason: reason.into(),
-    }
-}
-
-fn tensor_err(tensor: impl Into<String>, reason: impl Into<String>) -> Error {
-    Error::Tensor {
-        tensor: tensor.into(),
-        reason: reason.into(),
-    }
-}
-
-fn io_err(context: impl Into<String>, source: std::io::Error) -> Error {
-    Error::Io {
-        context: context.into(),
-        source,
-    }
-}
-
 trait OrPy<T> {
     fn py(self) -> PyResult<T>;
 }
@@ -109,7 +88,7 @@ fn runtime() -> Result<&'static tokio::runtime::Runtime> {
         .enable_all()
         .thread_name("weightcast")
         .build()
-        .map_err(|e| io_err("starting the async runtime", e))?;
+        .map_err(|e| Error::io("starting the async runtime", e))?;
     Ok(RT.get_or_init(|| rt))
 }
 
@@ -498,7 +477,7 @@ impl Push {
             ))
         })?;
         if let Some(id) = &id
-            && !weightcast::protocol::valid_id(id)
+            && !weightcast::protocol::registry::valid_id(id)
         {
             return Err(Error::Config(format!(
                 "id `{id}` must be [A-Za-z0-9._-]{{1,128}}"
@@ -516,10 +495,10 @@ impl Push {
         let rt = runtime()?;
         let listener = rt
             .block_on(tokio::net::TcpListener::bind(addr))
-            .map_err(|e| io_err(format!("binding {addr}"), e))?;
+            .map_err(|e| Error::io(format!("binding {addr}"), e))?;
         let bound = listener
             .local_addr()
-            .map_err(|e| io_err(format!("binding {addr}"), e))?;
+            .map_err(|e| Error::io(format!("binding {addr}"), e))?;
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let s = shared.clone();
         rt.spawn(async move {
@@ -863,7 +842,7 @@ async fn poll(
 /// manifest by the fetcher) and checks that it covers every tensor file held.
 async fn delta_step(f: &Fetcher, held: &Held, m: Manifest) -> Result<Body> {
     if m.base_version != held.version {
-        return Err(meta_err(
+        return Err(Error::metadata(
             "manifest",
             format!(
                 "version {} applies to version {:?}, the tensors hold {:?}",
@@ -883,7 +862,7 @@ async fn delta_step(f: &Fetcher, held: &Held, m: Manifest) -> Result<Body> {
     if let Some(expected) = &held.tensor_files {
         let got: BTreeSet<String> = deltas.iter().map(|d| d.0.clone()).collect();
         if &got != expected {
-            return Err(meta_err(
+            return Err(Error::metadata(
                 "manifest",
                 format!(
                     "version {} has deltas for {got:?}, the held version's tensor files are \
@@ -933,7 +912,7 @@ impl NativeUpdate {
         for (file, set) in tensors {
             for (i, t) in set.tensors().iter().enumerate() {
                 if out.insert(t.name.as_str(), (set, i)).is_some() {
-                    return Err(tensor_err(
+                    return Err(Error::tensor(
                         &t.name,
                         format!("appears in two tensor files (`{file}` and another)"),
                     ));
@@ -1073,7 +1052,7 @@ impl NativeUpdate {
                 for (file, d) in deltas {
                     let (_, h) = inspect(d).py()?;
                     let h = h.ok_or_else(|| {
-                        to_py(meta_err(
+                        to_py(Error::metadata(
                             "weightcast.format",
                             format!("the delta for `{file}` is not a weightcast delta"),
                         ))
@@ -1367,7 +1346,7 @@ impl NativeUpdate {
                     for (file, d) in deltas {
                         let (_, h) = inspect(d)?;
                         let h = h.ok_or_else(|| {
-                            meta_err(
+                            Error::metadata(
                                 "weightcast.format",
                                 format!("the delta for `{file}` is not a weightcast delta"),
                             )
@@ -1375,7 +1354,7 @@ impl NativeUpdate {
                         for (name, e) in h.tensors {
                             let dt = dtype(&name, &e.dtype)?;
                             let digest = Digest::parse(&e.digest).ok_or_else(|| {
-                                meta_err(format!("tensors.{name}.digest"), "not a digest")
+                                Error::metadata(format!("tensors.{name}.digest"), "not a digest")
                             })?;
                             let shape = e.shape.iter().map(|&d| d as usize).collect();
                             changes.push((name, dt, shape, digest));
@@ -1416,7 +1395,7 @@ impl NativeUpdate {
         py.detach(move || -> Result<String> {
             let dir = std::path::PathBuf::from(dir);
             std::fs::create_dir_all(&dir)
-                .map_err(|e| io_err(format!("creating {}", dir.display()), e))?;
+                .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
             let sink = DirSink::open(&dir, slots)?;
             let mut sub = Subscriber::new(
                 fetcher,

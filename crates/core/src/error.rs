@@ -283,7 +283,7 @@ impl Error {
         }
     }
 
-    #[doc(hidden)]
+    /// [`Error::Tensor`]: `tensor` is inconsistent, for `reason`.
     pub fn tensor(tensor: impl Into<String>, reason: impl Into<String>) -> Self {
         Error::Tensor {
             tensor: tensor.into(),
@@ -291,7 +291,7 @@ impl Error {
         }
     }
 
-    #[doc(hidden)]
+    /// [`Error::Metadata`]: the metadata `field` is missing or wrong, for `reason`.
     pub fn metadata(field: impl Into<String>, reason: impl Into<String>) -> Self {
         Error::Metadata {
             field: field.into(),
@@ -299,7 +299,7 @@ impl Error {
         }
     }
 
-    #[doc(hidden)]
+    /// [`Error::Io`]: `source` happened while doing `context`.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         Error::Io {
             context: context.into(),
