@@ -226,13 +226,15 @@ def test_wait_times_out_and_wakes_on_a_new_version(bucket):
     assert u is not None and u.version == 0
 
 
-def test_a_listening_subscriber_is_pushed_each_version(bucket):
+def test_a_listening_subscriber_is_pushed_each_version(bucket, caplog):
     """Push, as `weightcast subscribe --listen --id` does it: the subscriber
     registers its endpoint in the bucket, the publisher notifies it, and
     wait() returns at once although the poll interval is far longer than the
     wait's timeout (without the notification every wait below would time
     out)."""
     import json as _json
+    import logging
+    import threading
     import urllib.request
 
     url, state = bucket
@@ -248,11 +250,29 @@ def test_a_listening_subscriber_is_pushed_each_version(bucket):
     for step in range(1, 4):
         if step > 1:
             train_step(w, rng)
-        out = pub.publish(w, step=step)
+        done = {}
+
+        def trainer():
+            done["out"] = pub.publish(w, step=step)
+            done["acks"] = pub.notifications_settled()
+
+        # The publish starts after wait() has polled once and found nothing,
+        # so only the notification can end the wait before its timeout.
+        t = threading.Timer(0.5, trainer)
+        t.start()
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="weightcast"):
+            u = sub.wait(timeout=30)
+        t.join()
+        # A wait that timed out would still find the version in its last
+        # poll; the log says whether the notification ended it.
+        assert any(r.getMessage().startswith("notified") for r in caplog.records), \
+            "wait() was not woken by the notification"
+        out = done["out"]
         assert "notified" not in out, "publish returns before the fan-out"
-        assert pub.notifications_settled() == 1
-        u = sub.wait(timeout=30)
-        assert u is not None and u.version == out["version"], (u, out)
+        assert done["acks"] == 1
+        assert u is not None, "wait() timed out: the notification did not wake it"
+        assert u.version == out["version"], (u, out)
         u.apply_to(mine)
         assert same(mine, w)
     assert sub.notifications == 3
