@@ -11,6 +11,10 @@ published as version 1 (a delta). Then, on the engine side:
 - in place: ``Update.apply_to(engine)`` (verify, then write into the
   engine's tensors); the pause is from "update downloaded" (``poll``
   returned) to "engine holds the new version";
+- single pass: ``apply_to(engine, single_pass=True)``;
+- prepared: ``Update.prepare(engine)`` while the engine serves (verify and
+  decode; timed, not a pause), then ``Update.commit()`` (the pause: the
+  writes alone);
 - reload: the version materialized as a file (``Update.save_to``, what
   ``weightcast subscribe --out`` writes), then ``safetensors.torch.load_file``
   + ``copy_`` into the same tensors, with the file in the page cache (read
@@ -159,6 +163,22 @@ def run(a: argparse.Namespace, root: str, store: str) -> None:
         single.append(time.perf_counter() - t)
         assert r.get("single_pass"), r
     assert all(torch.equal(engine[k], trainer[k]) for k in trainer)
+    # prepared: verify and decode while the engine serves (not a pause), then
+    # the pause is the commit alone
+    prepare, commit = [], []
+    first = 2 + 2 * (a.repeats - 1) + 1
+    for step in range(first, first + a.repeats):
+        train_step()
+        pub.publish(trainer, step=step)
+        u = sub.poll()
+        t = time.perf_counter()
+        assert u.prepare(engine)
+        prepare.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        r = u.commit()
+        commit.append(time.perf_counter() - t)
+        assert r.get("prepared"), r
+    assert all(torch.equal(engine[k], trainer[k]) for k in trainer)
     # the file path in steady state: the newest version materialized into the
     # output directory that holds an earlier one (the standby slot patched)
     w0 = write_bytes()
@@ -187,6 +207,10 @@ def run(a: argparse.Namespace, root: str, store: str) -> None:
         "single_pass_pause_s": [round(x, 4) for x in single],
         "single_pass_median_s": round(statistics.median(single), 4),
         "reload_over_single_pass": round(rl / statistics.median(single), 2),
+        "prepare_s": [round(x, 4) for x in prepare],
+        "commit_pause_s": [round(x, 4) for x in commit],
+        "commit_median_s": round(statistics.median(commit), 4),
+        "reload_over_commit": round(rl / statistics.median(commit), 2),
         "inplace_disk_bytes_written": inplace_written,
         "materialize_first_s": round(materialize_s, 3),
         "materialize_first_disk_bytes_written": materialize_written,

@@ -16,7 +16,10 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes};
 use rayon::prelude::*;
 
-use weightcast::codec::{Delta, InPlaceOptions, Positions, Target, apply_in_place_all, inspect};
+use weightcast::codec::{
+    Delta, InPlaceOptions, InPlaceReport, Positions, Prepared, Target, apply_in_place_all, inspect,
+    prepare_in_place_all,
+};
 use weightcast::digest::{Digest, tensor_digest_of};
 use weightcast::dtype::{Dtype, parse_dtype, word_bytes};
 use weightcast::error::{Error, ErrorKind};
@@ -835,6 +838,7 @@ async fn poll(
         version,
         base,
         body,
+        staged: Mutex::new(None),
     }))
 }
 
@@ -900,9 +904,75 @@ struct NativeUpdate {
     version: u64,
     base: Option<u64>,
     body: Body,
+    /// What `prepare_buffers` decoded, until `commit_prepared` writes it.
+    staged: Mutex<Option<Staged>>,
+}
+
+/// A prepared delta and the tensors it was prepared on: their memory
+/// (pointer, length; the commit must be given the same) and structure.
+struct Staged {
+    prepared: Prepared,
+    memory: HashMap<String, (usize, usize)>,
+    info: HashMap<String, (Dtype, Vec<usize>)>,
+}
+
+/// Each lent tensor's dtype and shape, by name.
+fn structure(lent: &[Lending]) -> HashMap<String, (Dtype, Vec<usize>)> {
+    lent.iter()
+        .map(|l| (l.name.clone(), (l.dtype, l.shape.clone())))
+        .collect()
 }
 
 impl NativeUpdate {
+    fn staged(&self) -> std::sync::MutexGuard<'_, Option<Staged>> {
+        self.staged.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records a delta applied to lent tensors (`reports`, the tensors'
+    /// structure `info`) and returns the JSON report.
+    fn applied(
+        &self,
+        st: &mut SubState,
+        reports: &[InPlaceReport],
+        info: &HashMap<String, (Dtype, Vec<usize>)>,
+        started: std::time::Instant,
+        prepared: bool,
+    ) -> String {
+        let changes: Vec<_> = reports
+            .iter()
+            .flat_map(|r| &r.tensors)
+            .map(|t| {
+                let (d, s) = info[&t.name].clone();
+                (t.name.clone(), d, s, t.digest)
+            })
+            .collect();
+        self.advance(st, &changes);
+        let changed: u64 = reports.iter().map(|r| r.changed).sum();
+        let seconds = started.elapsed().as_secs_f64();
+        tracing::info!(
+            version = self.version,
+            changed,
+            seconds,
+            prepared,
+            "delta applied in place"
+        );
+        serde_json::json!({
+            "version": self.version,
+            "kind": "delta",
+            "changed": changed,
+            "changed_tensors": reports
+                .iter()
+                .flat_map(|r| &r.tensors)
+                .filter(|t| t.changed > 0)
+                .map(|t| &t.name)
+                .collect::<Vec<_>>(),
+            "kept": reports.iter().map(|r| r.kept).sum::<u64>(),
+            "seconds": seconds,
+            "prepared": prepared,
+        })
+        .to_string()
+    }
+
     /// Every (file, tensor index) of an anchor, by tensor name.
     fn anchor_index(&self) -> Result<HashMap<&str, (&TensorSet, usize)>> {
         let Body::Anchor { tensors, .. } = &self.body else {
@@ -1173,47 +1243,14 @@ impl NativeUpdate {
             match &self.body {
                 Body::Delta { deltas, .. } => {
                     let objects: Vec<&[u8]> = deltas.iter().map(|d| &d.1[..]).collect();
-                    let info: HashMap<String, (Dtype, Vec<usize>)> = lent
-                        .iter()
-                        .map(|l| (l.name.clone(), (l.dtype, l.shape.clone())))
-                        .collect();
+                    let info = structure(&lent);
                     let r = apply_in_place_all(
                         &mut targets(&mut lent),
                         &objects,
                         &InPlaceOptions::default(),
                     );
                     let reports = repair_on_failure(&mut st.held, r)?;
-                    let changes: Vec<_> = reports
-                        .iter()
-                        .flat_map(|r| &r.tensors)
-                        .map(|t| {
-                            let (d, s) = info[&t.name].clone();
-                            (t.name.clone(), d, s, t.digest)
-                        })
-                        .collect();
-                    self.advance(&mut st, &changes);
-                    let changed: u64 = reports.iter().map(|r| r.changed).sum();
-                    let seconds = started.elapsed().as_secs_f64();
-                    tracing::info!(
-                        version = self.version,
-                        changed,
-                        seconds,
-                        "delta applied in place"
-                    );
-                    Ok(serde_json::json!({
-                        "version": self.version,
-                        "kind": "delta",
-                        "changed": changed,
-                        "changed_tensors": reports
-                            .iter()
-                            .flat_map(|r| &r.tensors)
-                            .filter(|t| t.changed > 0)
-                            .map(|t| &t.name)
-                            .collect::<Vec<_>>(),
-                        "kept": reports.iter().map(|r| r.kept).sum::<u64>(),
-                        "seconds": seconds,
-                    })
-                    .to_string())
+                    Ok(self.applied(&mut st, &reports, &info, started, false))
                 }
                 Body::Anchor { tensors, .. } => {
                     let index = self.anchor_index()?;
@@ -1277,6 +1314,84 @@ impl NativeUpdate {
                     .to_string())
                 }
             }
+        })
+        .py()
+    }
+
+    /// The first half of a delta's apply to lent CPU tensors: verifies every
+    /// changed element's base and decodes every change, writing nothing (the
+    /// engine still serves from these tensors). `commit_prepared` writes
+    /// them. False, with nothing held, for what cannot be held decoded (an
+    /// anchor, a TRL-encoded delta): apply those with `apply_buffers`.
+    fn prepare_buffers(&self, py: Python<'_>, tensors: Vec<Spec>) -> PyResult<bool> {
+        py.detach(|| -> Result<bool> {
+            let Body::Delta { deltas, .. } = &self.body else {
+                return Ok(false);
+            };
+            let mut lent = lend(tensors, true)?;
+            check_disjoint(&lent)?;
+            let mut st = lock(&self.state)?;
+            self.check_base(&st.held)?;
+            let objects: Vec<&[u8]> = deltas.iter().map(|d| &d.1[..]).collect();
+            let prepared = match prepare_in_place_all(&mut targets(&mut lent), &objects) {
+                Err(Error::Unsupported { reason, .. }) => {
+                    tracing::debug!(%reason, "update not prepared; it applies in one call");
+                    return Ok(false);
+                }
+                r => repair_on_failure(&mut st.held, r)?,
+            };
+            let memory = lent
+                .iter()
+                .map(|l| (l.name.clone(), (l.mem.ptr, l.mem.len)))
+                .collect();
+            tracing::debug!(
+                version = self.version,
+                changed = prepared.changed(),
+                held_bytes = prepared.held_bytes(),
+                "delta prepared"
+            );
+            *self.staged() = Some(Staged {
+                prepared,
+                memory,
+                info: structure(&lent),
+            });
+            Ok(true)
+        })
+        .py()
+    }
+
+    /// The second half: writes what `prepare_buffers` decoded into the same
+    /// tensors (the same memory, checked), nothing else: one scatter of the
+    /// changed words. Returns the report `apply_buffers` returns.
+    fn commit_prepared(&self, py: Python<'_>, tensors: Vec<Spec>) -> PyResult<String> {
+        py.detach(|| -> Result<String> {
+            let staged = self.staged().take().ok_or_else(|| {
+                Error::BadRequest(format!(
+                    "version {} was not prepared (prepare returned false, or it was committed \
+                     already)",
+                    self.version
+                ))
+            })?;
+            let mut lent = lend(tensors, true)?;
+            check_disjoint(&lent)?;
+            for name in staged.prepared.tensor_names() {
+                let now = lent
+                    .iter()
+                    .find(|l| l.name == name)
+                    .map(|l| (l.mem.ptr, l.mem.len));
+                if now != staged.memory.get(name).copied() {
+                    return Err(Error::BadRequest(format!(
+                        "tensor `{name}` is not the memory version {} was prepared on: commit the \
+                         tensors given to prepare",
+                        self.version
+                    )));
+                }
+            }
+            let mut st = lock(&self.state)?;
+            self.check_base(&st.held)?;
+            let started = std::time::Instant::now();
+            let reports = staged.prepared.commit(&mut targets(&mut lent))?;
+            Ok(self.applied(&mut st, &reports, &staged.info, started, true))
         })
         .py()
     }

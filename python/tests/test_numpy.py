@@ -115,6 +115,57 @@ def test_modified_base_is_refused_untouched_then_repaired_by_an_anchor(bucket):
     assert same(mine, w) and sub.version == 1
 
 
+@pytest.mark.parametrize("via", ["buffers", "scatter"])
+def test_prepare_then_commit_is_bit_identical_and_prepare_writes_nothing(bucket, via):
+    """The engine's side of a pause: prepare while serving (verify, decode or
+    stage; nothing written), then commit (the writes only)."""
+    pub, sub, w, rng, mine = following(bucket, 4, via=via)
+    for step in range(2, 6):
+        train_step(w, rng)
+        out = pub.publish(w, step=step)
+        u = sub.poll()
+        before = {k: as_bytes(_arr(v)) for k, v in mine.items()}
+        assert u.prepare(mine, via=via) is True
+        assert {k: as_bytes(_arr(v)) for k, v in mine.items()} == before, "prepare wrote"
+        assert sub.version == out["version"] - 1, "prepare does not advance the version"
+        report = u.commit()
+        assert report["version"] == out["version"] and report["via"] == via
+        assert report.get("prepared", via == "scatter"), report
+        assert same(mine, w) and sub.version == out["version"]
+        with pytest.raises(weightcast.BadRequest, match="prepare"):
+            u.commit()
+    # A modified base is refused by prepare, nothing is modified, and the
+    # next poll repairs with an anchor, which prepare leaves whole to commit.
+    train_step(w, rng)
+    pub.publish(w, step=6)
+    u = sub.poll()
+    changed = np.flatnonzero(as_np(mine["embed"]) != as_np(w["embed"]))
+    mine["embed"].reshape(-1)[changed[0]] = 123.0
+    before = {k: as_bytes(_arr(v)) for k, v in mine.items()}
+    with pytest.raises(weightcast.BaseMismatch, match="embed"):
+        u.prepare(mine, via=via)
+    assert {k: as_bytes(_arr(v)) for k, v in mine.items()} == before
+    a = sub.poll()
+    assert a.kind == "anchor" and a.prepare(mine, via=via) is False
+    a.commit()
+    assert same(mine, w) and sub.version == a.version
+
+
+def test_commit_needs_the_prepared_tensors(bucket):
+    pub, sub, w, rng, mine = following(bucket, 5)
+    train_step(w, rng)
+    pub.publish(w, step=2)
+    u = sub.poll()
+    assert u.prepare(mine)
+    # Another copy of the same values is other memory: refused, unwritten.
+    u._prepared = ({k: (v.copy() if isinstance(v, np.ndarray) else
+                        weightcast.Raw(v.data.copy(), v.dtype, v.shape))
+                    for k, v in mine.items()},) + u._prepared[1:]
+    with pytest.raises(weightcast.BadRequest, match="prepared on"):
+        u.commit()
+    assert sub.version == 0
+
+
 def as_np(x):
     return np.asarray(x)
 

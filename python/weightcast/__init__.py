@@ -224,6 +224,7 @@ class Update:
         self._subscriber = subscriber
         self._applied: Optional[Tensors] = None
         self._changed: Optional[List[str]] = None
+        self._prepared: Optional[Tuple[Tensors, str, Any, bool]] = None
 
     version = property(lambda self: self._native.version, doc="The version this update produces.")
     kind = property(lambda self: self._native.kind, doc="``delta`` or ``anchor``.")
@@ -274,11 +275,8 @@ class Update:
         only when this succeeds.
         """
         params = _as_mapping(params)
-        if via not in ("auto", "buffers", "scatter"):
-            raise BadRequest(f"via={via!r}: expected auto, buffers or scatter")
         started = time.perf_counter()
-        if via == "auto":
-            via = "buffers" if all(on_cpu(t) for t in params.values()) else "scatter"
+        via = self._via(params, via)
         if via == "buffers":
             specs, keep = lend_all(params, write=True)
             report = json.loads(self._native.apply_buffers(specs, single_pass))
@@ -287,6 +285,64 @@ class Update:
             report = self._copy_anchor(params)
         else:
             report = self._scatter(params)
+        return self._applied_report(report, via, params, started)
+
+    def prepare(self, params: Union[Tensors, Any], *, via: str = "auto") -> bool:
+        """Everything :meth:`apply_to` does before it writes, while the engine
+        still serves from ``params``: a delta's bases verified (refusals as in
+        :meth:`apply_to`, nothing modified) and its changes decoded (CPU
+        tensors), or the old words gathered, verified and the new ones
+        staged on the device (``via="scatter"``). :meth:`commit` then writes
+        them: the engine pauses for the commit only, one scatter of the
+        changed words. Nothing may write ``params`` between the two calls.
+
+        Holds about 6 bytes per changed bf16 element until the commit.
+        Returns False when there was nothing to do ahead (an anchor, a
+        TRL-encoded delta): :meth:`commit` then applies it whole."""
+        params = _as_mapping(params)
+        via = self._via(params, via)
+        ready = False
+        if self.kind == "delta" and via == "buffers":
+            specs, keep = lend_all(params, write=True)
+            ready = self._native.prepare_buffers(specs)
+            del keep
+            staged: Any = None
+        elif self.kind == "delta":
+            staged = self._stage_scatter(params)
+            ready = True
+        self._prepared = (params, via, staged if ready else None, ready)
+        logger.info("prepared %s version %s (%s): %s", self.kind, self.version, via,
+                    "decoded, ready to commit" if ready else "applies whole at commit")
+        return ready
+
+    def commit(self) -> Dict[str, Any]:
+        """Writes what :meth:`prepare` got ready into the same tensors (or
+        applies the update whole when it returned False); returns the
+        :meth:`apply_to` report, whose ``seconds`` is the pause."""
+        if self._prepared is None:
+            raise BadRequest(f"version {self.version}: commit() needs prepare(params) first")
+        params, via, staged, ready = self._prepared
+        self._prepared = None
+        if not ready:
+            return self.apply_to(params, via=via)
+        started = time.perf_counter()
+        if via == "buffers":
+            specs, keep = lend_all(params, write=True)
+            report = json.loads(self._native.commit_prepared(specs))
+            del keep
+        else:
+            report = self._write_staged(*staged)
+        return self._applied_report(report, via, params, started)
+
+    def _via(self, params: Tensors, via: str) -> str:
+        if via not in ("auto", "buffers", "scatter"):
+            raise BadRequest(f"via={via!r}: expected auto, buffers or scatter")
+        if via == "auto":
+            via = "buffers" if all(on_cpu(t) for t in params.values()) else "scatter"
+        return via
+
+    def _applied_report(self, report: Dict[str, Any], via: str, params: Tensors,
+                        started: float) -> Dict[str, Any]:
         report["via"] = via
         report["seconds"] = time.perf_counter() - started
         self._applied = params
@@ -301,6 +357,12 @@ class Update:
         """Delta onto tensors anywhere: gather old words, let the library
         verify and resolve them, then scatter — only after every tensor
         resolved."""
+        return self._write_staged(*self._stage_scatter(params))
+
+    def _stage_scatter(self, params: Tensors) -> Tuple[List[Any], List[Any]]:
+        """The scatter path up to the writes: the old words gathered, the
+        library's verification, the new words staged where the tensors
+        live. Returns (writes, resolved)."""
         info = {n: (d, list(s)) for n, d, s in self._native.tensors()}
         from ._tensors import dtype_of, shape_of
 
@@ -343,6 +405,10 @@ class Update:
                 writes.append((words, idx, vals.to(words.device, non_blocking=True)))
             else:
                 writes.append((words, idx, np.frombuffer(new, dtype=words.dtype)))
+        return writes, resolved
+
+    def _write_staged(self, writes: List[Any], resolved: List[Any]) -> Dict[str, Any]:
+        """The scatter path's writes, and the library's record of them."""
         for words, idx, vals in writes:
             if is_torch(words):
                 words.index_copy_(0, idx, vals)

@@ -2068,6 +2068,68 @@ fn in_place_refuses_a_modified_changed_element_and_writes_nothing() {
     }
 }
 
+/// The prepared apply refuses a modified changed element exactly as the
+/// one-call apply does, writing nothing; a commit given other targets than
+/// the prepare (one missing, one resized, one of another dtype) fails before
+/// writing anything.
+#[test]
+fn prepare_refuses_a_modified_base_and_commit_other_targets() {
+    let fx = Fixture::new();
+    let d = fx.d12(Encoding::Compact);
+    let name = "embed";
+    let pos = fx.changed_positions(name)[0];
+    let mut bufs = flipped(&fx.sets[1], name, pos, 0x10);
+    let before = bufs.clone();
+    let err = weightcast::codec::prepare_in_place_all(&mut targets(&fx.sets[1], &mut bufs), &[&d])
+        .err()
+        .expect("a modified base is refused");
+    assert!(matches!(err, Error::WrongBase { .. }), "{err:?}");
+    assert_mentions(&err, &[name]);
+    assert!(bufs == before);
+
+    let prepare = |bufs: &mut Vec<Vec<u8>>| {
+        weightcast::codec::prepare_in_place_all(&mut targets(&fx.sets[1], bufs), &[&d]).unwrap()
+    };
+    let e = fx.sets[1].position(name).unwrap();
+    // One missing.
+    let mut bufs = buffers(&fx.sets[1]);
+    let prepared = prepare(&mut bufs);
+    let mut ts = targets(&fx.sets[1], &mut bufs);
+    ts.remove(e);
+    let err = prepared.commit(&mut ts).err().expect("a missing target");
+    assert_mentions(&err, &[name, "not among the targets"]);
+    assert!(
+        bufs.iter()
+            .enumerate()
+            .all(|(i, b)| b == fx.sets[1].data(i))
+    );
+    // One resized.
+    let mut bufs = buffers(&fx.sets[1]);
+    let prepared = prepare(&mut bufs);
+    bufs[e].pop();
+    let err = prepared
+        .commit(&mut targets(&fx.sets[1], &mut bufs))
+        .err()
+        .expect("a resized target");
+    assert_mentions(&err, &[name, "when prepared"]);
+    // Another dtype.
+    let mut bufs = buffers(&fx.sets[1]);
+    let prepared = prepare(&mut bufs);
+    let mut ts = targets(&fx.sets[1], &mut bufs);
+    ts[e].dtype = if ts[e].dtype == Dtype::F16 {
+        Dtype::BF16
+    } else {
+        Dtype::F16
+    };
+    let err = prepared.commit(&mut ts).err().expect("another dtype");
+    assert_mentions(&err, &[name, "when prepared"]);
+    assert!(
+        bufs.iter()
+            .enumerate()
+            .all(|(i, b)| b == fx.sets[1].data(i))
+    );
+}
+
 /// Only the elements a delta changes are checked: a target modified elsewhere
 /// is accepted and keeps its modification (the full check is
 /// `tensor_digest_of`, a pass over the tensor, which does see it).

@@ -16,7 +16,7 @@ use proptest::test_runner::Config;
 use weightcast::Error;
 use weightcast::codec::{
     Delta, DeltaOptions, InPlaceOptions, Target, apply_delta, apply_in_place_with, encode_anchor,
-    encode_delta, inspect, read_anchor, tensor_digest_of,
+    encode_delta, inspect, prepare_in_place_all, read_anchor, tensor_digest_of,
 };
 use weightcast::dtype::{
     Dtype, from_key, is_packed, key_kind, read_word, to_key, word_bytes, word_mask, write_word,
@@ -540,6 +540,42 @@ fn in_place_round_trip(base: &TensorSet, bytes: &[u8], want: &TensorSet) {
             report.changed,
             report.tensors.iter().map(|t| t.changed).sum::<u64>()
         );
+    }
+    // Prepared, then committed: the same bytes and reports, and nothing
+    // written by the prepare. TRL deltas are refused by name (applied in one
+    // call instead).
+    let mut bufs = buffers(base);
+    match prepare_in_place_all(&mut targets(base, &mut bufs), &[bytes]) {
+        Ok(prepared) => {
+            assert!(
+                bufs.iter().enumerate().all(|(i, b)| b == base.data(i)),
+                "prepare wrote"
+            );
+            let changed = prepared.changed();
+            let reports = prepared.commit(&mut targets(base, &mut bufs)).unwrap();
+            for (i, b) in bufs.iter().enumerate() {
+                assert!(
+                    b == want.data(i),
+                    "prepared: `{}` differs",
+                    base.tensors()[i].name
+                );
+            }
+            assert_eq!(reports.len(), 1);
+            assert_eq!(reports[0].changed, changed);
+            for t in &reports[0].tensors {
+                let i = base.position(&t.name).unwrap();
+                assert_eq!(t.digest, want.tensors()[i].digest, "{}", t.name);
+            }
+        }
+        Err(e) => {
+            let encoding = Delta::parse(bytes).unwrap().header().encoding;
+            assert_eq!(
+                encoding,
+                Encoding::Trl,
+                "prepare refused a {encoding} delta: {e}"
+            );
+            assert!(matches!(e, Error::Unsupported { .. }), "{e:?}");
+        }
     }
     // The device form: positions, old words gathered there, new words back.
     let delta = Delta::parse(bytes).unwrap();

@@ -19,8 +19,8 @@ pub mod vector;
 
 pub use crate::digest::tensor_digest_of;
 pub use apply::{
-    Delta, InPlaceOptions, InPlaceReport, Positions, Target, TensorChange, apply_in_place,
-    apply_in_place_all, apply_in_place_with,
+    Delta, InPlaceOptions, InPlaceReport, Positions, Prepared, Target, TensorChange,
+    apply_in_place, apply_in_place_all, apply_in_place_with, prepare_in_place_all,
 };
 
 use std::collections::BTreeMap;

@@ -65,6 +65,11 @@ impl Kept {
     pub(crate) fn len(&self) -> usize {
         self.index.len()
     }
+
+    /// Bytes held.
+    pub(crate) fn bytes(&self) -> usize {
+        self.index.len() * 4 + self.new.len()
+    }
 }
 
 /// Where a block's resolved changes go, in entry order.
