@@ -5,7 +5,8 @@ Two ways to hand a version to an engine:
 
 - **in place**: the engine's own tensors carry the checkpoint's names (plain
   PyTorch, Hugging Face ``transformers`` models): each update is applied to
-  them directly (:meth:`weightcast.Update.apply_to`), verified before
+  them directly (:meth:`weightcast.Update.prepare` while the engine serves,
+  then :meth:`weightcast.Update.commit` in the pause), verified before
   anything is written, with no copy of the model.
 - **through a loader**: the engine renames, fuses or shards tensors as it
   loads them (vLLM's ``model.load_weights``, SGLang's
@@ -88,13 +89,22 @@ class Follower:
                 return self.version
 
     def apply(self, update: Update) -> Dict[str, Any]:
-        """Hands one update to the engine (see the class)."""
+        """Hands one update to the engine (see the class). In place, the
+        update is prepared first (verified and decoded while the engine
+        still serves: ``prepare_seconds``) and the pause is the commit
+        alone."""
+        prepare_seconds = 0.0
+        if self._params is not None:
+            t = time.perf_counter()
+            update.prepare(self._params)
+            prepare_seconds = time.perf_counter() - t
         started = time.perf_counter()
         if self._params is not None:
-            report = update.apply_to(self._params)
+            report = update.commit()
         else:
             report = self._load(update)
         report["pause_seconds"] = time.perf_counter() - started
+        report["prepare_seconds"] = prepare_seconds
         self.last_report = report
         return report
 

@@ -2096,7 +2096,7 @@ fn prepare_refuses_a_modified_base_and_commit_other_targets() {
     let prepared = prepare(&mut bufs);
     let mut ts = targets(&fx.sets[1], &mut bufs);
     ts.remove(e);
-    let err = prepared.commit(&mut ts).err().expect("a missing target");
+    let err = prepared.commit(&mut ts).expect_err("a missing target");
     assert_mentions(&err, &[name, "not among the targets"]);
     assert!(
         bufs.iter()
@@ -2109,8 +2109,7 @@ fn prepare_refuses_a_modified_base_and_commit_other_targets() {
     bufs[e].pop();
     let err = prepared
         .commit(&mut targets(&fx.sets[1], &mut bufs))
-        .err()
-        .expect("a resized target");
+        .expect_err("a resized target");
     assert_mentions(&err, &[name, "when prepared"]);
     // Another dtype.
     let mut bufs = buffers(&fx.sets[1]);
@@ -2121,7 +2120,7 @@ fn prepare_refuses_a_modified_base_and_commit_other_targets() {
     } else {
         Dtype::F16
     };
-    let err = prepared.commit(&mut ts).err().expect("another dtype");
+    let err = prepared.commit(&mut ts).expect_err("another dtype");
     assert_mentions(&err, &[name, "when prepared"]);
     assert!(
         bufs.iter()
