@@ -241,6 +241,22 @@ pub async fn send_with(
         .await
 }
 
+/// The notify URL a subscriber listening on `bound` registers when no
+/// `advertise` URL is given: `http://<bound>/v1/notify`. Refused for an
+/// unspecified address (`0.0.0.0`, `::`): a publisher on another host would
+/// dial itself, so the caller must say where it is reached.
+pub fn default_notify_url(bound: std::net::SocketAddr) -> Result<String> {
+    if bound.ip().is_unspecified() {
+        return Err(Error::Config(format!(
+            "listening on {bound} (every interface), the address to register is unknown: give \
+             the URL publishers reach this subscriber at (--advertise / advertise=, e.g. \
+             http://<this host>:{}/v1/notify)",
+            bound.port()
+        )));
+    }
+    Ok(format!("http://{bound}/v1/notify"))
+}
+
 /// How old a registration may be and still be notified: the retention's
 /// registration horizon (a day by default), so that a subscriber retention
 /// has given up on is not sent POSTs either.
@@ -396,5 +412,19 @@ mod tests {
             "other key"
         );
         assert!(Key::new("short").is_err());
+    }
+
+    #[test]
+    fn the_default_notify_url_needs_a_reachable_address() {
+        let url = default_notify_url("127.0.0.1:8471".parse().unwrap()).unwrap();
+        assert_eq!(url, "http://127.0.0.1:8471/v1/notify");
+        for every in ["0.0.0.0:8471", "[::]:8471"] {
+            let e = default_notify_url(every.parse().unwrap()).unwrap_err();
+            assert_eq!(e.kind(), crate::error::ErrorKind::Config);
+            assert!(
+                e.to_string().contains("advertise") && e.to_string().contains(":8471"),
+                "{e}"
+            );
+        }
     }
 }

@@ -513,10 +513,15 @@ impl Push {
             }
         });
         tracing::info!(%bound, "serving /v1/notify, /v1/status, /healthz, /metrics");
+        let notify_url = match advertise {
+            Some(url) => url,
+            None if id.is_some() => weightcast::notify::default_notify_url(bound)?,
+            None => format!("http://{bound}/v1/notify"),
+        };
         Ok(Push {
             shared,
             id,
-            notify_url: advertise.unwrap_or_else(|| format!("http://{bound}/v1/notify")),
+            notify_url,
             registered: None,
             _stop: stop,
         })

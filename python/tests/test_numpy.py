@@ -337,6 +337,8 @@ def test_a_listening_subscriber_is_pushed_each_version(bucket, caplog):
         weightcast.Subscriber(url, listen="127.0.0.1:0")
     with pytest.raises(weightcast.ConfigError, match="listen"):
         weightcast.Subscriber(url, id="x")
+    with pytest.raises(weightcast.ConfigError, match="advertise"):
+        weightcast.Subscriber(url, listen="0.0.0.0:0", notify_key=key, id="x")
 
 
 def test_hooks_python_callables_and_library_kinds(tmp_path):

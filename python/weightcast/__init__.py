@@ -520,7 +520,8 @@ class Subscriber:
         polls only every ``poll_interval``. With ``id`` the subscriber
         registers in the bucket (``subscribers/<id>.json``, with its version,
         refreshed by :meth:`poll`) so that the publisher notifies it at
-        ``advertise`` (default ``http://<bound address>/v1/notify``)."""
+        ``advertise`` (default ``http://<bound address>/v1/notify``; required
+        when ``listen`` is ``0.0.0.0`` or ``[::]``)."""
         self.store_url = store_url
         self.poll_interval = float(poll_interval)
         self._native = _native.NativeSubscriber(

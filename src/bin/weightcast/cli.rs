@@ -168,7 +168,8 @@ pub enum Command {
         /// it, and `weightcast status` lists it).
         #[arg(long)]
         id: Option<String>,
-        /// The notify URL to register (default: http://<listen>/v1/notify).
+        /// The notify URL to register (default: http://<listen>/v1/notify;
+        /// required with --id when --listen is 0.0.0.0 or [::]).
         #[arg(long)]
         advertise: Option<String>,
         /// After each new version (repeatable): sglang:URL, vllm:URL,

@@ -495,8 +495,9 @@ async fn subscribe_daemon(
             .await
             .with_context(|| format!("binding {addr}"))?;
         let bound = listener.local_addr()?;
-        cfg.notify_url
-            .get_or_insert_with(|| format!("http://{bound}/v1/notify"));
+        if cfg.id.is_some() && cfg.notify_url.is_none() {
+            cfg.notify_url = Some(weightcast::notify::default_notify_url(bound)?);
+        }
         tracing::info!(%bound, "serving /v1/notify, /v1/status, /healthz, /metrics");
         let s = shared.clone();
         tokio::spawn(async move {
