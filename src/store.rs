@@ -420,6 +420,15 @@ impl Store {
         let parsed =
             url::Url::parse(url).map_err(|e| Error::Config(format!("store URL `{url}`: {e}")))?;
         let bad = |e: object_store::Error| Error::Config(format!("store URL `{url}`: {e}"));
+        if matches!(parsed.scheme(), "file" | "memory")
+            && let Some((k, _)) = options.first()
+        {
+            return Err(Error::Config(format!(
+                "store URL `{url}`: a {} store takes no options (given `{k}`); options \
+                 configure s3, gs, az, http and hf stores",
+                parsed.scheme()
+            )));
+        }
         let (base, prefix): (Arc<dyn ObjectStore>, String) = match parsed.scheme() {
             "file" => {
                 let dir = parsed.to_file_path().map_err(|_| {

@@ -404,3 +404,111 @@ async fn the_daemon_relays_on_wake_up_and_notifies_the_region() {
         vec![Some(vec![0, 1]), Some(vec![2, 3])]
     );
 }
+
+/// `weightcast relay --from-option/--to-option`: each side takes its own
+/// endpoint and credentials over the environment's. The origin is moto
+/// reached directly with one access key, the destination moto reached
+/// through a counting proxy (a second endpoint) with another; the
+/// environment's endpoint leads nowhere. Every request the proxy sees is
+/// the destination's, and the mirror is followed bit-identically. A
+/// malformed option, an unknown key and an option given to a `file://`
+/// store are refused by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_cli_takes_options_per_side() {
+    let origin = common::moto_store("relay-opt-origin", "policy").await;
+    common::moto_bucket("relay-opt-dest").await;
+    let proxy = crate::faultproxy::FaultProxy::start(common::moto().port).await;
+    let side = |endpoint: String, key: &str| {
+        vec![
+            format!("aws_endpoint={endpoint}"),
+            "aws_allow_http=true".to_string(),
+            format!("aws_access_key_id={key}"),
+            "aws_secret_access_key=test".to_string(),
+            "aws_region=us-east-1".to_string(),
+        ]
+    };
+    let from_opts = side(
+        format!("http://127.0.0.1:{}", common::moto().port),
+        "origin-key",
+    );
+    let to_opts = side(format!("http://127.0.0.1:{}", proxy.port), "dest-key");
+    let mut run = Run::start(&origin, 10).await;
+    assert_eq!(run.publish(3).await, 2);
+
+    let relay = |from_opts: &[String], to: &str, to_opts: &[String]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_weightcast"));
+        c.args([
+            "relay",
+            "--once",
+            "--from",
+            "s3://relay-opt-origin/policy",
+            "--to",
+            to,
+        ])
+        .env("AWS_ENDPOINT", "http://127.0.0.1:9")
+        .env("AWS_ACCESS_KEY_ID", "env-key")
+        .env("AWS_SECRET_ACCESS_KEY", "env-secret")
+        .env_remove("WEIGHTCAST_FAILPOINT");
+        for o in from_opts {
+            c.args(["--from-option", o]);
+        }
+        for o in to_opts {
+            c.args(["--to-option", o]);
+        }
+        c.output().expect("running weightcast relay")
+    };
+    let out = relay(&from_opts, "s3://relay-opt-dest/policy", &to_opts);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rep: serde_json::Value =
+        serde_json::from_slice(out.stdout.trim_ascii()).expect("one JSON line");
+    assert_eq!(rep["versions"], serde_json::json!([0, 1, 2]), "{rep}");
+    let seen = proxy.seen();
+    assert!(
+        seen.iter().any(|s| s.method == axum::http::Method::PUT),
+        "the destination was written through its own endpoint"
+    );
+    let clients: std::collections::BTreeSet<_> = seen.iter().map(|s| s.client.clone()).collect();
+    assert_eq!(
+        clients,
+        [Some("dest-key".to_string())].into(),
+        "only the destination's requests, signed with its key, went to its endpoint"
+    );
+    let o: Vec<(String, String)> = common::moto_options();
+    let o: Vec<(&str, &str)> = o.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let dest = Store::open_with("s3://relay-opt-dest/policy", &o).unwrap();
+    let followed = tempfile::tempdir().unwrap();
+    run.assert_followed(&dest, followed.path(), 2, "mirror on the second endpoint")
+        .await;
+
+    // Refused by name, before anything is copied.
+    let (file_dest, _d) = common::local_store();
+    for (to, to_opts, needle) in [
+        (
+            "s3://relay-opt-dest/policy",
+            vec!["aws_endpoint".to_string()],
+            "KEY=VALUE",
+        ),
+        (
+            "s3://relay-opt-dest/policy",
+            vec!["aws_endpoit=x".to_string()],
+            "aws_endpoit",
+        ),
+        (
+            file_dest.url(),
+            vec!["aws_region=x".to_string()],
+            "takes no options",
+        ),
+    ] {
+        let out = relay(&from_opts, to, &to_opts);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(needle),
+            "{needle}: {err}"
+        );
+    }
+    assert_eq!(newest_version(&file_dest).await.unwrap(), None);
+}

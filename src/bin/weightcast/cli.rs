@@ -204,6 +204,15 @@ pub enum Command {
         /// The destination (regional) store URL; written by this relay only.
         #[arg(long)]
         to: String,
+        /// A store option for the origin only, KEY=VALUE (repeatable; the
+        /// object_store configuration keys, e.g. aws_endpoint=https://…,
+        /// aws_access_key_id=…), over the environment's: two S3 endpoints or
+        /// two accounts in one relay.
+        #[arg(long = "from-option", value_name = "KEY=VALUE", value_parser = key_value)]
+        from_option: Vec<(String, String)>,
+        /// A store option for the destination only, KEY=VALUE (repeatable).
+        #[arg(long = "to-option", value_name = "KEY=VALUE", value_parser = key_value)]
+        to_option: Vec<(String, String)>,
         /// Sync once and exit (non-zero if a version could not be relayed).
         #[arg(long)]
         once: bool,
@@ -536,4 +545,14 @@ pub enum BenchWhat {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+}
+
+/// A `KEY=VALUE` store option.
+fn key_value(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_string(), v.to_string())),
+        _ => Err(format!(
+            "`{s}` is not KEY=VALUE (e.g. aws_endpoint=http://127.0.0.1:9000)"
+        )),
+    }
 }

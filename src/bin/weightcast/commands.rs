@@ -159,6 +159,8 @@ pub async fn run(command: Command) -> Result<()> {
         Command::Relay {
             from,
             to,
+            from_option,
+            to_option,
             once,
             interval,
             notify,
@@ -183,8 +185,15 @@ pub async fn run(command: Command) -> Result<()> {
                 interval: std::time::Duration::from_secs_f64(interval),
                 ..Default::default()
             };
-            let from = weightcast::store::Store::open(&from)?;
-            let to = weightcast::store::Store::open(&to)?;
+            let open = |url: &str, options: &[(String, String)]| {
+                let o: Vec<(&str, &str)> = options
+                    .iter()
+                    .map(|(k, v)| (k.as_str(), v.as_str()))
+                    .collect();
+                weightcast::store::Store::open_with(url, &o)
+            };
+            let from = open(&from, &from_option)?;
+            let to = open(&to, &to_option)?;
             relay(
                 weightcast::relay::Relay::new(from, to, cfg),
                 once,
