@@ -1370,30 +1370,39 @@ impl NativeUpdate {
     /// changed words. Returns the report `apply_buffers` returns.
     fn commit_prepared(&self, py: Python<'_>, tensors: Vec<Spec>) -> PyResult<String> {
         py.detach(|| -> Result<String> {
-            let staged = self.staged().take().ok_or_else(|| {
+            // The same lock order as `prepare_buffers`: the state, then the
+            // staged changes.
+            let mut st = lock(&self.state)?;
+            let mut slot = self.staged();
+            let not_prepared = || {
                 Error::BadRequest(format!(
                     "version {} was not prepared (prepare returned false, or it was committed \
                      already)",
                     self.version
                 ))
-            })?;
+            };
             let mut lent = lend(tensors, true)?;
             check_disjoint(&lent)?;
-            for name in staged.prepared.tensor_names() {
-                let now = lent
-                    .iter()
-                    .find(|l| l.name == name)
-                    .map(|l| (l.mem.ptr, l.mem.len));
-                if now != staged.memory.get(name).copied() {
-                    return Err(Error::BadRequest(format!(
-                        "tensor `{name}` is not the memory version {} was prepared on: commit the \
-                         tensors given to prepare",
-                        self.version
-                    )));
+            {
+                // Checked before the prepared changes are taken: a refused
+                // commit can be retried with the right tensors.
+                let staged = slot.as_ref().ok_or_else(not_prepared)?;
+                for name in staged.prepared.tensor_names() {
+                    let now = lent
+                        .iter()
+                        .find(|l| l.name == name)
+                        .map(|l| (l.mem.ptr, l.mem.len));
+                    if now != staged.memory.get(name).copied() {
+                        return Err(Error::BadRequest(format!(
+                            "tensor `{name}` is not the memory version {} was prepared on: \
+                             commit the tensors given to prepare",
+                            self.version
+                        )));
+                    }
                 }
             }
-            let mut st = lock(&self.state)?;
             self.check_base(&st.held)?;
+            let staged = slot.take().ok_or_else(not_prepared)?;
             let started = std::time::Instant::now();
             let reports = staged.prepared.commit(&mut targets(&mut lent))?;
             Ok(self.applied(&mut st, &reports, &staged.info, started, true))

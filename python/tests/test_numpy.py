@@ -158,12 +158,18 @@ def test_commit_needs_the_prepared_tensors(bucket):
     u = sub.poll()
     assert u.prepare(mine)
     # Another copy of the same values is other memory: refused, unwritten.
+    saved = u._prepared
     u._prepared = ({k: (v.copy() if isinstance(v, np.ndarray) else
                         weightcast.Raw(v.data.copy(), v.dtype, v.shape))
-                    for k, v in mine.items()},) + u._prepared[1:]
+                    for k, v in mine.items()},) + saved[1:]
     with pytest.raises(weightcast.BadRequest, match="prepared on"):
         u.commit()
     assert sub.version == 0
+    # The refused commit kept the prepared changes: given the tensors it was
+    # prepared on, it goes through.
+    u._prepared = saved
+    u.commit()
+    assert same(mine, w) and sub.version == 1
 
 
 def as_np(x):

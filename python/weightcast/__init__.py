@@ -301,16 +301,15 @@ class Update:
         TRL-encoded delta): :meth:`commit` then applies it whole."""
         params = _as_mapping(params)
         via = self._via(params, via)
-        ready = False
+        ready, staged = False, None
         if self.kind == "delta" and via == "buffers":
             specs, keep = lend_all(params, write=True)
             ready = self._native.prepare_buffers(specs)
             del keep
-            staged: Any = None
         elif self.kind == "delta":
             staged = self._stage_scatter(params)
             ready = True
-        self._prepared = (params, via, staged if ready else None, ready)
+        self._prepared = (params, via, staged, ready)
         logger.info("prepared %s version %s (%s): %s", self.kind, self.version, via,
                     "decoded, ready to commit" if ready else "applies whole at commit")
         return ready
@@ -322,9 +321,10 @@ class Update:
         if self._prepared is None:
             raise BadRequest(f"version {self.version}: commit() needs prepare(params) first")
         params, via, staged, ready = self._prepared
-        self._prepared = None
         if not ready:
-            return self.apply_to(params, via=via)
+            report = self.apply_to(params, via=via)
+            self._prepared = None
+            return report
         started = time.perf_counter()
         if via == "buffers":
             specs, keep = lend_all(params, write=True)
@@ -332,6 +332,7 @@ class Update:
             del keep
         else:
             report = self._write_staged(*staged)
+        self._prepared = None  # a refused commit can be retried
         return self._applied_report(report, via, params, started)
 
     def _via(self, params: Tensors, via: str) -> str:
