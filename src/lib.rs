@@ -116,6 +116,10 @@
 //! ```
 
 #![warn(missing_docs)]
+// The library has no unsafe code: memory maps and SIMD kernels live in
+// `weightcast-core`, each with its proof. (The binary, a crate of its own,
+// keeps its one `mallopt` call.)
+#![forbid(unsafe_code)]
 
 pub use weightcast_core::{
     bench, codec, digest, dtype, error, format, generator, platform, tensors,

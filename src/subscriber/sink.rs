@@ -14,7 +14,8 @@
 //! Every object handed to a sink has already been checked against its
 //! manifest entry (size, BLAKE3) by the fetcher; the sink checks every delta
 //! against its base (digests, through [`crate::codec::apply_delta`]) and
-//! every anchor against its own header ([`decode_anchor`]).
+//! every anchor against its own header ([`decode_anchor`], the codec's one
+//! anchor decoder).
 //!
 //! Two sinks: [`DirSink`](super::dir::DirSink) (an output directory with A/B
 //! slots, patched in place, switched atomically) and [`MemorySink`]
@@ -33,19 +34,14 @@ use crate::codec::{ApplyReport, apply_delta, inspect};
 use crate::digest::Digest;
 use crate::dtype::word_bytes;
 use crate::error::{Error, Result};
-use crate::format::{Header, Kind};
 use crate::protocol::{Manifest, ObjectRole};
-use crate::tensors::{Digests, TensorSet};
+use crate::tensors::TensorSet;
 
-/// An anchor object, downloaded and checked against its manifest entry.
-#[derive(Debug)]
-pub enum AnchorObject {
-    /// In memory.
-    Bytes(Vec<u8>),
-    /// In a file the sink asked for ([`AnchorDest::File`]); the sink owns it
-    /// from now on (it may map it, rewrite its header and rename it).
-    File(PathBuf),
-}
+/// The one anchor decoder (`codec::anchor`): an anchor object in memory or
+/// in a file ([`AnchorObject`]), raw or compressed, decoded into a tensor
+/// set verified against the anchor's header ([`decode_anchor`]); a
+/// compressed file is expanded in place ([`expand_planes`]).
+pub use crate::codec::anchor::{AnchorObject, decode_anchor, expand_planes};
 
 /// Where a sink wants an anchor object downloaded.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -104,125 +100,6 @@ pub trait Sink {
     fn prepare(&mut self) -> Result<Produced> {
         Ok(Produced::default())
     }
-}
-
-/// Decodes an anchor object into a verified tensor set: every tensor's
-/// digest is computed (a full pass) and checked against the anchor's header.
-/// A file is mapped for writing (no copy; the set's writes reach the file).
-///
-/// This is the one place the form of an anchor object is known: a
-/// compressed anchor would be decoded here.
-pub fn decode_anchor(name: &str, object: AnchorObject) -> Result<(Header, TensorSet)> {
-    let set = match object {
-        AnchorObject::Bytes(b) => {
-            let b = match crate::codec::planes::decode_object_if_planes(&b)? {
-                Some(raw) => raw,
-                None => b,
-            };
-            TensorSet::from_safetensors(b, Digests::Compute)?
-        }
-        AnchorObject::File(p) => {
-            expand_planes(&p)?;
-            TensorSet::map(&p, true, Digests::Compute)?
-        }
-    };
-    let header = verify_anchor(&set).map_err(|e| match e {
-        Error::Metadata { field, reason } => {
-            Error::metadata(field, format!("anchor `{name}`: {reason}"))
-        }
-        other => other,
-    })?;
-    Ok((header, set))
-}
-
-/// Turns a compressed (`planes`, docs/format.md §5.1) anchor object in a
-/// file into the raw anchor it stands for, in place: decoded (every chunk and
-/// digest checked) into a new file through a writable map — page cache, not
-/// the heap — then renamed over the object. A raw anchor is left as it is.
-pub fn expand_planes(path: &std::path::Path) -> Result<()> {
-    use crate::codec::planes;
-    let io = |what: &str, e| Error::io(format!("{what} {}", path.display()), e);
-    let file = std::fs::File::open(path).map_err(|e| io("opening", e))?;
-    // SAFETY: the file is the sink's own download (its `.tmp` directory),
-    // which nothing else writes or truncates while it is mapped.
-    let object = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| io("mapping", e))?;
-    let (_, header) = inspect(&object)?;
-    if !header.as_ref().is_some_and(planes::is_planes) {
-        return Ok(());
-    }
-    let layout = planes::PlanesLayout::parse(&object[..planes::prefix_len(&object)? as usize])?;
-    let prefix = layout.raw_prefix()?;
-    let total = prefix.len() as u64 + layout.decoded_len();
-    let tmp = path.with_extension("raw");
-    let out = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&tmp)
-        .map_err(|e| io("creating", e))?;
-    out.set_len(total).map_err(|e| io("sizing", e))?;
-    {
-        // SAFETY: a file this function just created in the sink's own
-        // directory; nothing else knows it until the rename below.
-        let mut map = unsafe { memmap2::MmapMut::map_mut(&out) }.map_err(|e| io("mapping", e))?;
-        map[..prefix.len()].copy_from_slice(&prefix);
-        layout.decode_all(&object, &mut map[prefix.len()..])?;
-        map.flush().map_err(|e| io("writing", e))?;
-    }
-    drop(object);
-    std::fs::rename(&tmp, path).map_err(|e| io("renaming", e))
-}
-
-/// Checks a set's computed digests against its own weightcast anchor header.
-fn verify_anchor(set: &TensorSet) -> Result<Header> {
-    let h = Header::from_metadata(set.metadata())?
-        .ok_or_else(|| Error::metadata("weightcast.format", "missing: not a weightcast anchor"))?;
-    if h.kind != Kind::Anchor {
-        return Err(Error::metadata("weightcast.kind", "a delta, not an anchor"));
-    }
-    if h.tensor_count != set.len() as u64 || h.tensors.len() != set.len() {
-        return Err(Error::metadata(
-            "weightcast.tensors",
-            format!(
-                "header lists {} tensors (count {}), the file holds {}",
-                h.tensors.len(),
-                h.tensor_count,
-                set.len()
-            ),
-        ));
-    }
-    for t in set.tensors() {
-        let e = h
-            .tensors
-            .get(&t.name)
-            .ok_or_else(|| Error::tensor(&t.name, "not described in weightcast.tensors"))?;
-        let shape: Vec<u64> = t.shape.iter().map(|&d| d as u64).collect();
-        if e.dtype != t.dtype.to_string() || e.shape != shape || e.elements != t.elements() {
-            return Err(Error::tensor(
-                &t.name,
-                format!(
-                    "header describes {} {:?}, the file holds {} {:?}",
-                    e.dtype, e.shape, t.dtype, t.shape
-                ),
-            ));
-        }
-        if Digest::parse(&e.digest) != Some(t.digest) {
-            return Err(Error::Integrity {
-                scope: format!("tensor {}", t.name),
-                expected: e.digest.clone(),
-                actual: t.digest.to_string(),
-            });
-        }
-    }
-    if set.digest() != h.digest {
-        return Err(Error::Integrity {
-            scope: "file".into(),
-            expected: h.digest.to_string(),
-            actual: set.digest().to_string(),
-        });
-    }
-    Ok(h)
 }
 
 /// The `__metadata__` of an output file: the anchor's, without the

@@ -8,6 +8,7 @@
 //! live elsewhere (positions out, old words in, new words out). All of them
 //! run the same decoders (see `apply.rs`).
 
+pub mod anchor;
 mod apply;
 pub mod bits;
 pub mod compact;
@@ -18,6 +19,7 @@ pub mod trl;
 pub mod vector;
 
 pub use crate::digest::tensor_digest_of;
+pub use anchor::{AnchorObject, decode_anchor, read_anchor};
 pub use apply::{
     Delta, InPlaceOptions, InPlaceReport, Positions, Prepared, Target, TensorChange,
     apply_in_place, apply_in_place_all, apply_in_place_with, prepare_in_place_all,
@@ -36,9 +38,7 @@ use crate::error::{Error, Result};
 use crate::format::{
     BlockEntry, Encoding, Header, Kind, TensorEntry, TrlOptions, entry_digest, keys,
 };
-use crate::tensors::{
-    Digests, TensorInfo, TensorSet, safetensors_header, safetensors_header_lens, write_safetensors,
-};
+use crate::tensors::{TensorSet, safetensors_header, safetensors_header_lens, write_safetensors};
 
 /// What a delta is and where it sits in the version chain.
 ///
@@ -517,11 +517,6 @@ fn entry_matches(e: &TensorEntry, dtype: Dtype, shape: &[usize]) -> bool {
         && e.elements == element_count(shape).unwrap_or(0)
 }
 
-/// Whether a header entry describes this tensor (dtype, shape, element count).
-fn entry_describes(e: &TensorEntry, t: &TensorInfo) -> bool {
-    entry_matches(e, t.dtype, &t.shape)
-}
-
 fn trl_payload<'a>(name: &str, dtype: Dtype, st: &SafeTensors<'a>) -> Result<Payload<'a>> {
     let (indices, values) = trl::payload(name, dtype, st, None)?;
     Ok(Payload::Trl { indices, values })
@@ -824,90 +819,6 @@ pub fn materialize_anchor(object: &[u8], w: &mut impl Write) -> Result<u64> {
     w.write_all(object)
         .map_err(|e| Error::io("writing the materialized anchor", e))?;
     Ok(object.len() as u64)
-}
-
-/// Parses an anchor (or any safetensors checkpoint), computes every digest and,
-/// when it carries a weightcast header, verifies them all. Returns the header
-/// (`None` for a plain checkpoint, which is loaded unverified).
-///
-/// A `planes` anchor is decoded (chunks in parallel, each chunk's digest
-/// taken while it is in cache) into the tensors of the `full` anchor it
-/// stands for; the header returned is its own (`encoding = planes`).
-pub fn read_anchor(buf: Vec<u8>) -> Result<(Option<Header>, TensorSet)> {
-    let (_, header) = inspect(&buf)?;
-    if header.as_ref().is_some_and(planes::is_planes) {
-        let (layout, raw) = planes::decode_object(&buf)?;
-        drop(buf);
-        let mut set = TensorSet::from_safetensors(raw, Digests::Skip)?;
-        for (i, t) in layout.tensors.iter().enumerate() {
-            debug_assert_eq!(set.tensors()[i].name, t.name);
-            set.set_digest(i, t.digest);
-        }
-        set.mark_digests_valid();
-        return Ok((Some(layout.header), set));
-    }
-    let set = TensorSet::from_safetensors(buf, Digests::Compute)?;
-    let header = Header::from_metadata(set.metadata())?;
-    let Some(h) = header else {
-        return Ok((None, set));
-    };
-    if h.kind != Kind::Anchor {
-        return Err(Error::metadata(
-            keys::KIND,
-            "object is a delta, not an anchor",
-        ));
-    }
-    if h.tensor_count != set.len() as u64 {
-        return Err(Error::metadata(
-            keys::TENSOR_COUNT,
-            format!(
-                "header says {} tensors, file holds {}",
-                h.tensor_count,
-                set.len()
-            ),
-        ));
-    }
-    if h.tensors.len() != set.len() {
-        return Err(Error::metadata(
-            keys::TENSORS,
-            format!(
-                "lists {} tensors, file holds {}",
-                h.tensors.len(),
-                set.len()
-            ),
-        ));
-    }
-    for t in set.tensors() {
-        let e = h
-            .tensors
-            .get(&t.name)
-            .ok_or_else(|| Error::tensor(&t.name, "not described in weightcast.tensors"))?;
-        if !entry_describes(e, t) {
-            return Err(Error::tensor(
-                &t.name,
-                format!(
-                    "header describes {} {:?} ({} elements), the file holds {} {:?}",
-                    e.dtype, e.shape, e.elements, t.dtype, t.shape
-                ),
-            ));
-        }
-        let want = entry_digest(&t.name, "digest", &e.digest)?;
-        if want != t.digest {
-            return Err(Error::Integrity {
-                scope: format!("tensor {}", t.name),
-                expected: want.to_string(),
-                actual: t.digest.to_string(),
-            });
-        }
-    }
-    if set.digest() != h.digest {
-        return Err(Error::Integrity {
-            scope: "file".into(),
-            expected: h.digest.to_string(),
-            actual: set.digest().to_string(),
-        });
-    }
-    Ok((Some(h), set))
 }
 
 /// Validates the container and returns the header length and `__metadata__`.

@@ -1,0 +1,317 @@
+//! Reading anchor objects: the one decoder of an anchor, in memory or in a
+//! file, raw (`full`) or compressed (`planes`, docs/format.md §5.1).
+//!
+//! Every anchor a reader loads goes through [`load`]: a `planes` object is
+//! decoded into the raw anchor it stands for (every chunk and digest
+//! checked), a raw one has every tensor's digest computed, and both are
+//! checked against the anchor's own header. [`read_anchor`] (bytes, plain
+//! checkpoints allowed) and [`decode_anchor`] (bytes or a file, a weightcast
+//! header required: what a subscriber receives) are its two faces.
+
+use std::path::{Path, PathBuf};
+
+use super::planes;
+use super::{entry_matches, inspect};
+use crate::error::{Error, Result};
+use crate::format::{Header, Kind, entry_digest, keys};
+use crate::tensors::{Digests, TensorSet};
+
+/// An anchor object, downloaded and checked against its manifest entry.
+#[derive(Debug)]
+pub enum AnchorObject {
+    /// In memory.
+    Bytes(Vec<u8>),
+    /// In a file the caller owns from now on (a subscriber's download, e.g.
+    /// where its sink asked for it): [`decode_anchor`] maps it, rewrites a
+    /// compressed object into the raw anchor in place, and the caller may
+    /// rewrite its header and rename it. Nothing else may write or truncate
+    /// it, or create its sibling `<file>.raw`, while it is decoded (the
+    /// contract of [`TensorSet::map`]).
+    File(PathBuf),
+}
+
+/// Parses an anchor (or any safetensors checkpoint), computes every digest and,
+/// when it carries a weightcast header, verifies them all. Returns the header
+/// (`None` for a plain checkpoint, which is loaded unverified).
+///
+/// A `planes` anchor is decoded (chunks in parallel, each chunk's digest
+/// taken while it is in cache) into the tensors of the `full` anchor it
+/// stands for; the header returned is its own (`encoding = planes`).
+pub fn read_anchor(buf: Vec<u8>) -> Result<(Option<Header>, TensorSet)> {
+    load(AnchorObject::Bytes(buf))
+}
+
+/// Decodes a weightcast anchor object into a verified tensor set: a
+/// compressed object is decoded, every tensor's digest is computed or taken
+/// while decoding, and all are checked against the anchor's header, which is
+/// returned (the header of the raw anchor the set holds: `encoding = full`).
+/// A plain checkpoint without a weightcast header is refused; metadata
+/// errors name the anchor (`name`, the tensor file it is for).
+///
+/// A file is expanded in place when compressed ([`expand_planes`]) and
+/// mapped for writing: no copy, the page cache rather than the heap, and the
+/// set's writes reach the file.
+pub fn decode_anchor(name: &str, object: AnchorObject) -> Result<(Header, TensorSet)> {
+    let named = |e| match e {
+        Error::Metadata { field, reason } => {
+            Error::metadata(field, format!("anchor `{name}`: {reason}"))
+        }
+        other => other,
+    };
+    let (header, set) = load(object).map_err(named)?;
+    let header =
+        match header {
+            // Decoded from memory: the set holds the raw anchor, whose header
+            // differs from the object's in its encoding.
+            Some(h) if planes::is_planes(&h) => Header::from_metadata(set.metadata())
+                .map_err(named)?
+                .ok_or_else(|| Error::Container("a decoded anchor without its header".into()))?,
+            Some(h) => h,
+            None => {
+                return Err(named(Error::metadata(
+                    keys::FORMAT,
+                    "missing: not a weightcast anchor",
+                )));
+            }
+        };
+    Ok((header, set))
+}
+
+/// The one anchor decoder: the object's header (`None` for a plain
+/// checkpoint) and its tensors, every digest checked against the header.
+fn load(object: AnchorObject) -> Result<(Option<Header>, TensorSet)> {
+    let set = match object {
+        AnchorObject::Bytes(buf) => {
+            let (_, header) = inspect(&buf)?;
+            if header.as_ref().is_some_and(planes::is_planes) {
+                // Every chunk's digest is checked while it is decoded, against
+                // the header's; the set takes the digests without a second pass.
+                let (layout, raw) = planes::decode_object(&buf)?;
+                drop(buf);
+                let mut set = TensorSet::from_safetensors(raw, Digests::Skip)?;
+                for (i, t) in layout.tensors.iter().enumerate() {
+                    debug_assert_eq!(set.tensors()[i].name, t.name);
+                    set.set_digest(i, t.digest);
+                }
+                set.mark_digests_valid();
+                return Ok((Some(layout.header), set));
+            }
+            TensorSet::from_safetensors(buf, Digests::Compute)?
+        }
+        AnchorObject::File(p) => {
+            expand_planes(&p)?;
+            TensorSet::map(&p, true, Digests::Compute)?
+        }
+    };
+    let Some(h) = Header::from_metadata(set.metadata())? else {
+        return Ok((None, set));
+    };
+    verify(&h, &set)?;
+    Ok((Some(h), set))
+}
+
+/// Checks a raw anchor's computed digests (and its tensors' names, dtypes
+/// and shapes) against its own weightcast header.
+fn verify(h: &Header, set: &TensorSet) -> Result<()> {
+    if h.kind != Kind::Anchor {
+        return Err(Error::metadata(
+            keys::KIND,
+            "object is a delta, not an anchor",
+        ));
+    }
+    if h.tensor_count != set.len() as u64 {
+        return Err(Error::metadata(
+            keys::TENSOR_COUNT,
+            format!(
+                "header says {} tensors, file holds {}",
+                h.tensor_count,
+                set.len()
+            ),
+        ));
+    }
+    if h.tensors.len() != set.len() {
+        return Err(Error::metadata(
+            keys::TENSORS,
+            format!(
+                "lists {} tensors, file holds {}",
+                h.tensors.len(),
+                set.len()
+            ),
+        ));
+    }
+    for t in set.tensors() {
+        let e = h
+            .tensors
+            .get(&t.name)
+            .ok_or_else(|| Error::tensor(&t.name, "not described in weightcast.tensors"))?;
+        if !entry_matches(e, t.dtype, &t.shape) {
+            return Err(Error::tensor(
+                &t.name,
+                format!(
+                    "header describes {} {:?} ({} elements), the file holds {} {:?}",
+                    e.dtype, e.shape, e.elements, t.dtype, t.shape
+                ),
+            ));
+        }
+        let want = entry_digest(&t.name, "digest", &e.digest)?;
+        if want != t.digest {
+            return Err(Error::Integrity {
+                scope: format!("tensor {}", t.name),
+                expected: want.to_string(),
+                actual: t.digest.to_string(),
+            });
+        }
+    }
+    if set.digest() != h.digest {
+        return Err(Error::Integrity {
+            scope: "file".into(),
+            expected: h.digest.to_string(),
+            actual: set.digest().to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// Turns a compressed (`planes`, docs/format.md §5.1) anchor object in a
+/// file into the raw anchor it stands for, in place: decoded (every chunk and
+/// digest checked) into a new file `<path>.raw` through a writable map — page
+/// cache, not the heap — then renamed over the object. A raw anchor is left
+/// as it is. The file is the caller's, as for [`AnchorObject::File`].
+pub fn expand_planes(path: &Path) -> Result<()> {
+    let io = |what: &str, e| Error::io(format!("{what} {}", path.display()), e);
+    let file = std::fs::File::open(path).map_err(|e| io("opening", e))?;
+    // SAFETY: a map is sound while no one else changes or truncates the
+    // file. The file is one the caller owns ([`AnchorObject::File`], the
+    // documented contract of this function: e.g. a subscriber's own
+    // download in its `.tmp` directory), which nothing else writes while
+    // it is mapped; the map is dropped before the rename below.
+    let object = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| io("mapping", e))?;
+    let (_, header) = inspect(&object)?;
+    if !header.as_ref().is_some_and(planes::is_planes) {
+        return Ok(());
+    }
+    let layout = planes::PlanesLayout::parse(&object[..planes::prefix_len(&object)? as usize])?;
+    let prefix = layout.raw_prefix()?;
+    let total = prefix.len() as u64 + layout.decoded_len();
+    let tmp = path.with_extension("raw");
+    let out = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&tmp)
+        .map_err(|e| io("creating", e))?;
+    out.set_len(total).map_err(|e| io("sizing", e))?;
+    {
+        // SAFETY: `tmp` was just created (truncated) and sized by this
+        // function beside the caller's own file, where nothing else writes
+        // (the contract above names it); no one else knows it until the
+        // rename below, after the map is dropped. Its length is `total`, so
+        // every slice below is in bounds of the map.
+        let mut map = unsafe { memmap2::MmapMut::map_mut(&out) }.map_err(|e| io("mapping", e))?;
+        map[..prefix.len()].copy_from_slice(&prefix);
+        layout.decode_all(&object, &mut map[prefix.len()..])?;
+        map.flush().map_err(|e| io("writing", e))?;
+    }
+    drop(object);
+    std::fs::rename(&tmp, path).map_err(|e| io("renaming", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::{encode_anchor, encode_anchor_compressed};
+    use crate::format::Encoding;
+    use crate::generator::{Generator, GeneratorConfig};
+
+    fn anchors() -> (TensorSet, Vec<u8>, Vec<u8>) {
+        let set = Generator::new(GeneratorConfig::tiny(11)).snapshot();
+        let (raw, _) = encode_anchor(&set, 4).unwrap();
+        let (packed, _) = encode_anchor_compressed(&set, 4).unwrap();
+        (set, raw, packed)
+    }
+
+    fn same(a: &TensorSet, b: &TensorSet) {
+        assert_eq!(a.len(), b.len());
+        for i in 0..a.len() {
+            assert_eq!(a.tensors()[i].name, b.tensors()[i].name);
+            assert_eq!(a.data(i), b.data(i));
+            assert_eq!(a.tensors()[i].digest, b.tensors()[i].digest);
+        }
+        assert_eq!(a.digest(), b.digest());
+    }
+
+    /// Memory and file, raw and compressed: the same verified tensors and
+    /// the raw anchor's header; a compressed file becomes the raw anchor.
+    #[test]
+    fn decodes_every_form_alike() {
+        let (set, raw, packed) = anchors();
+        let dir = tempfile::tempdir().unwrap();
+        for (i, obj) in [&raw, &packed].into_iter().enumerate() {
+            let (h, mem) = decode_anchor("m", AnchorObject::Bytes(obj.clone())).unwrap();
+            assert_eq!(h.encoding, Encoding::Full);
+            same(&set, &mem);
+
+            let path = dir.path().join(format!("{i}.download"));
+            std::fs::write(&path, obj).unwrap();
+            let (hf, mapped) = decode_anchor("m", AnchorObject::File(path.clone())).unwrap();
+            assert_eq!(hf, h);
+            same(&set, &mapped);
+            drop(mapped);
+            // Expanded in place: the file is now the raw anchor, byte for byte,
+            // and no `.raw` file is left beside it.
+            assert_eq!(std::fs::read(&path).unwrap(), raw);
+            assert!(!path.with_extension("raw").exists());
+        }
+        let (h, _) = read_anchor(packed).unwrap();
+        assert_eq!(h.unwrap().encoding, Encoding::Planes);
+    }
+
+    /// The map is writable: writes through the set reach the file.
+    #[test]
+    fn a_file_is_mapped_for_writing() {
+        let (_, _, packed) = anchors();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.download");
+        std::fs::write(&path, &packed).unwrap();
+        let (_, mut set) = decode_anchor("a", AnchorObject::File(path.clone())).unwrap();
+        let at = std::fs::metadata(&path).unwrap().len() - set.total_bytes();
+        let before = set.data(0)[0];
+        set.data_mut(0)[0] = !before;
+        drop(set);
+        assert_eq!(std::fs::read(&path).unwrap()[at as usize], !before);
+    }
+
+    /// A flipped byte is found in every form; a plain checkpoint is read by
+    /// `read_anchor` and refused by `decode_anchor`, naming the anchor.
+    #[test]
+    fn refuses_what_its_header_does_not_describe() {
+        let (set, raw, packed) = anchors();
+        let dir = tempfile::tempdir().unwrap();
+        for obj in [&raw, &packed] {
+            let mut bad = obj.clone();
+            let last = bad.len() - 1;
+            bad[last] ^= 1;
+            assert!(read_anchor(bad.clone()).is_err());
+            assert!(decode_anchor("x", AnchorObject::Bytes(bad.clone())).is_err());
+            let path = dir.path().join("bad.download");
+            std::fs::write(&path, &bad).unwrap();
+            assert!(decode_anchor("x", AnchorObject::File(path)).is_err());
+        }
+        let mut plain = Vec::new();
+        let views: Vec<_> = set
+            .tensors()
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.as_str(), t.dtype, t.shape.as_slice(), set.data(i)))
+            .collect();
+        crate::tensors::write_safetensors(&views, &Default::default(), &mut plain).unwrap();
+        assert!(read_anchor(plain.clone()).unwrap().0.is_none());
+        let err = decode_anchor("model.safetensors", AnchorObject::Bytes(plain)).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("anchor `model.safetensors`: missing"),
+            "{err}"
+        );
+    }
+}
