@@ -1,10 +1,10 @@
 //! Reading anchor objects: the one decoder of an anchor, in memory or in a
 //! file, raw (`full`) or compressed (`planes`, docs/format.md §5.1).
 //!
-//! Every anchor a reader loads goes through [`load`]: a `planes` object is
-//! decoded into the raw anchor it stands for (every chunk and digest
-//! checked), a raw one has every tensor's digest computed, and both are
-//! checked against the anchor's own header. [`read_anchor`] (bytes, plain
+//! Every anchor a reader loads goes through one function (`load`): a
+//! `planes` object is decoded into the raw anchor it stands for (every chunk
+//! and digest checked), a raw one has every tensor's digest computed, and
+//! both are checked against the anchor's own header. [`read_anchor`] (bytes, plain
 //! checkpoints allowed) and [`decode_anchor`] (bytes or a file, a weightcast
 //! header required: what a subscriber receives) are its two faces.
 
