@@ -1,5 +1,5 @@
-//! The apply path: a delta's jobs (one per changed tensor, built in
-//! `codec/mod.rs`) run against the words they change, for three callers:
+//! The apply path: a delta's jobs (one per changed tensor, built by
+//! `codec::parse`) run against the words they change, for three callers:
 //!
 //! - [`apply_delta`](super::apply_delta) on a [`TensorSet`]: one pass that
 //!   writes as it decodes and keeps what it needs to undo (step-coded blocks
@@ -25,16 +25,15 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rayon::prelude::*;
-use safetensors::SafeTensors;
 use serde::Serialize;
 
 use super::compact::{self, Block, BlockUndo, Ctx, Kept, Value};
+use super::parse::{Job, Local, Payload, open, weightcast_jobs};
 use super::trl::Indices;
-use super::{Job, Local, Payload, check_payload, metadata_map, weightcast_jobs};
 use crate::digest::{ChangeBatch, Digest, LANES, TensorSeed};
 use crate::dtype::{Dtype, byte_len, key_kind, load, parse_dtype, read_word, store, word_bytes};
 use crate::error::{Error, Result};
-use crate::format::{Encoding, Header, Kind, entry_digest, keys};
+use crate::format::{Encoding, Header};
 use crate::platform::prefetch_l2;
 use crate::tensors::TensorSet;
 
@@ -898,33 +897,6 @@ pub struct Delta<'a> {
     jobs: Vec<(Job<'a>, Dtype, usize)>,
 }
 
-/// Opens a weightcast delta: the container, the header (a `delta`, whose
-/// digests add up) and the payload's BLAKE3. Foreign TRL files, which carry
-/// no digests, are refused.
-fn open(bytes: &[u8]) -> Result<(Header, SafeTensors<'_>)> {
-    let (n, map) = metadata_map(bytes)?;
-    let st = SafeTensors::deserialize(bytes).map_err(|e| Error::Container(e.to_string()))?;
-    let header = match Header::from_metadata(&map)? {
-        Some(h) if h.kind == Kind::Delta => h,
-        Some(h) => {
-            return Err(Error::metadata(
-                keys::KIND,
-                format!("object is an {:?}, not a delta", h.kind),
-            ));
-        }
-        None => {
-            return Err(Error::metadata(
-                keys::FORMAT,
-                "not a weightcast delta: verifying in place needs the digests only weightcast \
-                 deltas carry (apply other TRL files to a TensorSet with apply_delta)",
-            ));
-        }
-    };
-    check_payload(&header, &bytes[8 + n..])?;
-    check_sums(&header)?;
-    Ok((header, st))
-}
-
 /// The word indices a tensor's delta changes, ascending: `u32` when the
 /// tensor has at most 2^32 words. A word is an element for dtypes of whole
 /// bytes and a byte for packed ones (docs/format.md §2).
@@ -1187,31 +1159,6 @@ fn check_size(name: &str, dtype: Dtype, shape: &[usize], len: usize) -> Result<(
             ),
         )),
     }
-}
-
-/// The header against itself: its tensors' digest changes must add up to the
-/// file's (unchanged tensors contribute nothing). Without a local file
-/// digest to compare with, this is what keeps `weightcast.digest` and
-/// `weightcast.base_digest` honest.
-fn check_sums(h: &Header) -> Result<()> {
-    let mut sum = Digest(0);
-    for (name, e) in &h.tensors {
-        let base = entry_digest(name, "base_digest", e.base_digest.as_deref().unwrap_or(""))?;
-        sum = sum.wrapping_add(entry_digest(name, "digest", &e.digest)?.wrapping_sub(base));
-    }
-    let base = h.base_digest.expect("deltas have a base digest");
-    let file = h.digest.wrapping_sub(base);
-    if sum != file {
-        return Err(Error::metadata(
-            keys::DIGEST,
-            format!(
-                "the tensors' digest changes add up to {sum}, but {} − {} is {file}",
-                keys::DIGEST,
-                keys::BASE_DIGEST
-            ),
-        ));
-    }
-    Ok(())
 }
 
 /// The header's change count against what the payload held.

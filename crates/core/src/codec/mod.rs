@@ -13,6 +13,7 @@ mod apply;
 pub mod bits;
 pub mod compact;
 pub mod cpu;
+mod parse;
 pub mod planes;
 pub mod scan;
 pub mod trl;
@@ -35,10 +36,9 @@ use serde::Serialize;
 use crate::digest::Digest;
 use crate::dtype::{Dtype, element_count, key_kind, word_bytes};
 use crate::error::{Error, Result};
-use crate::format::{
-    BlockEntry, Encoding, Header, Kind, TensorEntry, TrlOptions, entry_digest, keys,
-};
+use crate::format::{BlockEntry, Encoding, Header, Kind, TensorEntry, TrlOptions, keys};
 use crate::tensors::{TensorSet, safetensors_header, safetensors_header_lens, write_safetensors};
+use parse::{Local, check_payload, foreign_trl_jobs, weightcast_jobs};
 
 /// What a delta is and where it sits in the version chain.
 ///
@@ -275,36 +275,6 @@ pub struct ApplyReport {
     pub verified: bool,
 }
 
-enum Payload<'a> {
-    Compact {
-        block_words: u64,
-        blocks: Vec<BlockEntry>,
-        streams: Vec<&'a [u8]>,
-    },
-    Trl {
-        indices: trl::Indices<'a>,
-        values: &'a [u8],
-    },
-}
-
-/// What a weightcast delta's header says about one changed tensor.
-#[derive(Clone, Copy, Debug)]
-struct Expect {
-    /// Changed words.
-    changed: u64,
-    /// Digest after.
-    digest: Digest,
-    /// Digest before.
-    base: Digest,
-}
-
-struct Job<'a> {
-    idx: usize,
-    name: String,
-    expect: Option<Expect>,
-    payload: Payload<'a>,
-}
-
 /// Applies a delta object to `state`, verifying it; all-or-nothing.
 ///
 /// Accepts weightcast deltas (`compact`, `trl`) and TRL `sparse_weight_patch`
@@ -390,179 +360,6 @@ pub fn apply_delta(state: &mut TensorSet, bytes: &[u8]) -> Result<ApplyReport> {
         changed_tensors: jobs.iter().map(|j| j.name.clone()).collect(),
         verified: header.is_some(),
     })
-}
-
-/// Checks a delta's data section against `weightcast.payload_blake3`.
-fn check_payload(h: &Header, data: &[u8]) -> Result<()> {
-    let want = h
-        .payload_blake3
-        .as_deref()
-        .ok_or_else(|| Error::metadata(keys::PAYLOAD_BLAKE3, "missing (required for deltas)"))?;
-    let got = blake3::hash(data).to_hex();
-    if got.as_str() != want {
-        return Err(Error::Integrity {
-            scope: "payload".into(),
-            expected: want.into(),
-            actual: got.to_string(),
-        });
-    }
-    Ok(())
-}
-
-/// The local tensor a delta's header entry names, as job building sees it.
-struct Local<'s> {
-    /// Its index among the caller's tensors.
-    idx: usize,
-    dtype: Dtype,
-    shape: &'s [usize],
-    /// Its words (see [`word_bytes`]).
-    words: usize,
-    /// Its digest, where the caller knows it (a [`TensorSet`]'s): checked
-    /// against the entry's `base_digest` before anything is decoded.
-    digest: Option<Digest>,
-}
-
-/// The jobs of a weightcast delta: for each header entry, the local tensor it
-/// names (`local`), checked against the entry (dtype, shape, base digest when
-/// known), and its payload, checked against the entry and the file.
-fn weightcast_jobs<'a, 's>(
-    h: &Header,
-    st: &SafeTensors<'a>,
-    local: impl Fn(&str) -> Option<Local<'s>>,
-) -> Result<Vec<Job<'a>>> {
-    let mut jobs = Vec::with_capacity(h.tensors.len());
-    let mut expected_payloads = 0usize;
-    for (name, e) in &h.tensors {
-        let t = local(name)
-            .ok_or_else(|| Error::tensor(name, "in the delta but not in the local state"))?;
-        if !entry_matches(e, t.dtype, t.shape) {
-            return Err(Error::tensor(
-                name,
-                format!(
-                    "delta is for {} {:?}, local tensor is {} {:?}",
-                    e.dtype, e.shape, t.dtype, t.shape
-                ),
-            ));
-        }
-        let base = entry_digest(name, "base_digest", e.base_digest.as_deref().unwrap_or(""))?;
-        if let Some(d) = t.digest
-            && base != d
-        {
-            return Err(Error::WrongBase {
-                scope: format!("tensor {name}"),
-                expected: base.to_string(),
-                actual: d.to_string(),
-            });
-        }
-        let digest = entry_digest(name, "digest", &e.digest)?;
-        let payload = match h.encoding {
-            Encoding::Compact => {
-                expected_payloads += 1;
-                let key = format!("{name}{}", compact::SUFFIX);
-                let view = st
-                    .tensor(&key)
-                    .map_err(|_| Error::tensor(name, format!("payload tensor `{key}` missing")))?;
-                if view.dtype() != Dtype::U8 || view.shape().len() != 1 {
-                    return Err(Error::tensor(
-                        name,
-                        "compact payload must be a 1-D U8 tensor",
-                    ));
-                }
-                let blocks = e
-                    .blocks
-                    .clone()
-                    .ok_or_else(|| Error::metadata(format!("tensors.{name}.blocks"), "missing"))?;
-                let block_words = e.block_words.ok_or_else(|| {
-                    Error::metadata(format!("tensors.{name}.block_words"), "missing")
-                })?;
-                let streams =
-                    compact::split_blocks(name, t.words as u64, block_words, &blocks, view.data())?;
-                Payload::Compact {
-                    block_words,
-                    blocks,
-                    streams,
-                }
-            }
-            _ => {
-                expected_payloads += 2;
-                trl_payload(name, t.dtype, st)?
-            }
-        };
-        jobs.push(Job {
-            idx: t.idx,
-            name: name.clone(),
-            expect: Some(Expect {
-                changed: e.changed,
-                digest,
-                base,
-            }),
-            payload,
-        });
-    }
-    if st.len() != expected_payloads {
-        return Err(Error::Container(format!(
-            "{} tensors in the delta, the header describes {expected_payloads}",
-            st.len()
-        )));
-    }
-    Ok(jobs)
-}
-
-/// Whether a header entry describes a tensor of this dtype and shape (the
-/// element count too).
-fn entry_matches(e: &TensorEntry, dtype: Dtype, shape: &[usize]) -> bool {
-    e.dtype == dtype.to_string()
-        && e.shape.len() == shape.len()
-        && e.shape.iter().zip(shape).all(|(&a, &b)| a == b as u64)
-        && e.elements == element_count(shape).unwrap_or(0)
-}
-
-fn trl_payload<'a>(name: &str, dtype: Dtype, st: &SafeTensors<'a>) -> Result<Payload<'a>> {
-    let (indices, values) = trl::payload(name, dtype, st, None)?;
-    Ok(Payload::Trl { indices, values })
-}
-
-/// The jobs of a TRL file without weightcast keys (v1 or v3, see
-/// [`trl::foreign_delta`]), after every structural check it allows: each
-/// parameter exists locally, its pair is well-formed ([`trl::payload`]), the
-/// file holds exactly those pairs, and the header's counts agree
-/// ([`trl::check_counts`]). Order and bounds are checked by the apply. Empty
-/// pairs (TRL v3 writes them for unchanged parameters) are checked, then dropped.
-fn foreign_trl_jobs<'a>(
-    state: &TensorSet,
-    map: &BTreeMap<String, String>,
-    st: &SafeTensors<'a>,
-) -> Result<Vec<Job<'a>>> {
-    let file = trl::foreign_delta(map, st)?;
-    let mut jobs = Vec::with_capacity(file.params.len());
-    let (mut changed, mut numel) = (0u64, 0u64);
-    for name in &file.params {
-        let idx = state
-            .position(name)
-            .ok_or_else(|| Error::tensor(name, "in the delta but not in the local state"))?;
-        let t = &state.tensors()[idx];
-        let (indices, values) = trl::payload(name, t.dtype, st, file.index)?;
-        changed += indices.len() as u64;
-        numel += t.elements();
-        if !indices.is_empty() || !values.is_empty() {
-            jobs.push(Job {
-                idx,
-                name: name.clone(),
-                expect: None,
-                payload: Payload::Trl { indices, values },
-            });
-        }
-    }
-    let n = file.params.len();
-    if st.len() != 2 * n {
-        return Err(Error::Container(format!(
-            "{} tensors in the file, {} expected for {n} changed parameters",
-            st.len(),
-            2 * n,
-        )));
-    }
-    trl::check_counts(map, n, changed, numel, state.total_elements())?;
-    Ok(jobs)
 }
 
 /// Figures about an anchor.
@@ -819,6 +616,15 @@ pub fn materialize_anchor(object: &[u8], w: &mut impl Write) -> Result<u64> {
     w.write_all(object)
         .map_err(|e| Error::io("writing the materialized anchor", e))?;
     Ok(object.len() as u64)
+}
+
+/// Whether a header entry describes a tensor of this dtype and shape (the
+/// element count too).
+fn entry_matches(e: &TensorEntry, dtype: Dtype, shape: &[usize]) -> bool {
+    e.dtype == dtype.to_string()
+        && e.shape.len() == shape.len()
+        && e.shape.iter().zip(shape).all(|(&a, &b)| a == b as u64)
+        && e.elements == element_count(shape).unwrap_or(0)
 }
 
 /// Validates the container and returns the header length and `__metadata__`.
