@@ -6,7 +6,7 @@
 //! to decode or verify; [`apply_in_place`] patches buffers the caller owns,
 //! verifying every tensor before writing any; [`Delta`] serves tensors that
 //! live elsewhere (positions out, old words in, new words out). All of them
-//! run the same decoders (see `apply.rs`).
+//! run the same decoders (see `apply/`).
 
 pub mod anchor;
 mod apply;
