@@ -8,7 +8,8 @@ use std::collections::BTreeMap;
 
 use safetensors::SafeTensors;
 
-use super::{compact, entry_matches, metadata_map, trl};
+use super::header::{entry_matches, metadata_map};
+use super::{compact, trl};
 use crate::digest::Digest;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};

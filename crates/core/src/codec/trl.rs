@@ -26,9 +26,9 @@ use crate::error::{Error, Result};
 use crate::format::{TrlGeneration, TrlIndexEncoding, TrlOptions};
 use crate::tensors::TensorSet;
 
-use super::AnchorSummary;
-use super::cpu::prefetch_l2;
+use super::header::{AnchorSummary, anchor_header};
 use super::scan::for_each_change_piece;
+use crate::platform::prefetch_l2;
 
 /// Suffix of the index tensor (v1).
 pub const INDICES: &str = ".indices";
@@ -377,7 +377,7 @@ pub fn write_anchor(
     if !set.has_digests() {
         return Err(Error::metadata("anchor", "tensor set has no digests"));
     }
-    let header = super::anchor_header(set, model_version);
+    let header = anchor_header(set, model_version);
     let mut meta = header.to_metadata();
     anchor_keys(&mut meta, set, model_version, opts);
     let mut counted = Counted { inner: w, bytes: 0 };
@@ -398,7 +398,7 @@ pub fn anchor_prefix(set: &TensorSet, model_version: u64, opts: &TrlOptions) -> 
     if !set.has_digests() {
         return Err(Error::metadata("anchor", "tensor set has no digests"));
     }
-    let mut meta = super::anchor_header(set, model_version).to_metadata();
+    let mut meta = anchor_header(set, model_version).to_metadata();
     anchor_keys(&mut meta, set, model_version, opts);
     let views: Vec<(&str, crate::dtype::Dtype, &[usize], &[u8])> = set
         .tensors()

@@ -37,7 +37,7 @@ pub use in_place::{
     InPlaceOptions, InPlaceReport, Prepared, Target, TensorChange, apply_in_place,
     apply_in_place_all, apply_in_place_with, prepare_in_place_all,
 };
-pub(super) use one_pass::apply_jobs;
+pub use one_pass::{ApplyReport, apply_delta};
 
 #[cfg(test)]
 mod tests;

@@ -1,15 +1,124 @@
-//! One pass with undo: `apply_delta` on a `TensorSet`.
+//! One pass with undo: [`apply_delta`] on a `TensorSet`.
 
 use rayon::prelude::*;
+use safetensors::SafeTensors;
+use serde::Serialize;
 
 use super::trl::trl_undo;
 use super::work::{Tally, Work, count_error};
 use crate::codec::compact::{self, BlockUndo};
-use crate::codec::parse::{Job, Payload};
+use crate::codec::header::metadata_map;
+use crate::codec::parse::{Job, Local, Payload, check_payload, foreign_trl_jobs, weightcast_jobs};
 use crate::digest::{Digest, TensorSeed};
 use crate::dtype::{Dtype, key_kind, word_bytes};
 use crate::error::{Error, Result};
+use crate::format::{Encoding, Header, Kind, keys};
 use crate::tensors::TensorSet;
+
+/// What an apply did.
+#[derive(Clone, Debug, Serialize)]
+pub struct ApplyReport {
+    /// Version produced. For foreign TRL files, TRL's `model_version` key (its
+    /// step, weightcast's version + 1), absent when the file has none.
+    pub model_version: Option<u64>,
+    /// Version the delta applied to (absent in foreign TRL files).
+    pub base_version: Option<u64>,
+    /// Encoding of the delta.
+    pub encoding: Encoding,
+    /// Changed words written.
+    pub changed: u64,
+    /// Names of the tensors that changed.
+    pub changed_tensors: Vec<String>,
+    /// Whether the result was checked against the publisher's digests. False
+    /// only for foreign TRL files, which carry none.
+    pub verified: bool,
+}
+
+/// Applies a delta object to `state`, verifying it; all-or-nothing.
+///
+/// Accepts weightcast deltas (`compact`, `trl`) and TRL `sparse_weight_patch`
+/// files written by other tools (applied with full structural checks; `verified`
+/// is false because they carry no digests).
+pub fn apply_delta(state: &mut TensorSet, bytes: &[u8]) -> Result<ApplyReport> {
+    let (n, map) = metadata_map(bytes)?;
+    let st = SafeTensors::deserialize(bytes).map_err(|e| Error::Container(e.to_string()))?;
+    if !state.has_digests() {
+        state.compute_digests();
+    }
+    let header = Header::from_metadata(&map)?;
+    let (jobs, header) = match header {
+        Some(h) if h.kind == Kind::Delta => {
+            check_payload(&h, &bytes[8 + n..])?;
+            if h.tensor_count != state.len() as u64 {
+                return Err(Error::BaseMismatch(format!(
+                    "tensor count differs: the delta's file has {} tensors, the local one {}",
+                    h.tensor_count,
+                    state.len()
+                )));
+            }
+            let base = h.base_digest.expect("deltas have a base digest");
+            if base != state.digest() {
+                return Err(Error::WrongBase {
+                    scope: "file".into(),
+                    expected: base.to_string(),
+                    actual: state.digest().to_string(),
+                });
+            }
+            let local = |name: &str| {
+                state.position(name).map(|idx| {
+                    let t = &state.tensors()[idx];
+                    Local {
+                        idx,
+                        dtype: t.dtype,
+                        shape: &t.shape,
+                        words: t.words(),
+                        digest: Some(t.digest),
+                    }
+                })
+            };
+            (weightcast_jobs(&h, &st, local)?, Some(h))
+        }
+        Some(h) => {
+            return Err(Error::metadata(
+                keys::KIND,
+                format!("object is an {:?}, not a delta", h.kind),
+            ));
+        }
+        None => match (
+            map.get("format").map(String::as_str),
+            map.get("sparse").map(String::as_str),
+        ) {
+            (Some("sparse_weight_patch"), Some("True")) => {
+                (foreign_trl_jobs(state, &map, &st)?, None)
+            }
+            _ => {
+                return Err(Error::metadata(
+                    keys::FORMAT,
+                    "neither a weightcast delta nor a TRL sparse_weight_patch delta",
+                ));
+            }
+        },
+    };
+
+    // One pass: decode, write in place, keep what undoes it; if anything fails
+    // to decode or verify, every written word is put back.
+    let (changed, new_digests) = apply_jobs(state, &jobs, header.as_ref().map(|h| h.digest))?;
+    for (j, d) in jobs.iter().zip(new_digests) {
+        state.set_digest(j.idx, d);
+    }
+    let encoding = header.as_ref().map_or(Encoding::Trl, |h| h.encoding);
+    Ok(ApplyReport {
+        model_version: header
+            .as_ref()
+            .map(|h| h.model_version)
+            .or_else(|| map.get("model_version").and_then(|v| v.parse().ok())),
+        base_version: header.as_ref().and_then(|h| h.base_version),
+        encoding,
+        changed,
+        changed_tensors: jobs.iter().map(|j| j.name.clone()).collect(),
+        verified: header.is_some(),
+    })
+}
 
 /// What applying one tensor in one pass did: enough to verify it or to undo it.
 #[derive(Default)]
@@ -25,7 +134,7 @@ struct Outcome {
 /// against the header (`want_file`: its file digest, for weightcast deltas)
 /// and, on any failure, restores every word written. Returns the changed
 /// words and each job's new tensor digest.
-pub(in crate::codec) fn apply_jobs(
+fn apply_jobs(
     state: &mut TensorSet,
     jobs: &[Job<'_>],
     want_file: Option<Digest>,

@@ -316,9 +316,13 @@ impl PlanesLayout {
                 t.digest,
             )
         });
-        let h = crate::codec::anchor_header_of(items, self.header.model_version, Encoding::Full);
+        let h = crate::codec::header::anchor_header_of(
+            items,
+            self.header.model_version,
+            Encoding::Full,
+        );
         let mut meta = h.to_metadata();
-        crate::codec::keep_trainer_metadata(&mut meta, &self.metadata);
+        crate::codec::header::keep_trainer_metadata(&mut meta, &self.metadata);
         let lens: Vec<(&str, Dtype, &[usize], usize)> = self
             .tensors
             .iter()
@@ -327,7 +331,7 @@ impl PlanesLayout {
                 (t.name.as_str(), t.dtype, t.shape.as_slice(), len)
             })
             .collect();
-        crate::codec::object_prefix(&lens, &meta)
+        crate::codec::header::object_prefix(&lens, &meta)
     }
 
     /// Ranges of object bytes, each at most `max_bytes` long unless a single

@@ -12,6 +12,8 @@ use crate::error::{Error, Result};
 
 use super::kernels::decode_chunk_local;
 use super::layout::{PlanesLayout, is_planes, prefix_len};
+use crate::codec::header::metadata_map;
+use crate::format::Header;
 
 impl PlanesLayout {
     /// Decodes chunk `c` of tensor `t` from `src` (exactly its stored bytes)
@@ -174,8 +176,8 @@ impl PlanesLayout {
 /// The raw anchor a `planes` object stands for (every digest checked), or
 /// `None` when `object` is not a `planes` anchor.
 pub fn decode_object_if_planes(object: &[u8]) -> Result<Option<Vec<u8>>> {
-    let (_, header) = crate::codec::inspect(object)?;
-    if !header.as_ref().is_some_and(is_planes) {
+    let (_, map) = metadata_map(object)?;
+    if !Header::from_metadata(&map)?.as_ref().is_some_and(is_planes) {
         return Ok(None);
     }
     let layout = PlanesLayout::parse(&object[..prefix_len(object)? as usize])?;

@@ -357,7 +357,7 @@ impl<W: Write> PlanesWriter<W> {
                 *d,
             ));
         }
-        let header = crate::codec::anchor_header_of(items, model_version, Encoding::Planes);
+        let header = crate::codec::header::anchor_header_of(items, model_version, Encoding::Planes);
         let table = PlanesTable {
             chunk_words: self.opts.chunk_words,
             tensors: self
@@ -367,7 +367,7 @@ impl<W: Write> PlanesWriter<W> {
                 .collect(),
         };
         let mut meta = header.to_metadata();
-        crate::codec::keep_trainer_metadata(&mut meta, &self.metadata);
+        crate::codec::header::keep_trainer_metadata(&mut meta, &self.metadata);
         meta.insert(
             keys::PLANES.to_string(),
             serde_json::to_string(&table).expect("serializable"),
@@ -383,7 +383,7 @@ impl<W: Write> PlanesWriter<W> {
             .zip(&shapes)
             .map(|(n, s)| (n.as_str(), Dtype::U8, s.as_slice(), s[0]))
             .collect();
-        let prefix = crate::codec::object_prefix(&lens, &meta)?;
+        let prefix = crate::codec::header::object_prefix(&lens, &meta)?;
         let raw_bytes = self
             .tensors
             .iter()

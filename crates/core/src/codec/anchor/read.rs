@@ -4,14 +4,18 @@
 //! Every anchor a reader loads goes through one function (`load`): a
 //! `planes` object is decoded into the raw anchor it stands for (every chunk
 //! and digest checked), a raw one has every tensor's digest computed, and
-//! both are checked against the anchor's own header. [`read_anchor`] (bytes, plain
-//! checkpoints allowed) and [`decode_anchor`] (bytes or a file, a weightcast
-//! header required: what a subscriber receives) are its two faces.
+//! both are checked against the anchor's own header. [`read_anchor`] (bytes,
+//! plain checkpoints allowed) and [`decode_anchor`] (bytes or a file, a
+//! weightcast header required: what a subscriber receives) are its two
+//! faces. Also here: [`inspect`] (the header of any object, anchor or delta)
+//! and [`materialize_anchor`].
 
+use std::collections::BTreeMap;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use super::planes;
-use super::{entry_matches, inspect};
+use crate::codec::header::{entry_matches, metadata_map};
+use crate::codec::planes;
 use crate::error::{Error, Result};
 use crate::format::{Header, Kind, entry_digest, keys};
 use crate::tensors::{Digests, TensorSet};
@@ -215,6 +219,30 @@ pub fn expand_planes(path: &Path) -> Result<()> {
     }
     drop(object);
     std::fs::rename(&tmp, path).map_err(|e| io("renaming", e))
+}
+
+/// Writes the plain (`full`) anchor that an anchor object stands for into
+/// `w`: a `planes` anchor decoded (bounded memory, every digest checked), a
+/// `full` anchor or plain checkpoint copied as is. Returns the bytes written.
+pub fn materialize_anchor(object: &[u8], w: &mut impl Write) -> Result<u64> {
+    let (_, header) = inspect(object)?;
+    if header.as_ref().is_some_and(planes::is_planes) {
+        return planes::materialize(object, w);
+    }
+    w.write_all(object)
+        .map_err(|e| Error::io("writing the materialized anchor", e))?;
+    Ok(object.len() as u64)
+}
+
+/// Reads just the header of an anchor or delta object. For a `planes` anchor
+/// it also validates the chunk table (see [`planes::PlanesLayout::parse`]).
+pub fn inspect(bytes: &[u8]) -> Result<(BTreeMap<String, String>, Option<Header>)> {
+    let (_, map) = metadata_map(bytes)?;
+    let h = Header::from_metadata(&map)?;
+    if h.as_ref().is_some_and(planes::is_planes) {
+        planes::PlanesLayout::parse(bytes)?;
+    }
+    Ok((map, h))
 }
 
 #[cfg(test)]
