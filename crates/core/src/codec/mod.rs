@@ -26,7 +26,6 @@ mod parse;
 pub mod planes;
 pub mod scan;
 pub mod trl;
-pub mod vector;
 
 pub use crate::digest::tensor_digest_of;
 pub use anchor::{
@@ -37,5 +36,6 @@ pub use apply::{
     ApplyReport, Delta, InPlaceOptions, InPlaceReport, Positions, Prepared, Target, TensorChange,
     apply_delta, apply_in_place, apply_in_place_all, apply_in_place_with, prepare_in_place_all,
 };
+pub use compact::vector;
 pub use encode::{DeltaOptions, DeltaSummary, encode_delta};
 pub use header::{AnchorSummary, keep_trainer_metadata};

@@ -6,8 +6,8 @@
 //! changes for [`write_kept`]).
 
 use super::decode::{Coding, clean_end, step_entry};
-use super::{BATCH, Block, Ctx, Value, decode_block, step_word};
-use crate::codec::vector;
+use super::vector;
+use super::{BATCH, Block, Ctx, Group, Value, decode_block, step_word};
 use crate::digest::ChangeBatch;
 use crate::dtype::{KeyKind, from_key, load, read_word, store, to_key, word_mask, write_word};
 use crate::error::{Error, Result};
@@ -33,15 +33,6 @@ pub struct BlockUndo {
     /// being `unkey((key(new) − step) mod 2^(8·wb))` (`key` is a bijection), so
     /// the stream and the tensor are all the undo needs.
     pub old_words: Vec<u8>,
-}
-
-/// Decoded entries waiting to be resolved: block indices (ascending) and
-/// masked steps (raw-coded blocks: the new words) of the first `count` lanes.
-#[derive(Clone, Copy, Default)]
-pub(crate) struct Group {
-    pub(crate) index: [u64; BATCH],
-    pub(crate) step: [u64; BATCH],
-    pub(crate) count: usize,
 }
 
 /// A verified block's changes kept for the write pass: block indices (the

@@ -3,10 +3,10 @@
 
 use rayon::prelude::*;
 
+use super::vector::{self, Part};
 use super::{BLOCK_WORDS, Ctx, EncodedTensor, MAX_POS_K};
 use crate::codec::bits::FastWriter;
 use crate::codec::scan::{PIECE, for_each_change_piece_on};
-use crate::codec::vector::{self, Part};
 use crate::digest::{ChangeBatch, LANES, TensorSeed};
 use crate::dtype::{KeyKind, load, step_magnitude, to_key, word_mask};
 use crate::format::{BlockEntry, ValueCoding};

@@ -27,14 +27,18 @@
 //! - `apply`: decoded entries resolved against the words they
 //!   change and handed to a sink that writes them ([`apply_block`], with
 //!   [`undo_block`]) or only checks them (the verify pass of
-//!   [`crate::codec::apply_in_place`]).
+//!   [`crate::codec::apply_in_place`]);
+//! - `vector`: the AVX-512 kernels of the hottest case, 2-byte words (the
+//!   encoder's fused scan and entries, the apply's resolution of a group),
+//!   over the types this file defines ([`Ctx`], `Group`).
 
 mod apply;
 mod decode;
 mod encode;
+pub mod vector;
 
 pub use apply::{BlockUndo, apply_block, undo_block};
-pub(crate) use apply::{Group, Kept, verify_block, write_kept};
+pub(crate) use apply::{Kept, verify_block, write_kept};
 pub use decode::{decode_block, split_blocks};
 pub use encode::encode_tensor;
 
@@ -135,6 +139,15 @@ impl Block<'_> {
     fn error(&self, what: &str) -> Error {
         Error::tensor(self.tensor, format!("block {}: {what}", self.index))
     }
+}
+
+/// Decoded entries waiting to be resolved: block indices (ascending) and
+/// masked steps (raw-coded blocks: the new words) of the first `count` lanes.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Group {
+    pub(crate) index: [u64; BATCH],
+    pub(crate) step: [u64; BATCH],
+    pub(crate) count: usize,
 }
 
 /// Helpers the encode, decode and apply tests share.

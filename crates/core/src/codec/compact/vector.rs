@@ -34,8 +34,8 @@ use std::arch::x86_64::{
     _mm512_srli_epi64, _mm512_storeu_si512, _mm512_sub_epi64, _mm512_xor_si512,
 };
 
-use super::bits::FastWriter;
-use super::compact::{Ctx, Group};
+use super::{Ctx, Group};
+use crate::codec::bits::FastWriter;
 use crate::digest::ChangeBatch;
 use crate::dtype::KeyKind;
 #[cfg(target_arch = "x86_64")]
