@@ -19,7 +19,6 @@ pub mod anchor;
 mod apply;
 pub mod bits;
 pub mod compact;
-pub mod cpu;
 mod encode;
 mod header;
 mod parse;
@@ -39,3 +38,10 @@ pub use apply::{
 pub use compact::vector;
 pub use encode::{DeltaOptions, DeltaSummary, encode_delta};
 pub use header::{AnchorSummary, keep_trainer_metadata};
+
+/// The cache hints the codec's scatter loops use, under their old path
+/// (`codec::cpu::prefetch_l2`): re-exported from [`crate::platform`], where
+/// CPU detection and dispatch live and where the codec itself takes them.
+pub mod cpu {
+    pub use crate::platform::{prefetch, prefetch_l2};
+}
