@@ -16,6 +16,7 @@ mod gc;
 mod gcs;
 mod hooks;
 mod hostile;
+mod layering;
 mod malformed;
 mod notify;
 mod protocol;

@@ -15,8 +15,9 @@
 //!   memory-mapped or caller-lent buffers.
 //! - [`format`](mod@format): object metadata.
 //! - [`codec`]: diff, encode, decode, apply (`compact` and `trl`), anchors
-//!   (`full`, and `planes`: byte planes + zstd in independent chunks, in
-//!   `planes/{layout,kernels,write,read}`).
+//!   (`full`, and `planes`: byte planes + zstd in independent chunks). A
+//!   facade over one file per idea: `encode`, `parse`, `apply/`,
+//!   `anchor/`, `header`, and the encodings `compact/`, `trl`, `planes/`.
 //! - [`generator`]: synthetic RL steps; [`bench`](mod@bench): the codec
 //!   benchmark.
 //! - [`error`]: the typed error, classified by what the caller should do.
