@@ -97,7 +97,9 @@ LAYERS: list[tuple[str, str, int]] = [
     ("src/publisher/", "publisher", 50),
     ("src/subscriber/", "subscriber", 50),
     ("src/relay.rs", "relay", 50),
-    ("src/hooks.rs", "hooks", 51),
+    # The engine hand-off: a leaf (it imports only the error type) that the
+    # subscriber daemon and the Python binding call after each version.
+    ("src/hooks.rs", "hooks", 44),
     ("src/http/", "http", 52),
     ("src/demo.rs", "demo", 53),
     ("src/lib.rs", "lib", 59),

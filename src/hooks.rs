@@ -151,6 +151,32 @@ impl Default for HookPolicy {
     }
 }
 
+impl HookPolicy {
+    /// The default policy with the settings an embedding gives (seconds;
+    /// `None` keeps the default).
+    pub fn with(
+        timeout: Option<f64>,
+        budget: Option<f64>,
+        sglang_pause: Option<&str>,
+    ) -> Result<HookPolicy> {
+        let d = HookPolicy::default();
+        let seconds = |what: &str, v: Option<f64>, default: Duration| match v {
+            None => Ok(default),
+            Some(s) => Duration::try_from_secs_f64(s)
+                .map_err(|_| Error::Config(format!("hook {what} {s}: not a duration in seconds"))),
+        };
+        Ok(HookPolicy {
+            timeout: seconds("timeout", timeout, d.timeout)?,
+            budget: seconds("budget", budget, d.budget)?,
+            sglang_pause: match sglang_pause {
+                Some(m) => m.parse()?,
+                None => d.sglang_pause,
+            },
+            ..d
+        })
+    }
+}
+
 /// Why a hook failed — what the operator should look at.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]

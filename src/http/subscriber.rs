@@ -53,6 +53,70 @@ pub const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1
 /// Time a whole request may take.
 pub const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// A subscriber endpoint served in the background (an embedding's, e.g.
+/// the Python binding's listening subscriber): dropping it stops the server.
+pub struct Endpoint {
+    /// The state the handlers share with the subscriber.
+    pub shared: Arc<Shared>,
+    /// The address it is bound to.
+    pub bound: std::net::SocketAddr,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("bound", &self.bound)
+            .finish()
+    }
+}
+
+/// Binds `listen` (`HOST:PORT`; port 0 picks one) and serves the endpoint
+/// for a subscriber of `store_url` in a task of the current runtime,
+/// accepting notifications signed with `key`.
+pub async fn spawn(
+    store_url: &str,
+    listen: &str,
+    key: Option<crate::notify::Key>,
+) -> crate::Result<Endpoint> {
+    use crate::Error;
+    let addr: std::net::SocketAddr = listen.parse().map_err(|e| {
+        Error::Config(format!(
+            "listen `{listen}`: {e}; expected HOST:PORT, e.g. 0.0.0.0:8471"
+        ))
+    })?;
+    let key = key.ok_or_else(|| {
+        Error::Config(
+            "listening needs the notify key (--notify-key, notify_key=: the publisher's \
+             secret): every unsigned notification is refused"
+                .into(),
+        )
+    })?;
+    let shared = Shared::new(store_url, Some(key));
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|e| Error::io(format!("binding {addr}"), e))?;
+    let bound = listener
+        .local_addr()
+        .map_err(|e| Error::io(format!("binding {addr}"), e))?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let s = shared.clone();
+    tokio::spawn(async move {
+        let shutdown = async move {
+            let _ = stopped.await;
+        };
+        if let Err(e) = serve(listener, s, shutdown).await {
+            tracing::error!(error = %e, "notify endpoint stopped");
+        }
+    });
+    tracing::info!(%bound, "serving /v1/notify, /v1/status, /healthz, /metrics");
+    Ok(Endpoint {
+        shared,
+        bound,
+        _stop: stop,
+    })
+}
+
 /// Serves until `shutdown` completes.
 pub async fn serve(
     listener: TcpListener,

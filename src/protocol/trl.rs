@@ -11,7 +11,9 @@
 //! No manifest, no `latest.json`, no checksum: the keys are the whole protocol.
 //! A step is TRL's sync counter, from 1 (weightcast's versions count from 0:
 //! step = version + 1). Following a bucket means loading the newest anchor and
-//! replaying, in step order, the deltas after it.
+//! replaying, in step order, the deltas after it: the subscriber's loop does,
+//! over any sink (`subscriber::trl` plans it from these keys); this module
+//! reads and checks the objects.
 //!
 //! What can be checked without checksums is checked (tensor names, dtypes,
 //! shapes, index order and bounds, the header's counts, the step in the key
@@ -20,13 +22,13 @@
 //! whether a missing step had changes: TRL v3 writes no file for a step without
 //! changes, so a gap in the steps is accepted.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use bytes::Bytes;
 use serde::Serialize;
 
 use crate::codec::trl::{self, version_of_step};
-use crate::codec::{AnchorSummary, DeltaOptions, DeltaSummary, apply_delta, inspect, read_anchor};
+use crate::codec::{AnchorSummary, DeltaOptions, DeltaSummary, inspect, read_anchor};
 use crate::error::{Error, Result};
 use crate::format::{Encoding, Header, Kind, TrlGeneration, TrlOptions};
 use crate::store::Store;
@@ -39,8 +41,8 @@ pub const ANCHORS: &str = "anchors";
 /// Folder of the deltas.
 pub const DELTAS: &str = "deltas";
 
-/// The largest anchor [`catch_up`] downloads (1 TiB): a listed size above it
-/// is refused before any byte is read.
+/// The largest anchor a follower downloads by default (1 TiB): a listed size
+/// above it is refused before any byte is read.
 pub const MAX_ANCHOR_BYTES: u64 = 1 << 40;
 
 /// Key of the anchor of `step`: `anchors/step_{step:06}.safetensors`.
@@ -94,11 +96,12 @@ pub async fn listing(store: &Store) -> Result<TrlListing> {
     })
 }
 
-/// The steps (with sizes) of one folder, all of them or those after `after`.
+/// The steps (with sizes) of one folder, all of them or those after `after`
+/// ([`Kind::Anchor`]: `anchors/`, [`Kind::Delta`]: `deltas/`).
 /// After a step, the listing starts after its key (S3's `start-after`): key
 /// order is step order while steps have 6 digits, so from step 100 000 on it
 /// starts after `step_1` instead (every key with a leading 0 is skipped).
-async fn steps(store: &Store, kind: Kind, after: Option<u64>) -> Result<BTreeMap<u64, u64>> {
+pub async fn steps(store: &Store, kind: Kind, after: Option<u64>) -> Result<BTreeMap<u64, u64>> {
     let dir = if kind == Kind::Anchor {
         ANCHORS
     } else {
@@ -130,118 +133,6 @@ pub async fn is_trl_bucket(store: &Store) -> Result<bool> {
         .is_empty())
 }
 
-/// A follower's state: the step it holds and the tensors of that step.
-#[derive(Clone, Debug)]
-pub struct TrlReplica {
-    /// The TRL step.
-    pub step: u64,
-    /// The trainer's tensors at that step.
-    pub tensors: TensorSet,
-}
-
-/// What a [`catch_up`] did.
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct TrlReport {
-    /// The step now held.
-    pub step: u64,
-    /// The step held before (absent on a first run).
-    pub previous: Option<u64>,
-    /// Bytes downloaded.
-    pub downloaded: u64,
-    /// Deltas applied.
-    pub deltas_applied: u64,
-    /// Whether an anchor was loaded.
-    pub from_anchor: bool,
-    /// Tensors changed by the deltas applied, sorted (empty when an anchor was
-    /// loaded: everything may have changed).
-    pub changed_tensors: Vec<String>,
-    /// Whether every object used carried weightcast digests that verified (a
-    /// bucket `publish --layout trl` wrote); false when any was TRL's own,
-    /// which is checked structurally only.
-    pub verified: bool,
-}
-
-/// Limits of a [`catch_up_with`].
-#[derive(Clone, Copy, Debug)]
-pub struct TrlLimits {
-    /// The largest anchor downloaded ([`MAX_ANCHOR_BYTES`] by default).
-    pub max_anchor_bytes: u64,
-}
-
-impl Default for TrlLimits {
-    fn default() -> TrlLimits {
-        TrlLimits {
-            max_anchor_bytes: MAX_ANCHOR_BYTES,
-        }
-    }
-}
-
-/// Brings `held` to the newest step of a TRL bucket. With nothing held, or an
-/// anchor newer than the held step, it loads the newest anchor; then it
-/// applies, in step order, every delta after the step it holds (deltas at or
-/// before it are ignored, gaps are accepted: see the module documentation).
-///
-/// Returns `None` when there is nothing newer (or no anchor to start from) and
-/// `held` is untouched. On an error (which names the object), `held` holds the
-/// last state that passed every check: unchanged, or advanced by the objects
-/// applied before the failing one (each applies all or nothing); the caller
-/// serves nothing from a failed call.
-pub async fn catch_up(store: &Store, held: &mut Option<TrlReplica>) -> Result<Option<TrlReport>> {
-    catch_up_with(store, held, &TrlLimits::default()).await
-}
-
-/// [`catch_up`] with explicit limits.
-pub async fn catch_up_with(
-    store: &Store,
-    held: &mut Option<TrlReplica>,
-    limits: &TrlLimits,
-) -> Result<Option<TrlReport>> {
-    let previous = held.as_ref().map(|r| r.step);
-    let mut report = TrlReport {
-        previous,
-        verified: true,
-        ..TrlReport::default()
-    };
-    let anchors = steps(store, Kind::Anchor, None).await?;
-    if let Some((&step, &size)) = anchors.iter().next_back()
-        && previous.is_none_or(|h| step > h)
-    {
-        let key = anchor_key(step);
-        let (replica, verified, bytes) = load_anchor(store, &key, step, size, limits)
-            .await
-            .map_err(|e| in_object(&key, e))?;
-        if let Some(h) = held.as_ref() {
-            complete_against(h, &replica).map_err(|e| in_object(&key, e))?;
-        }
-        report.downloaded += bytes;
-        report.verified &= verified;
-        report.from_anchor = true;
-        *held = Some(replica);
-    }
-    let Some(r) = held.as_mut() else {
-        return Ok(None);
-    };
-    let mut changed = BTreeSet::new();
-    for (step, size) in steps(store, Kind::Delta, Some(r.step)).await? {
-        let key = delta_key(step);
-        let (bytes, verified, tensors) = apply_delta_object(store, r, &key, step, size)
-            .await
-            .map_err(|e| in_object(&key, e))?;
-        report.downloaded += bytes;
-        report.verified &= verified;
-        report.deltas_applied += 1;
-        changed.extend(tensors);
-    }
-    if !report.from_anchor && report.deltas_applied == 0 {
-        return Ok(None);
-    }
-    report.step = r.step;
-    if !report.from_anchor {
-        report.changed_tensors = changed.into_iter().collect();
-    }
-    Ok(Some(report))
-}
-
 /// Reads an object of at most `max` bytes that the listing showed as `listed`.
 async fn read_bounded(store: &Store, key: &str, listed: u64, max: u64) -> Result<Bytes> {
     if listed > max {
@@ -259,109 +150,77 @@ async fn read_bounded(store: &Store, key: &str, listed: u64, max: u64) -> Result
     })
 }
 
-/// Downloads and checks an anchor: a safetensors file whose TRL header agrees
-/// with its tensors ([`trl::check_anchor`]) and with the step in its key, and
-/// whose weightcast digests verify when it has them.
-async fn load_anchor(
+/// Downloads and checks the anchor of `step` (listed at `listed` bytes, at
+/// most `max`): a safetensors file whose TRL header agrees with its tensors
+/// ([`trl::check_anchor`]) and with the step in its key, and whose
+/// weightcast digests verify when it has them. Returns the tensors (digests
+/// computed), whether weightcast digests were verified, and the object's
+/// size and BLAKE3. Errors name the object.
+pub async fn read_anchor_object(
     store: &Store,
-    key: &str,
     step: u64,
     listed: u64,
-    limits: &TrlLimits,
-) -> Result<(TrlReplica, bool, u64)> {
-    let body = read_bounded(store, key, listed, limits.max_anchor_bytes).await?;
-    let bytes = body.len() as u64;
-    let (header, set) = read_anchor(Vec::from(body))?;
-    let model_version = trl::check_anchor(set.metadata(), &set)?;
-    check_steps(model_version, header.as_ref(), Kind::Anchor, step)?;
-    Ok((TrlReplica { step, tensors: set }, header.is_some(), bytes))
+    max: u64,
+) -> Result<(TensorSet, bool, u64, blake3::Hash)> {
+    let key = anchor_key(step);
+    let read = async {
+        let body = read_bounded(store, &key, listed, max).await?;
+        let (size, hash) = (body.len() as u64, blake3::hash(&body));
+        let (header, set) = read_anchor(Vec::from(body))?;
+        let model_version = trl::check_anchor(set.metadata(), &set)?;
+        check_steps(model_version, header.as_ref(), Kind::Anchor, step)?;
+        Ok((set, header.is_some(), size, hash))
+    };
+    read.await.map_err(|e| in_object(&key, e))
 }
 
-/// A newer anchor must hold every tensor the replica holds. TRL PR #5417's
-/// periodic anchors hold only the parameters that changed at their step
-/// (docs/format.md §11): loading one would silently drop the others.
-fn complete_against(held: &TrlReplica, anchor: &TrlReplica) -> Result<()> {
-    let missing: Vec<&str> = held
-        .tensors
-        .tensors()
-        .iter()
-        .filter(|t| anchor.tensors.position(&t.name).is_none())
-        .map(|t| t.name.as_str())
-        .collect();
-    if let Some(first) = missing.first() {
-        return Err(Error::tensor(
-            *first,
-            format!(
-                "held at step {} but absent from the step {} anchor ({} of {} tensors missing): \
-                 the anchor is incomplete (TRL PR #5417 writes periodic anchors with only the \
-                 changed parameters) and cannot replace the state. Use anchors that hold every \
-                 parameter (TRL v3, `publish --layout trl`), or start a fresh follower if the \
-                 model really changed",
-                held.step,
-                anchor.step,
-                missing.len(),
-                held.tensors.len()
-            ),
-        ));
-    }
-    Ok(())
-}
-
-/// The size a delta for `state` can have at most: every element changed, with
-/// 8-byte indices, plus the largest safetensors header. Anything larger is
-/// refused before it is read.
-fn delta_limit(state: &TensorSet) -> u64 {
-    let words: u64 = state.tensors().iter().map(|t| t.words() as u64).sum();
-    state
-        .total_bytes()
-        .saturating_add(words.saturating_mul(8))
-        .saturating_add(8 + 100_000_000)
-}
-
-/// Downloads, checks and applies one delta: TRL keys (`format`, `sparse`,
-/// `model_version` = the key's step), weightcast keys when present (a `trl`
-/// delta to `step - 1`, digests verified against the held state), and
-/// everything [`apply_delta`] checks. Returns (bytes, verified, changed tensors).
-async fn apply_delta_object(
+/// Downloads and checks the delta of `step` (listed at `listed` bytes, at
+/// most `max`): TRL's keys (`format`, `sparse`, `model_version` = the key's
+/// step), weightcast's keys when present (a `trl` delta to `step - 1`).
+/// Everything the apply checks (indices, the digests against the base) is
+/// checked when it is applied. Returns the object and whether it carries
+/// weightcast digests. Errors name the object.
+pub async fn read_delta_object(
     store: &Store,
-    r: &mut TrlReplica,
-    key: &str,
     step: u64,
     listed: u64,
-) -> Result<(u64, bool, Vec<String>)> {
-    let body = read_bounded(store, key, listed, delta_limit(&r.tensors)).await?;
-    let (map, header) = inspect(&body)?;
-    if map.get(trl::keys::FORMAT).map(String::as_str) != Some(trl::FORMAT_NAME)
-        || map.get(trl::keys::SPARSE).map(String::as_str) != Some("True")
-    {
-        return Err(Error::metadata(
-            trl::keys::FORMAT,
-            format!(
-                "a TRL delta has format=\"{}\" and sparse=\"True\"",
-                trl::FORMAT_NAME
-            ),
-        ));
-    }
-    if let Some(h) = &header
-        && h.encoding != Encoding::Trl
-    {
-        return Err(Error::metadata(
-            crate::format::keys::ENCODING,
-            format!(
-                "a {} delta in a TRL bucket (TRL reads only trl deltas)",
-                h.encoding
-            ),
-        ));
-    }
-    check_steps(
-        trl::model_version_key(&map)?,
-        header.as_ref(),
-        Kind::Delta,
-        step,
-    )?;
-    let report = apply_delta(&mut r.tensors, &body)?;
-    r.step = step;
-    Ok((body.len() as u64, report.verified, report.changed_tensors))
+    max: u64,
+) -> Result<(Bytes, bool)> {
+    let key = delta_key(step);
+    let read = async {
+        let body = read_bounded(store, &key, listed, max).await?;
+        let (map, header) = inspect(&body)?;
+        if map.get(trl::keys::FORMAT).map(String::as_str) != Some(trl::FORMAT_NAME)
+            || map.get(trl::keys::SPARSE).map(String::as_str) != Some("True")
+        {
+            return Err(Error::metadata(
+                trl::keys::FORMAT,
+                format!(
+                    "a TRL delta has format=\"{}\" and sparse=\"True\"",
+                    trl::FORMAT_NAME
+                ),
+            ));
+        }
+        if let Some(h) = &header
+            && h.encoding != Encoding::Trl
+        {
+            return Err(Error::metadata(
+                crate::format::keys::ENCODING,
+                format!(
+                    "a {} delta in a TRL bucket (TRL reads only trl deltas)",
+                    h.encoding
+                ),
+            ));
+        }
+        check_steps(
+            trl::model_version_key(&map)?,
+            header.as_ref(),
+            Kind::Delta,
+            step,
+        )?;
+        Ok((body, header.is_some()))
+    };
+    read.await.map_err(|e| in_object(&key, e))
 }
 
 /// The step in an object's key must agree with TRL's `model_version` key and
@@ -401,7 +260,7 @@ fn check_steps(
 }
 
 /// Names the object an error came from (keeping the error's kind).
-fn in_object(key: &str, e: Error) -> Error {
+pub fn in_object(key: &str, e: Error) -> Error {
     let at = |s: String| format!("{s} (in `{key}`)");
     match e {
         Error::Container(s) => Error::Container(at(s)),

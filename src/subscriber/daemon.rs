@@ -12,19 +12,12 @@ use crate::store::Store;
 
 use super::dir::{DEFAULT_SLOTS, DirSink};
 use super::fetch::Fetcher;
+use super::register::Registrar;
 use super::sink::Sink;
 use super::source::VersionSource;
 use super::status::Shared;
-use super::trl::TrlFollower;
-use super::{CaughtUp, Subscriber};
-
-/// Quarantined versions a registration lists at most (the newest).
-const REGISTERED_QUARANTINE: usize = 16;
-
-/// How often a subscriber that stays at one version rewrites its registration
-/// (a new version rewrites it at once). Well inside the publishers' default
-/// registration horizon of a day.
-pub const REGISTRATION_REFRESH: Duration = Duration::from_secs(600);
+use super::step::{CaughtUp, Subscriber};
+use super::update::Log;
 
 /// Daemon settings.
 #[derive(Clone, Debug)]
@@ -70,8 +63,7 @@ pub struct Daemon {
     /// The composed subscriber.
     pub sub: Subscriber<DirSink>,
     cfg: DaemonConfig,
-    /// (version, when) of the last registration written.
-    registered: Option<(Option<u64>, Vec<u64>, Instant)>,
+    registrar: Registrar,
     /// `current` moved when the output was opened (a switch a crash had
     /// interrupted): the hooks are owed a run.
     switch_owed: bool,
@@ -86,9 +78,6 @@ pub struct Daemon {
     /// confirmed it, so the previous version's files must stay as they are;
     /// they run again before anything else.
     hooks_owed: Option<hooks::Event>,
-    /// Set when the bucket is in TRL's own layout (no manifests): the output
-    /// follows it as a single-file checkpoint instead ([`super::trl`]).
-    trl: Option<TrlFollower>,
 }
 
 impl Daemon {
@@ -104,18 +93,14 @@ impl Daemon {
         if damaged {
             sub.note_repair();
         }
-        let trl = TrlFollower::is_output(&cfg.out)
-            .then(|| TrlFollower::open(&cfg.out))
-            .transpose()?;
         Ok(Daemon {
             sub,
             cfg: cfg.clone(),
-            registered: None,
+            registrar: Registrar::new(cfg.id.clone(), cfg.notify_url.clone()),
             switch_owed,
             prepare: false,
             first_prepare: true,
             hooks_owed: None,
-            trl,
         })
     }
 
@@ -144,27 +129,21 @@ impl Daemon {
             self.hooks_owed = None;
             tracing::info!(version = event.version, "the engine confirmed the version");
         }
-        let caught = match &mut self.trl {
-            Some(t) => t.catch_up(self.sub.fetcher.store()).await,
-            None => match self.sub.catch_up(thorough).await {
-                // A bucket without weightcast versions may be in TRL's
-                // layout, recognized by its keys while nothing is held (a
-                // weightcast bucket never pays for this check).
-                Ok(None)
-                    if self.sub.sink.held().is_none()
-                        && crate::protocol::trl::is_trl_bucket(self.sub.fetcher.store())
-                            .await? =>
-                {
-                    tracing::info!(
-                        "the bucket is in TRL's layout; following it as a single-file checkpoint"
-                    );
-                    self.trl
-                        .insert(TrlFollower::open(&self.cfg.out)?)
-                        .catch_up(self.sub.fetcher.store())
-                        .await
-                }
-                other => other,
-            },
+        let caught = match self.sub.catch_up(thorough).await {
+            // A bucket without weightcast versions may be in TRL's layout,
+            // recognized by its keys (a bucket with weightcast versions
+            // never pays for this check).
+            Ok(None)
+                if self.sub.log() == Log::Weightcast
+                    && crate::protocol::trl::is_trl_bucket(self.sub.fetcher.store()).await? =>
+            {
+                tracing::info!(
+                    "the bucket is in TRL's layout; following it as a single-file checkpoint"
+                );
+                self.sub.follow(Log::Trl);
+                self.sub.catch_up(thorough).await
+            }
+            other => other,
         };
         let requests = self.sub.fetcher.requests();
         if let Ok(mut s) = shared.status.lock() {
@@ -214,10 +193,7 @@ impl Daemon {
                 slot = c.slot.as_deref().unwrap_or(""),
                 "caught up"
             );
-            let dir = match &self.trl {
-                Some(t) => t.current_dir(),
-                None => self.sub.sink.current_dir(),
-            };
+            let dir = self.sub.sink.current_dir();
             let event = hooks::Event {
                 version: c.version,
                 dir,
@@ -234,11 +210,7 @@ impl Daemon {
         if let Ok(mut s) = shared.status.lock() {
             s.store_requests = self.sub.fetcher.requests();
         }
-        if self.prepare
-            && self.trl.is_none()
-            && self.hooks_owed.is_none()
-            && (switched || self.first_prepare)
-        {
+        if self.prepare && self.hooks_owed.is_none() && (switched || self.first_prepare) {
             self.first_prepare = false;
             // The hooks ran: the files of the slot the next update writes
             // may change now.
@@ -268,31 +240,10 @@ impl Daemon {
     }
 
     /// Rewrites the registration when the version changed or it is due.
-    async fn register(&mut self, version: Option<u64>, mut quarantined: Vec<u64>) {
-        // The newest few only: a registration must stay under its 4 KiB bound
-        // however many bad versions pile up.
-        quarantined.truncate(REGISTERED_QUARANTINE);
-        let Some(id) = &self.cfg.id else {
-            return;
-        };
-        let due = self.registered.as_ref().is_none_or(|(v, q, at)| {
-            *v != version || *q != quarantined || at.elapsed() >= REGISTRATION_REFRESH
-        });
-        if !due {
-            return;
-        }
-        let reg = crate::protocol::Registration {
-            id: id.clone(),
-            notify_url: self.cfg.notify_url.clone(),
-            version,
-            quarantined: quarantined.clone(),
-            updated_at: crate::notify::unix_now(),
-        };
-        self.sub.fetcher.count(1);
-        match crate::protocol::register(self.sub.fetcher.store(), &reg).await {
-            Ok(()) => self.registered = Some((version, quarantined, Instant::now())),
-            Err(e) => tracing::warn!(error = %e, "registration failed"),
-        }
+    async fn register(&mut self, version: Option<u64>, quarantined: Vec<u64>) {
+        self.registrar
+            .refresh(&self.sub.fetcher, version, &quarantined)
+            .await;
     }
 }
 
@@ -346,4 +297,12 @@ pub async fn once(store: &Store, cfg: &DaemonConfig) -> Result<Option<(CaughtUp,
     let shared = Shared::new(store.url(), None);
     let mut d = Daemon::open(store, cfg)?;
     d.iterate(&shared, true).await
+}
+
+/// Catches the output directory `out` up to the newest committed version of
+/// `store`: one iteration of the daemon with default settings (two slots, no
+/// hooks), the current slot verified first. Returns `None` when the bucket
+/// has no version yet.
+pub async fn catch_up(store: &Store, out: &Path) -> Result<Option<CaughtUp>> {
+    Ok(once(store, &DaemonConfig::new(out)).await?.map(|(c, _)| c))
 }

@@ -889,6 +889,18 @@ impl Sink for DirSink {
         self.held
     }
 
+    fn held_tensors(&self) -> Option<Vec<String>> {
+        self.held?;
+        let current = self.current.as_ref()?;
+        Some(
+            self.state.slots[current]
+                .tensors
+                .values()
+                .flat_map(|f| f.tensors.keys().cloned())
+                .collect(),
+        )
+    }
+
     fn begin(&mut self, base: Option<u64>) -> Result<()> {
         self.abort();
         if base.is_some() && base != self.held {
@@ -944,6 +956,7 @@ impl Sink for DirSink {
     fn anchor(&mut self, name: &str, object: AnchorObject) -> Result<()> {
         check_name(name)?;
         let path = match object {
+            AnchorObject::Tensors(set) => return self.anchor_tensors(name, set),
             AnchorObject::File(p) => p,
             AnchorObject::Bytes(b) => {
                 let AnchorDest::File(p) = self.anchor_dest(name)? else {
@@ -1057,6 +1070,53 @@ impl Sink for DirSink {
 }
 
 impl DirSink {
+    /// An anchor decoded already (a TRL bucket's): written into the work
+    /// slot as a plain safetensors file (through `.tmp/`, then renamed), and
+    /// mapped for the deltas after it.
+    fn anchor_tensors(&mut self, name: &str, set: TensorSet) -> Result<()> {
+        let AnchorDest::File(tmp) = self.anchor_dest(name)? else {
+            unreachable!("a DirSink downloads into files")
+        };
+        let metadata = output_metadata(set.metadata());
+        let file = std::fs::File::create(&tmp).map_err(|e| io_err("creating", &tmp, e))?;
+        let mut w = std::io::BufWriter::with_capacity(8 << 20, file);
+        set.write_to(&metadata, &mut w)?;
+        let file = w
+            .into_inner()
+            .map_err(|e| io_err("writing", &tmp, e.into_error()))?;
+        file.sync_all().map_err(|e| io_err("syncing", &tmp, e))?;
+        drop(file);
+        let digests: Vec<Digest> = set.tensors().iter().map(|t| t.digest).collect();
+        drop(set);
+        let mut mapped = TensorSet::map(&tmp, true, Digests::Skip)?;
+        mapped.assume_digests(&digests)?;
+        let size = std::fs::metadata(&tmp)
+            .map_err(|e| io_err("reading", &tmp, e))?
+            .len();
+        let head_len = (size - mapped.total_bytes()) as usize;
+        let head = std::fs::read(&tmp)
+            .map_err(|e| io_err("reading", &tmp, e))?
+            .get(..head_len)
+            .map(|h| blake3::hash(h).to_hex().to_string())
+            .unwrap_or_default();
+        let work = self.work()?;
+        work.open.remove(name);
+        let dest = work.dir.join(name);
+        if let Some(parent) = dest.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| io_err("creating", parent, e))?;
+        }
+        std::fs::rename(&tmp, &dest).map_err(|e| io_err("renaming", &tmp, e))?;
+        work.rec.files.remove(name);
+        work.rec
+            .tensors
+            .insert(name.to_string(), TensorFile::of(&mapped, size, head));
+        work.open.insert(name.to_string(), mapped);
+        work.touched.insert(name.to_string());
+        work.produced.written_bytes += size;
+        crate::failpoint::hit("subscriber.after_anchor");
+        Ok(())
+    }
+
     /// Ends the update: flushes the work slot, records it clean at its
     /// version and, with `switch`, points `current` at it.
     fn finish(&mut self, switch: bool) -> Result<Produced> {
@@ -1131,10 +1191,14 @@ impl DirSink {
         }
         // Leftovers: downloads, and the directory layout of older releases.
         let _ = std::fs::remove_dir_all(self.out.join(".tmp"));
-        let legacy = self.out.join("versions");
-        if legacy.is_dir() {
-            let _ = std::fs::remove_dir_all(&legacy);
+        // (`versions/<v>`; a TRL follower's `trl/step_N` and its state.)
+        for legacy in ["versions", "trl"] {
+            let legacy = self.out.join(legacy);
+            if legacy.is_dir() {
+                let _ = std::fs::remove_dir_all(&legacy);
+            }
         }
+        let _ = std::fs::remove_file(self.out.join(".trl-state.json"));
         Ok(work.produced)
     }
 }

@@ -74,6 +74,18 @@ pub trait Sink {
     /// The verified version the sink holds and can replay onto (`None`:
     /// nothing, or nothing trustworthy — the next update must bootstrap).
     fn held(&self) -> Option<u64>;
+    /// The names of the tensors the sink holds, where it knows them (an
+    /// anchor that replaces them must hold each, for TRL buckets).
+    fn held_tensors(&self) -> Option<Vec<String>> {
+        None
+    }
+    /// The most versions one update may carry (`None`: any number). A sink
+    /// that verifies a version against the bytes it holds before it writes
+    /// anything (tensors a caller owns) can stage only one version at a
+    /// time; an anchor and the versions after it are always one update.
+    fn max_versions(&self) -> Option<usize> {
+        None
+    }
     /// Starts an update: onto the held version (`Some(held)`), or from
     /// scratch (`None`, the first objects are a version's anchors).
     fn begin(&mut self, base: Option<u64>) -> Result<()>;
@@ -112,22 +124,16 @@ pub fn output_metadata(anchor: &BTreeMap<String, String>) -> BTreeMap<String, St
         .collect()
 }
 
-/// Applies a delta object of `version` for file `name` to `set`, and refuses
-/// anything but a verified delta to exactly that version.
+/// Applies a delta object of `version` for file `name` to `set` (all or
+/// nothing); the loop checks the report against what the bucket promised
+/// (a weightcast bucket's deltas verify, to exactly that version).
 pub(crate) fn apply_checked(
     set: &mut TensorSet,
-    version: u64,
-    name: &str,
+    _version: u64,
+    _name: &str,
     delta: &[u8],
 ) -> Result<ApplyReport> {
-    let report = apply_delta(set, delta)?;
-    if !report.verified || report.model_version != Some(version) {
-        return Err(Error::metadata(
-            "delta",
-            format!("the delta for `{name}` is not a verified delta to version {version}"),
-        ));
-    }
-    Ok(report)
+    apply_delta(set, delta)
 }
 
 /// Bytes an apply of `delta` wrote into `set`: changed words × word width,
@@ -258,6 +264,16 @@ impl Sink for MemorySink {
         self.version
     }
 
+    fn held_tensors(&self) -> Option<Vec<String>> {
+        self.version?;
+        Some(
+            self.tensors
+                .values()
+                .flat_map(|s| s.tensors().iter().map(|t| t.name.clone()))
+                .collect(),
+        )
+    }
+
     fn begin(&mut self, base: Option<u64>) -> Result<()> {
         if base.is_some() && base != self.version {
             return Err(Error::BadRequest(format!(
@@ -277,7 +293,10 @@ impl Sink for MemorySink {
     }
 
     fn anchor(&mut self, name: &str, object: AnchorObject) -> Result<()> {
-        let (_, mut set) = decode_anchor(name, object)?;
+        let mut set = match object {
+            AnchorObject::Tensors(set) => set,
+            object => decode_anchor(name, object)?.1,
+        };
         set.set_metadata(output_metadata(set.metadata()));
         self.written += set.total_bytes();
         self.touched.insert(name.to_string());

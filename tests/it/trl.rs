@@ -5,8 +5,9 @@
 //! - (a) TRL v1 and v3 (raw, gap_delta with U16 and U32 gaps) deltas the
 //!   reference writes apply exactly with `apply_delta`, and weightcast writes
 //!   the same tensors and header keys;
-//! - (b) `trl_bucket::catch_up` follows the reference's buckets to exactly the
-//!   last step, and keeps following, on a local store, moto and Garage;
+//! - (b) the subscriber's loop (`Subscriber::follow(Log::Trl)`, into memory)
+//!   follows the reference's buckets to exactly the last step, and keeps
+//!   following, on a local store, moto and Garage;
 //! - (c) the reference's reader follows buckets weightcast's writer helpers make;
 //! - (d) bad TRL input is refused with a clear error and nothing is served.
 //!
@@ -26,8 +27,10 @@ use weightcast::codec::{DeltaOptions, apply_delta, encode_delta, inspect};
 use weightcast::dtype::Dtype;
 use weightcast::format::{Encoding, TrlGeneration, TrlIndexEncoding, TrlOptions};
 use weightcast::generator::{Generator, GeneratorConfig};
-use weightcast::protocol::trl::{self as trl_bucket, TrlLimits, TrlReplica};
+use weightcast::protocol::trl::{self as trl_bucket};
 use weightcast::store::Store;
+use weightcast::subscriber::trl::{self as trl_follow, TrlLimits};
+use weightcast::subscriber::{CaughtUp, Fetcher, Log, MemorySink, Sink, Subscriber, VersionSource};
 use weightcast::tensors::{Digests, TensorSet, write_safetensors};
 
 const REFERENCE: &str = concat!(
@@ -299,6 +302,30 @@ fn write_bucket(dir: &Path, generation: &str, encoding: &str, steps: u64) -> Ten
     load(&e)
 }
 
+/// A follower of a TRL bucket: the subscriber's loop into memory.
+fn follower(store: &Store) -> Subscriber<MemorySink> {
+    let source = VersionSource::new(std::time::Duration::from_secs(1), 0.0);
+    let mut sub = Subscriber::new(Fetcher::new(store.clone()), source, MemorySink::new());
+    sub.follow(Log::Trl);
+    sub
+}
+
+/// The TRL step the follower holds.
+fn step(sub: &Subscriber<MemorySink>) -> Option<u64> {
+    sub.sink.held().map(|v| v + 1)
+}
+
+/// The tensors the follower holds.
+fn held(sub: &Subscriber<MemorySink>) -> &TensorSet {
+    &sub.sink.tensors()[trl_follow::FILE]
+}
+
+/// A catch-up that must have moved the follower.
+async fn moved(sub: &mut Subscriber<MemorySink>) -> Option<CaughtUp> {
+    let c = sub.catch_up(true).await.unwrap()?;
+    (c.previous != Some(c.version) || c.from_anchor).then_some(c)
+}
+
 /// Follows a reference bucket on `store` as it grows: 2 steps (anchor 1 and a
 /// delta), 5 (anchor 3 loaded over the held step 2), 7 (anchor 6), 8 (a delta
 /// only); every time exactly the reference's model at the last step.
@@ -306,13 +333,8 @@ async fn follow(store: &Store, generation: &str, encoding: &str) {
     let work = tempfile::tempdir().unwrap();
     let dir = work.path().join("bucket");
     assert!(!trl_bucket::is_trl_bucket(store).await.unwrap());
-    let mut held: Option<TrlReplica> = None;
-    assert!(
-        trl_bucket::catch_up(store, &mut held)
-            .await
-            .unwrap()
-            .is_none()
-    );
+    let mut sub = follower(store);
+    assert!(moved(&mut sub).await.is_none());
     // (steps, from_anchor, deltas applied, previous)
     let v1 = generation == "v1";
     let plan: [(u64, bool, u64, Option<u64>); 4] = [
@@ -327,30 +349,27 @@ async fn follow(store: &Store, generation: &str, encoding: &str) {
         upload(&dir, store).await;
         assert!(trl_bucket::is_trl_bucket(store).await.unwrap());
         let what = format!("{generation}/{encoding} at {} step {steps}", store.url());
-        let report = trl_bucket::catch_up(store, &mut held)
+        let report = moved(&mut sub)
             .await
-            .unwrap()
             .unwrap_or_else(|| panic!("{what}: nothing new"));
-        assert_eq!(report.step, steps, "{what}");
+        assert_eq!(report.version + 1, steps, "{what}");
         assert_eq!(report.from_anchor, from_anchor, "{what}");
         assert_eq!(report.deltas_applied, deltas, "{what}");
-        assert_eq!(report.previous, previous, "{what}");
-        assert!(!report.verified, "{what}: TRL's objects carry no digests");
+        assert_eq!(report.previous.map(|v| v + 1), previous, "{what}");
+        assert!(
+            report.structural_only,
+            "{what}: TRL's objects carry no digests"
+        );
+        assert!(report.quarantined.is_empty(), "{what}");
         assert!(report.downloaded > 0);
         if !from_anchor {
             assert!(!report.changed_tensors.is_empty(), "{what}");
         }
-        let r = held.as_ref().unwrap();
-        assert_eq!(r.step, steps);
-        assert_same(&r.tensors, &expected, &what);
+        assert_eq!(step(&sub), Some(steps));
+        assert_same(held(&sub), &expected, &what);
         // Nothing newer: nothing done, the replica untouched.
-        assert!(
-            trl_bucket::catch_up(store, &mut held)
-                .await
-                .unwrap()
-                .is_none()
-        );
-        assert_eq!(held.as_ref().unwrap().step, steps);
+        assert!(moved(&mut sub).await.is_none());
+        assert_eq!(step(&sub), Some(steps));
     }
     let l = trl_bucket::listing(store).await.unwrap();
     assert_eq!(l.anchors.keys().copied().collect::<Vec<_>>(), [1, 3, 6]);
@@ -449,14 +468,11 @@ async fn the_reference_follows_buckets_weightcast_writes() {
         let what = format!("reference reader on {opts:?}");
         assert_same(&load(&out), models.last().unwrap(), &what);
         // weightcast follows its own TRL bucket with every digest verified.
-        let mut held = None;
-        let r = trl_bucket::catch_up(&store, &mut held)
-            .await
-            .unwrap()
-            .unwrap();
-        assert!(r.verified, "{opts:?}");
-        assert_eq!(r.step, 5);
-        assert_same(&held.unwrap().tensors, models.last().unwrap(), &what);
+        let mut sub = follower(&store);
+        let r = moved(&mut sub).await.unwrap();
+        assert!(!r.structural_only, "{opts:?}");
+        assert_eq!(r.version + 1, 5);
+        assert_same(held(&sub), models.last().unwrap(), &what);
         // The reference also reads every single delta and anchor.
         for key in trl_bucket::listing(&store).await.unwrap().deltas.keys() {
             let f = dir.path().join(trl_bucket::delta_key(*key));
@@ -653,59 +669,62 @@ async fn bad_objects_in_a_bucket_are_refused_and_nothing_is_served() {
             .unwrap();
         TensorSet::from_safetensors(b.to_vec(), Digests::Compute).unwrap()
     };
-    let mut held = None;
-    let e = trl_bucket::catch_up(&store, &mut held).await.unwrap_err();
-    assert!(e.to_string().contains(&key), "{e}");
-    assert!(e.to_string().contains(Q), "{e}");
-    let r = held.as_ref().expect("the anchor passed its checks");
-    assert_eq!(r.step, 3);
-    assert_same(&r.tensors, &anchor3, "after a refused delta");
-    // Restoring the object lets the follower go on.
+    // The newest version it can verify is served: the anchor; the bad step
+    // is quarantined with the reason.
+    let mut sub = follower(&store);
+    let c = moved(&mut sub).await.unwrap();
+    assert_eq!(c.version + 1, 3, "{c:?}");
+    let e = &c.quarantined[0].error;
+    assert!(e.contains(&key), "{e}");
+    assert!(e.contains(Q), "{e}");
+    assert_eq!(step(&sub), Some(3));
+    assert_same(held(&sub), &anchor3, "after a refused delta");
+    // Restoring the object lets the follower go on (the quarantined step
+    // asked for at once; the loop alone retries it after its backoff).
     store.put(&key, good).await.unwrap();
-    let report = trl_bucket::catch_up(&store, &mut held)
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!((report.step, report.from_anchor), (5, false));
+    let report = sub.catch_up_to(4).await.unwrap();
+    assert_eq!((report.version + 1, report.from_anchor), (5, false));
 
     // A delta whose header names another step than its key.
     let (store, _d) = common::local_store();
     let (_w, _) = reference_bucket(&store).await;
-    let moved = store.get(&key).await.unwrap().unwrap();
+    let moved_delta = store.get(&key).await.unwrap().unwrap();
     store.delete(&key).await.unwrap();
-    store.put(&trl_bucket::delta_key(4), moved).await.unwrap();
-    let mut held = None;
-    let e = trl_bucket::catch_up(&store, &mut held).await.unwrap_err();
-    let msg = e.to_string();
+    store
+        .put(&trl_bucket::delta_key(4), moved_delta)
+        .await
+        .unwrap();
+    let mut sub = follower(&store);
+    let c = moved(&mut sub).await.unwrap();
+    let msg = &c.quarantined[0].error;
     assert!(
         msg.contains("says step 5") && msg.contains("step_000004"),
         "{msg}"
     );
-    assert_eq!(held.as_ref().unwrap().step, 3);
+    assert_eq!(step(&sub), Some(3));
 
     // An anchor over the size limit: refused before it is read, nothing held.
     let (store, _d) = common::local_store();
     let (_w, _) = reference_bucket(&store).await;
-    let mut held = None;
-    let limits = TrlLimits {
+    let mut sub = follower(&store);
+    sub.trl_limits = TrlLimits {
         max_anchor_bytes: 1000,
     };
-    let e = trl_bucket::catch_up_with(&store, &mut held, &limits)
-        .await
-        .unwrap_err();
+    let e = sub.catch_up(true).await.unwrap_err();
     assert!(matches!(e, Error::TooLarge { .. }), "{e:?}");
-    assert!(e.to_string().contains("anchors/step_000003"), "{e}");
-    assert!(held.is_none());
+    let q = sub.quarantined();
+    assert!(
+        q.iter().any(|q| q.error.contains("anchors/step_000003")),
+        "{q:?}"
+    );
+    assert!(sub.sink.held().is_none());
 
     // A delta under anchors/ (sparse="True"), and an incomplete anchor (TRL
     // #5417's periodic anchors) over a held state.
     let (store, _d) = common::local_store();
     let (_w, _) = reference_bucket(&store).await;
-    let mut held = None;
-    trl_bucket::catch_up(&store, &mut held)
-        .await
-        .unwrap()
-        .unwrap();
+    let mut sub = follower(&store);
+    moved(&mut sub).await.unwrap();
     let a3 = store
         .get(&trl_bucket::anchor_key(3))
         .await
@@ -723,9 +742,9 @@ async fn bad_objects_in_a_bucket_are_refused_and_nothing_is_served() {
         .put(&trl_bucket::anchor_key(6), Bytes::from(partial))
         .await
         .unwrap();
-    let e = trl_bucket::catch_up(&store, &mut held).await.unwrap_err();
-    assert!(e.to_string().contains("incomplete"), "{e}");
-    assert_eq!(held.as_ref().unwrap().step, 5);
+    let c = sub.catch_up(true).await.unwrap().unwrap();
+    assert!(c.quarantined[0].error.contains("incomplete"), "{c:?}");
+    assert_eq!(step(&sub), Some(5));
     let as_anchor = edit(&good_delta(&store).await, |_, m| {
         m.insert("model_version".into(), "9".into());
     });
@@ -733,8 +752,10 @@ async fn bad_objects_in_a_bucket_are_refused_and_nothing_is_served() {
         .put(&trl_bucket::anchor_key(9), Bytes::from(as_anchor))
         .await
         .unwrap();
-    let e = trl_bucket::catch_up(&store, &mut None).await.unwrap_err();
-    assert!(e.to_string().contains("sparse"), "{e}");
+    let mut fresh = follower(&store);
+    let c = fresh.catch_up(true).await.unwrap().unwrap();
+    assert!(c.quarantined[0].error.contains("sparse"), "{c:?}");
+    assert_ne!(step(&fresh), Some(9));
 }
 
 async fn good_delta(store: &Store) -> Vec<u8> {
@@ -766,11 +787,12 @@ async fn weightcast_trl_buckets_verify_digests() {
     // Only the delta, without the anchor at 3: bootstrap from 1, apply 2.
     store.delete(&trl_bucket::anchor_key(3)).await.unwrap();
     store.put(&key, Bytes::from(bad)).await.unwrap();
-    let mut held = None;
-    let e = trl_bucket::catch_up(&store, &mut held).await.unwrap_err();
-    assert!(matches!(e, Error::WrongBase { .. }), "{e:?}");
-    assert!(e.to_string().contains("step_000002"), "{e}");
-    assert_eq!(held.unwrap().step, 1);
+    let mut sub = follower(&store);
+    let c = moved(&mut sub).await.unwrap();
+    let e = &c.quarantined[0].error;
+    assert!(e.contains("wrong base"), "{e}");
+    assert!(e.contains("step_000002"), "{e}");
+    assert_eq!(step(&sub), Some(1));
 }
 
 /// Issue 12, done-when: a bucket written by `weightcast publish --layout trl`
@@ -859,13 +881,10 @@ async fn the_reference_follows_what_publish_layout_trl_writes() {
         let report = reference(&["read-bucket", s(dir.path()), "--out", s(&out)]);
         assert_eq!(report["step"], 5, "{generation}");
         assert_same(&load(&out), last.as_ref().unwrap(), generation);
-        let mut held = None;
-        let r = trl_bucket::catch_up(&store, &mut held)
-            .await
-            .unwrap()
-            .unwrap();
-        assert!(r.verified && r.step == 5, "{generation}");
-        assert_same(&held.unwrap().tensors, last.as_ref().unwrap(), generation);
+        let mut sub = follower(&store);
+        let r = moved(&mut sub).await.unwrap();
+        assert!(!r.structural_only && r.version + 1 == 5, "{generation}");
+        assert_same(held(&sub), last.as_ref().unwrap(), generation);
     }
 }
 

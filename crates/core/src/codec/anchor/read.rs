@@ -32,6 +32,10 @@ pub enum AnchorObject {
     /// it, or create its sibling `<file>.raw`, while it is decoded (the
     /// contract of [`TensorSet::map`]).
     File(PathBuf),
+    /// Decoded and checked already (a TRL bucket's anchor, read while a
+    /// follower planned: digests computed, TRL's structure checked); a
+    /// weightcast header, when it has one, is verified again.
+    Tensors(TensorSet),
 }
 
 /// Parses an anchor (or any safetensors checkpoint), computes every digest and,
@@ -106,6 +110,7 @@ fn load(object: AnchorObject) -> Result<(Option<Header>, TensorSet)> {
             expand_planes(&p)?;
             TensorSet::map(&p, true, Digests::Compute)?
         }
+        AnchorObject::Tensors(set) => set,
     };
     let Some(h) = Header::from_metadata(set.metadata())? else {
         return Ok((None, set));
