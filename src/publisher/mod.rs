@@ -594,7 +594,28 @@ impl Publisher {
         }
         crate::failpoint::hit("publisher.after_latest");
         let snap = self.snapshot.as_mut().expect("checked above");
-        snap.finish_delta(&deltas, after.clone())?;
+        if let Err(e) = snap.finish_delta(&deltas, after.clone()) {
+            // The version's own deltas do not verify against the snapshot
+            // they were made from: the checkpoint's bytes changed while the
+            // diff read them (a caller's buffer written during the publish),
+            // or the snapshot did. Subscribers refuse the version as well.
+            // Nothing built on this snapshot can be trusted again: the next
+            // version is an anchor, from a full read.
+            tracing::error!(version = next, error = %e, "a committed delta does not verify against the publisher's snapshot; the next version will be an anchor");
+            let mut recorded = after;
+            recorded.tensor_files.clear();
+            self.distrust_snapshot(&recorded);
+            self.state = Some(recorded);
+            return Err(Error::Integrity {
+                scope: format!(
+                    "the publisher's snapshot after applying committed version {next} ({e}); \
+                     did the checkpoint change while it was being published? Subscribers refuse \
+                     version {next}; the next version is an anchor"
+                ),
+                expected: "the digests the version's deltas record".into(),
+                actual: "others".into(),
+            });
+        }
         self.state = Some(after);
         let notified = self.notify(next, base.anchor_version);
         Ok(Published {
@@ -612,9 +633,28 @@ impl Publisher {
         })
     }
 
+    /// Stops trusting the snapshot, here and in `state.json` (which keeps
+    /// `recorded`'s numbering): the next version is an anchor.
+    fn distrust_snapshot(&mut self, recorded: &State) {
+        self.snapshot = None;
+        if let Err(e) = Snapshot::distrust(&self.cfg.state_dir, recorded) {
+            tracing::warn!(error = %e, "cannot record the distrusted snapshot; a restart verifies it in full");
+        }
+    }
+
     /// Publishes an anchor; `bridges` (deltas from the previous version, one per
     /// safetensors file, or none) go into the same version so that subscribers
     /// behind it can replay across it.
+    ///
+    /// Everything comes from one read of the checkpoint: its tensor files are
+    /// written once as the new snapshot, and the anchor objects and the
+    /// digests recorded for them are made from the files written, never from
+    /// the checkpoint again. A checkpoint whose bytes change during the
+    /// publish (a caller's buffers written meanwhile, a file rewritten in
+    /// place) cannot make the snapshot, the objects and their digests
+    /// disagree; with bridges, whose digests come from the diff's read, a
+    /// change between the two reads is refused (nothing committed, the next
+    /// version an anchor).
     async fn publish_anchor(
         &mut self,
         cp: &mut Checkpoint,
@@ -626,30 +666,44 @@ impl Publisher {
         let next = staging.version();
         let dir = self.cfg.state_dir.clone();
         let total = cp.total_elements();
-        // Bridged: `encode_delta` derived the new digests. Otherwise a full pass.
-        for set in cp.tensors.values_mut() {
-            if !set.has_digests() {
-                set.compute_digests();
-            }
-        }
         // The new snapshot's files, written once; the anchor objects are
         // uploaded from them (the checkpoint may be rewritten by the trainer
         // once this publish returns; the snapshot is ours).
         let next_dir = Snapshot::next_dir(&dir);
         let _ = std::fs::remove_dir_all(&next_dir);
         let mut anchor_bytes = 0u64;
+        let mut tensor_files = BTreeMap::new();
         let spill_dir = dir.join("spill");
         for (name, set) in &cp.tensors {
             let path = next_dir.join(name);
-            let data_start = write_snapshot_file(&path, set)?;
+            let (written, data_start) = write_snapshot_file(&path, set)?;
+            let digests = FileDigests::of(&written);
+            if set.has_digests() && FileDigests::of(set) != digests {
+                // The bridges were diffed from other bytes than the ones
+                // just written.
+                let _ = std::fs::remove_dir_all(&next_dir);
+                if let Some(st) = self.state.clone() {
+                    self.distrust_snapshot(&st);
+                } else {
+                    self.snapshot = None;
+                }
+                return Err(Error::Conflict(format!(
+                    "tensor file `{name}` of checkpoint {} changed while it was being published \
+                     (its bytes differ between the diff and the snapshot); nothing was committed \
+                     and the next version is an anchor. Publish again once the trainer has \
+                     finished writing it",
+                    cp.describe()
+                )));
+            }
+            tensor_files.insert(name.clone(), digests);
             let mut spill = None;
             let sources = match self.cfg.anchor_encoding {
                 AnchorEncoding::Raw => vec![
-                    Source::Bytes(Bytes::from(anchor_prefix(set, next)?)),
+                    Source::Bytes(Bytes::from(anchor_prefix(&written, next)?)),
                     Source::File {
                         path: path.clone(),
                         offset: data_start,
-                        len: set.total_bytes(),
+                        len: written.total_bytes(),
                     },
                 ],
                 AnchorEncoding::Planes => {
@@ -670,7 +724,7 @@ impl Publisher {
                         })?,
                     );
                     let done = crate::codec::write_anchor_planes(
-                        set,
+                        &written,
                         next,
                         crate::codec::planes::PlanesOptions::default(),
                         sink,
@@ -690,6 +744,7 @@ impl Publisher {
                     sources
                 }
             };
+            drop(written);
             let key = staging.key(ObjectRole::Anchor, name)?;
             let (size, blake3) = self.store.put_sources(&key, &sources).await?;
             crate::failpoint::hit("publisher.mid_upload");
@@ -732,11 +787,7 @@ impl Publisher {
             bytes_since_anchor: 0,
             step: opts.step,
             files,
-            tensor_files: cp
-                .tensors
-                .iter()
-                .map(|(n, s)| (n.clone(), FileDigests::of(s)))
-                .collect(),
+            tensor_files,
             pending: None,
         };
         // Record the commit in flight (in the old state, which stays valid if
@@ -993,9 +1044,23 @@ fn manifest_size(m: &Manifest) -> u64 {
 }
 
 /// Writes `set` as a plain safetensors file (its own metadata kept) at
-/// `path`, streaming from wherever its bytes are; returns where the tensor
-/// data starts in the file.
-fn write_snapshot_file(path: &Path, set: &crate::tensors::TensorSet) -> Result<u64> {
+/// `path`, streaming from wherever its bytes are, and maps it back with its
+/// digests computed from the bytes written (one pass over the page cache):
+/// what an anchor and the snapshot are made from, whatever happens to
+/// `set`'s own bytes meanwhile. Returns the mapped file and where its tensor
+/// data starts.
+fn write_snapshot_file(
+    path: &Path,
+    set: &crate::tensors::TensorSet,
+) -> Result<(crate::tensors::TensorSet, u64)> {
+    let data_start = write_plain_file(path, set)?;
+    let written = crate::tensors::TensorSet::map(path, false, crate::tensors::Digests::Compute)?;
+    Ok((written, data_start))
+}
+
+/// Writes `set` as a plain safetensors file at `path`; returns where the
+/// tensor data starts.
+fn write_plain_file(path: &Path, set: &crate::tensors::TensorSet) -> Result<u64> {
     use std::io::Write;
     let io = |what: &str, e| Error::io(format!("{what} {}", path.display()), e);
     if let Some(parent) = path.parent() {

@@ -356,6 +356,20 @@ impl Snapshot {
         write_state(&self.dir, &s)
     }
 
+    /// Stops trusting the snapshot, durably: `state.json` keeps the
+    /// numbering (version, writer, step) but lists no snapshot file, so
+    /// that neither this process nor the next one builds a delta on it —
+    /// the next version is an anchor, from a full read of its checkpoint.
+    /// Called when something failed its integrity check.
+    pub fn distrust(dir: &Path, state: &State) -> Result<()> {
+        let mut s = state.clone();
+        s.pending = None;
+        s.tensor_files.clear();
+        let _ = std::fs::remove_dir_all(dir.join("journal"));
+        let _ = std::fs::remove_dir_all(Self::next_dir(dir));
+        write_state(dir, &s)
+    }
+
     /// Forgets a pending commit that did not happen (a lost race).
     pub fn abandon(&mut self) -> Result<()> {
         let _ = std::fs::remove_dir_all(self.dir.join("journal"));
