@@ -331,7 +331,7 @@ impl Publisher {
             ));
         }
         let pos = self.position().await?;
-        if let Some(done) = self.already_committed(&pos, opts) {
+        if let Some(done) = self.already_committed(&pos, opts, &cp)? {
             return Ok(done);
         }
         if let (Some(step), Some(last)) = (opts.step, pos.last_step)
@@ -493,18 +493,65 @@ impl Publisher {
     }
 
     /// A distributed rank restarted after the version of its step was
-    /// committed (with its part): that version, as an unchanged publish.
-    fn already_committed(&self, pos: &Position, opts: &PublishOptions) -> Option<Published> {
-        let snap = self.snapshot.as_ref()?;
+    /// committed (with its part): that version, as an unchanged publish —
+    /// if the checkpoint is the one committed. A rank's content is part of
+    /// its identity: other content for a committed step is refused, as a
+    /// publisher alone refuses a step that is not newer.
+    fn already_committed(
+        &self,
+        pos: &Position,
+        opts: &PublishOptions,
+        cp: &Checkpoint,
+    ) -> Result<Option<Published>> {
+        let Some(snap) = self.snapshot.as_ref() else {
+            return Ok(None);
+        };
         let st = &snap.state;
-        (self.cfg.distributed.is_some()
-            && opts.step.is_some()
-            && st.step == opts.step
-            && pos.last == Some(st.version))
-        .then(|| {
-            let total = snap.sets.values().map(|s| s.total_elements()).sum();
-            Published::unchanged(st, total)
-        })
+        let Some(d) = &self.cfg.distributed else {
+            return Ok(None);
+        };
+        if opts.step.is_none() || st.step != opts.step || pos.last != Some(st.version) {
+            return Ok(None);
+        }
+        if let Some(diff) = self.content_differs(snap, cp)? {
+            return Err(Error::Conflict(format!(
+                "rank {} of {}: step {} is already committed as version {}, and this \
+                 checkpoint is not what this rank committed for it ({diff}); new content for a \
+                 committed step is refused, as for a publisher alone (steps must increase). \
+                 Publish it as a newer --step on every rank",
+                d.rank,
+                d.world,
+                opts.step.unwrap_or_default(),
+                st.version
+            )));
+        }
+        let total = snap.sets.values().map(|s| s.total_elements()).sum();
+        Ok(Some(Published::unchanged(st, total)))
+    }
+
+    /// What differs between the snapshot and `cp` (`None`: the same tensor
+    /// files, tensors and bytes, and the same non-tensor files). Compares the
+    /// bytes, not digests: one read of the checkpoint, on a restart only.
+    fn content_differs(&self, snap: &Snapshot, cp: &Checkpoint) -> Result<Option<String>> {
+        if !same_files(snap, cp) {
+            return Ok(Some("its set of safetensors files differs".into()));
+        }
+        for (name, set) in &cp.tensors {
+            let held = &snap.sets[name];
+            if let Err(e) = held.same_structure(set) {
+                return Ok(Some(format!("`{name}`: {e}")));
+            }
+            for (i, t) in set.tensors().iter().enumerate() {
+                let j = held.position(&t.name).unwrap_or(i);
+                if held.data(j) != set.data(i) {
+                    return Ok(Some(format!("tensor `{}` in `{name}` differs", t.name)));
+                }
+            }
+        }
+        if !self.files_unchanged(cp)? {
+            return Ok(Some("its non-tensor files differ".into()));
+        }
+        Ok(None)
     }
 
     fn anchor_reason(&self, cp: &Checkpoint, next: u64) -> Option<String> {

@@ -744,3 +744,118 @@ async fn two_publisher_daemons_publish_one_version_per_step() {
     assert!(r.text().await.unwrap().contains("step"));
     assert_eq!(versions_after(&store, None).await.unwrap(), vec![0, 1, 2]);
 }
+
+/// Rank `rank` of `world` as an in-process publisher with a short timeout,
+/// its state under `work`.
+async fn open_rank_of(
+    store: &Store,
+    work: &Path,
+    rank: u32,
+    world: u32,
+    timeout_s: u64,
+) -> Publisher {
+    let mut cfg = common::publisher_config(&work.join(format!("state-{rank}")), 10, None);
+    cfg.distributed = Some(Distributed {
+        timeout: Duration::from_secs(timeout_s),
+        ..Distributed::new(rank, world).unwrap()
+    });
+    Publisher::open(store.clone(), cfg).await.unwrap()
+}
+
+/// Rank `rank`'s checkpoint of `set` split `shards` ways, at `step`.
+fn shard_checkpoint(set: &TensorSet, rank: u32, shards: u32, step: u64) -> Checkpoint {
+    Checkpoint::from_sets(
+        [(shard_name(rank, shards), shard(set, rank, shards))].into(),
+        [("config.json".to_string(), bytes::Bytes::from(config(step)))].into(),
+    )
+    .unwrap()
+}
+
+/// `ranks` of `world` publish their shards (of `shards`) of `set` at
+/// `step`, concurrently; every rank must succeed with the same version and
+/// kind, which is returned.
+async fn all_publish(
+    store: &Store,
+    work: &Path,
+    (ranks, world, shards): (&[u32], u32, u32),
+    set: &TensorSet,
+    step: u64,
+) -> weightcast::publisher::Published {
+    let runs = ranks.iter().map(|&r| {
+        let (store, work, set) = (store.clone(), work.to_path_buf(), set.clone());
+        async move {
+            let mut p = open_rank_of(&store, &work, r, world, 60).await;
+            p.publish(
+                shard_checkpoint(&set, r, shards, step),
+                &PublishOptions { step: Some(step) },
+            )
+            .await
+            .unwrap_or_else(|e| panic!("rank {r} at step {step}: {e}"))
+        }
+    });
+    let out = futures::future::join_all(runs).await;
+    for o in &out {
+        assert_eq!(
+            (o.version, o.kind),
+            (out[0].version, out[0].kind),
+            "{out:?}"
+        );
+    }
+    out.into_iter().next().unwrap()
+}
+
+/// Issue 30, defect 2: a rank that republishes a committed step with other
+/// weights was told `{"unchanged": true}` and its weights went nowhere. A
+/// rank's content is part of its identity: other content for a committed
+/// step is refused (as a publisher alone refuses a step that is not newer);
+/// the same content still answers the committed version.
+#[tokio::test]
+async fn a_rank_republishing_a_committed_step_with_new_content_is_refused() {
+    let (store, _bucket) = common::local_store();
+    let work = tempfile::tempdir().unwrap();
+    let mut g = Generator::new(GeneratorConfig::tiny(28));
+    for step in 0..3u64 {
+        if step > 0 {
+            g.step();
+        }
+        let p = all_publish(&store, work.path(), (&[0, 1], 2, 2), &g.snapshot(), step).await;
+        assert_eq!(p.version, step);
+    }
+    let committed = g.snapshot();
+    g.step();
+    let mut r0 = open_rank_of(&store, work.path(), 0, 2, 2).await;
+    let e = r0
+        .publish(
+            shard_checkpoint(&g.snapshot(), 0, 2, 2),
+            &PublishOptions { step: Some(2) },
+        )
+        .await
+        .expect_err("new content for a committed step must not be 'unchanged'");
+    assert_eq!(e.kind(), weightcast::error::ErrorKind::Precondition, "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("step 2 is already committed as version 2") && msg.contains("newer --step"),
+        "{msg}"
+    );
+    // A non-tensor file that differs is other content too.
+    let other_config = Checkpoint::from_sets(
+        [(shard_name(0, 2), shard(&committed, 0, 2))].into(),
+        [("config.json".to_string(), bytes::Bytes::from("{}"))].into(),
+    )
+    .unwrap();
+    let e = r0
+        .publish(other_config, &PublishOptions { step: Some(2) })
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("non-tensor files differ"), "{e}");
+    // The content it committed: the committed version, unchanged.
+    let same = r0
+        .publish(
+            shard_checkpoint(&committed, 0, 2, 2),
+            &PublishOptions { step: Some(2) },
+        )
+        .await
+        .unwrap();
+    assert!(same.unchanged && same.version == 2, "{same:?}");
+    assert_eq!(versions_after(&store, None).await.unwrap(), vec![0, 1, 2]);
+}
