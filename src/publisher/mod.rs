@@ -474,11 +474,16 @@ impl Publisher {
         // Several ranks: they agree on the kind (an anchor if any of them
         // needs one; this rank's deltas are then its bridges) and the writer.
         let mut writer = None;
+        let mut staged = dist::Staged::default();
         if let Some(d) = &self.cfg.distributed {
             let step = opts.step.expect("checked in publish");
             let agreed = dist::agree(&self.store, d, next, step, anchor_reason.clone()).await?;
             if anchor_reason.is_none() {
                 anchor_reason = agreed.anchor;
+            }
+            if agreed.resumed {
+                // A restart: its earlier part may name objects of this writer.
+                staged = dist::staged(&self.store, d, next, &agreed.writer).await?;
             }
             writer = Some(agreed.writer);
         }
@@ -487,8 +492,14 @@ impl Publisher {
             None => Staging::new(next),
         };
         match anchor_reason {
-            Some(reason) => self.publish_anchor(cp, staging, reason, deltas, opts).await,
-            None => self.publish_delta(cp, staging, deltas, changed, opts).await,
+            Some(reason) => {
+                self.publish_anchor(cp, staging, reason, deltas, opts, &staged)
+                    .await
+            }
+            None => {
+                self.publish_delta(cp, staging, deltas, changed, opts, &staged)
+                    .await
+            }
         }
     }
 
@@ -592,11 +603,16 @@ impl Publisher {
         deltas: Vec<(String, Vec<u8>)>,
         changed: u64,
         opts: &PublishOptions,
+        staged: &dist::Staged,
     ) -> Result<Published> {
         let next = staging.version();
         let snap = self.snapshot.as_ref().expect("a delta implies a snapshot");
         let base = snap.state.clone();
         let mut bytes = 0u64;
+        for (name, d) in &deltas {
+            let key = staging.key(ObjectRole::Delta, name)?;
+            staged.check(&key, d.len() as u64, blake3::hash(d).to_hex().as_str())?;
+        }
         for (name, d) in &deltas {
             bytes += d.len() as u64;
             staging
@@ -604,7 +620,9 @@ impl Publisher {
                 .await?;
             crate::failpoint::hit("publisher.mid_upload");
         }
-        let files = self.upload_files(cp, &mut staging, &base.files).await?;
+        let files = self
+            .upload_files(cp, &mut staging, &base.files, staged)
+            .await?;
         bytes += files.1;
         cp.check_unchanged()?;
         let writer = staging.writer().to_string();
@@ -709,10 +727,15 @@ impl Publisher {
         reason: String,
         bridges: Vec<(String, Vec<u8>)>,
         opts: &PublishOptions,
+        staged: &dist::Staged,
     ) -> Result<Published> {
         let next = staging.version();
         let dir = self.cfg.state_dir.clone();
         let total = cp.total_elements();
+        for (name, d) in &bridges {
+            let key = staging.key(ObjectRole::Delta, name)?;
+            staged.check(&key, d.len() as u64, blake3::hash(d).to_hex().as_str())?;
+        }
         // The new snapshot's files, written once; the anchor objects are
         // uploaded from them (the checkpoint may be rewritten by the trainer
         // once this publish returns; the snapshot is ours).
@@ -793,6 +816,10 @@ impl Publisher {
             };
             drop(written);
             let key = staging.key(ObjectRole::Anchor, name)?;
+            if staged.active() {
+                let (size, blake3) = hash_sources(&sources)?;
+                staged.check(&key, size, &blake3)?;
+            }
             let (size, blake3) = self.store.put_sources(&key, &sources).await?;
             crate::failpoint::hit("publisher.mid_upload");
             drop(spill);
@@ -815,7 +842,7 @@ impl Publisher {
                 .await?;
         }
         let (files, file_bytes) = self
-            .upload_files(cp, &mut staging, &BTreeMap::new())
+            .upload_files(cp, &mut staging, &BTreeMap::new(), staged)
             .await?;
         cp.check_unchanged()?;
         let writer = staging.writer().to_string();
@@ -885,6 +912,7 @@ impl Publisher {
         cp: &Checkpoint,
         staging: &mut Staging,
         previous: &BTreeMap<String, (u64, String)>,
+        staged: &dist::Staged,
     ) -> Result<(BTreeMap<String, (u64, String)>, u64)> {
         let mut table = BTreeMap::new();
         let mut bytes = 0;
@@ -904,6 +932,7 @@ impl Publisher {
                 },
             };
             let key = staging.key(ObjectRole::File, name)?;
+            staged.check(&key, size, &hash)?;
             let (sent, blake3) = self.store.put_sources(&key, &[source]).await?;
             if blake3 != hash {
                 return Err(Error::Conflict(format!(
@@ -1103,6 +1132,29 @@ fn write_snapshot_file(
     let data_start = write_plain_file(path, set)?;
     let written = crate::tensors::TensorSet::map(path, false, crate::tensors::Digests::Compute)?;
     Ok((written, data_start))
+}
+
+/// Size and BLAKE3 of what `sources` upload, read locally (a restarted rank
+/// checks an anchor object against its earlier part before uploading it).
+fn hash_sources(sources: &[Source]) -> Result<(u64, String)> {
+    use std::io::{Read, Seek};
+    let mut h = blake3::Hasher::new();
+    let mut n = 0u64;
+    for s in sources {
+        match s {
+            Source::Bytes(b) => {
+                h.update(b);
+            }
+            Source::File { path, offset, len } => {
+                let io = |e| Error::io(format!("reading {}", path.display()), e);
+                let mut f = std::fs::File::open(path).map_err(io)?;
+                f.seek(std::io::SeekFrom::Start(*offset)).map_err(io)?;
+                h.update_reader(f.take(*len)).map_err(io)?;
+            }
+        }
+        n += s.len();
+    }
+    Ok((n, h.finalize().to_hex().to_string()))
 }
 
 /// Writes `set` as a plain safetensors file at `path`; returns where the

@@ -859,3 +859,145 @@ async fn a_rank_republishing_a_committed_step_with_new_content_is_refused() {
     assert!(same.unchanged && same.version == 2, "{same:?}");
     assert_eq!(versions_after(&store, None).await.unwrap(), vec![0, 1, 2]);
 }
+
+/// Issue 30, defect 3: rank 0 dies after writing its part; restarted with
+/// other weights (a nondeterministic kernel), it reused its intent — the
+/// same writer, the same keys — rewrote an object its part names, and died
+/// before its new part; rank 1 then committed the version from the old part,
+/// whose BLAKE3 no longer matched, and every subscriber quarantined it. A
+/// restarted rank never writes other bytes to a key its part names: the
+/// new content is refused before anything is uploaded, and the version
+/// commits from the first attempt's part, readable.
+#[test]
+fn a_restarted_rank_never_rewrites_an_object_its_part_names() {
+    let work = tempfile::tempdir().unwrap();
+    let bucket = work.path().join("bucket");
+    std::fs::create_dir_all(&bucket).unwrap();
+    let url = url::Url::from_directory_path(&bucket).unwrap().to_string();
+    let store = Store::open(&url).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let ranks: Vec<Rank> = (0..2)
+        .map(|r| Rank {
+            url: &url,
+            env: &[],
+            state: work.path().join(format!("state-{r}")),
+            rank: r,
+            world: 2,
+        })
+        .collect();
+    let mut g = Generator::new(GeneratorConfig::tiny(29));
+    let sub = work.path().join("sub");
+    // Steps 0..=3 (anchors at 0 and 3), both ranks.
+    for step in 0..4u64 {
+        if step > 0 {
+            g.step();
+        }
+        let dirs = write_step(work.path(), &g, step, 2);
+        let children: Vec<Child> = ranks
+            .iter()
+            .zip(&dirs)
+            .map(|(r, d)| r.spawn(d, step))
+            .collect();
+        for (r, c) in children.into_iter().enumerate() {
+            let out = published(c.wait_with_output().unwrap(), &format!("rank {r}"));
+            assert_eq!(out["version"], step, "rank {r}: {out}");
+        }
+    }
+    // Step 4 (a delta): rank 0 writes its part and dies; rank 1 dies before
+    // its own (both had written their intents).
+    g.step();
+    let step4 = g.snapshot();
+    let dirs = write_step(work.path(), &g, 4, 2);
+    let r1 = ranks[1]
+        .command(&dirs[1], 4, Some("publisher.mid_upload"))
+        .spawn()
+        .unwrap();
+    let killed = ranks[0]
+        .command(&dirs[0], 4, Some("publisher.after_part"))
+        .output()
+        .unwrap();
+    assert!(
+        !killed.status.success(),
+        "the failpoint did not stop rank 0"
+    );
+    assert!(
+        !r1.wait_with_output().unwrap().status.success(),
+        "the failpoint did not stop rank 1"
+    );
+    assert_eq!(
+        rt.block_on(versions_after(&store, None)).unwrap(),
+        vec![0, 1, 2, 3]
+    );
+    // Restarted at step 4 with other weights, set to die after its first
+    // upload: it must refuse before uploading anything.
+    let mut h = Generator::new(GeneratorConfig::tiny(29));
+    for _ in 0..5 {
+        h.step();
+    }
+    let other = work.path().join("other/rank-0");
+    std::fs::create_dir_all(&other).unwrap();
+    shard(&h.snapshot(), 0, 2)
+        .write_to(
+            &BTreeMap::new(),
+            &mut std::fs::File::create(other.join(shard_name(0, 2))).unwrap(),
+        )
+        .unwrap();
+    std::fs::write(other.join("config.json"), config(4)).unwrap();
+    let again = ranks[0]
+        .command(&other, 4, Some("publisher.mid_upload"))
+        .output()
+        .unwrap();
+    // Rank 1 commits version 4 from rank 0's first part: every object is
+    // the one its manifest names, and a subscriber reads exactly step 4.
+    let out = published(
+        ranks[1].command(&dirs[1], 4, None).output().unwrap(),
+        "rank 1",
+    );
+    assert_eq!(out["version"], 4, "{out}");
+    rt.block_on(async {
+        let m = read_manifest(&store, 4).await.unwrap().unwrap();
+        for o in &m.objects {
+            assert_eq!(
+                store.measure(&o.key).await.unwrap(),
+                Some((o.size, o.blake3.clone())),
+                "{} no longer matches the committed manifest",
+                o.key
+            );
+        }
+        assert_subscriber_exact(&store, &sub, &step4, (4, 4), 2).await;
+    });
+    // The restarted rank 0 was refused before uploading anything.
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert_eq!(again.status.code(), Some(75), "{stderr}");
+    assert!(
+        stderr.contains("this content is refused") && stderr.contains("rank-0-of-2.json"),
+        "{stderr}"
+    );
+    // Rank 0 with its other weights at step 4: that step is taken.
+    let late = ranks[0].command(&other, 4, None).output().unwrap();
+    assert_eq!(late.status.code(), Some(75));
+    // Step 5: every rank moves on (rank 0's snapshot was left behind by the
+    // commit it did not see: an anchor), exact.
+    g.step();
+    let dirs = write_step(work.path(), &g, 5, 2);
+    let children: Vec<Child> = ranks
+        .iter()
+        .zip(&dirs)
+        .map(|(r, d)| r.spawn(d, 5))
+        .collect();
+    for (r, c) in children.into_iter().enumerate() {
+        let out = published(c.wait_with_output().unwrap(), &format!("rank {r}"));
+        assert_eq!(
+            (&out["version"], &out["kind"]),
+            (&5.into(), &"anchor".into()),
+            "{out}"
+        );
+    }
+    rt.block_on(assert_subscriber_exact(
+        &store,
+        &sub,
+        &g.snapshot(),
+        (5, 5),
+        2,
+    ));
+}
