@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::protocol::parts::{
-    INTENT_FORMAT, Intent, PART_FORMAT, Part, intent_key, merge, part_key, read_record,
-    shared_writer, write_record,
+    INTENT_FORMAT, Intent, PART_FORMAT, Part, check_delta_files, intent_key, merge, part_key,
+    read_record, shared_writer, write_record,
 };
 use crate::protocol::{Commit, Latest, Manifest, read_manifest, write_latest, writer_token};
 use crate::store::Store;
@@ -356,19 +356,29 @@ pub async fn commit(
         }
         if parts.len() == d.world as usize {
             let all: Vec<Part> = parts.values().cloned().collect();
-            let manifest = match merge(&all) {
-                Ok(m) => m,
-                Err(e) => {
-                    // This attempt can never commit: withdraw the intent, so
-                    // that a rerun at the same step starts a new attempt (a
-                    // new writer, in which these parts do not count). The
-                    // parts stay, so that every rank sees the same error.
-                    if let Err(d_err) = store.delete(&intent_key(version, d.rank)).await {
-                        tracing::warn!(error = %d_err, "cannot withdraw this rank's intent");
-                    }
-                    return Err(e);
+            let merged = merge(&all);
+            // A delta must hold exactly its base's safetensors files (the
+            // ranks' own checks cannot see a rank that left).
+            let base = match &merged {
+                Ok(m) if m.kind == crate::protocol::VersionKind::Delta => {
+                    read_manifest(store, version.saturating_sub(1)).await?
                 }
+                _ => None,
             };
+            let manifest =
+                match merged.and_then(|m| check_delta_files(&m, base.as_ref()).map(|()| m)) {
+                    Ok(m) => m,
+                    Err(e) => {
+                        // This attempt can never commit: withdraw the intent, so
+                        // that a rerun at the same step starts a new attempt (a
+                        // new writer, in which these parts do not count). The
+                        // parts stay, so that every rank sees the same error.
+                        if let Err(d_err) = store.delete(&intent_key(version, d.rank)).await {
+                            tracing::warn!(error = %d_err, "cannot withdraw this rank's intent");
+                        }
+                        return Err(e);
+                    }
+                };
             match crate::protocol::commit(store, &manifest).await? {
                 Commit::Committed => {
                     holds_share(&manifest, share, d)?;

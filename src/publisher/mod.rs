@@ -577,6 +577,18 @@ impl Publisher {
         if !same_files(snap, cp) {
             return Some("the set of safetensors files changed".into());
         }
+        // The version's safetensors files are the union of every rank's: a
+        // rank that left (or joined) changes them though no rank's own did.
+        let world = self.cfg.distributed.as_ref().map(|d| d.world);
+        if snap.state.world != world {
+            let n = |w: Option<u32>| w.map_or("1 (alone)".to_string(), |w| w.to_string());
+            return Some(format!(
+                "the number of ranks changed from {} to {}, so the set of safetensors files may \
+                 have",
+                n(snap.state.world),
+                n(world)
+            ));
+        }
         None
     }
 
@@ -640,6 +652,7 @@ impl Publisher {
             anchor_bytes: base.anchor_bytes,
             bytes_since_anchor: base.bytes_since_anchor + bytes + manifest_bytes,
             step: opts.step,
+            world: self.cfg.distributed.as_ref().map(|d| d.world),
             files: files.0,
             tensor_files: cp
                 .tensors
@@ -654,6 +667,9 @@ impl Publisher {
         if let Err(e) = self.commit(&manifest, cp).await {
             if let Some(s) = self.snapshot.as_mut() {
                 s.abandon()?;
+            }
+            if is_file_set_refusal(&e) {
+                self.distrust_snapshot(&base);
             }
             return Err(e);
         }
@@ -860,6 +876,7 @@ impl Publisher {
             anchor_bytes,
             bytes_since_anchor: 0,
             step: opts.step,
+            world: self.cfg.distributed.as_ref().map(|d| d.world),
             files,
             tensor_files,
             pending: None,
@@ -1109,6 +1126,12 @@ async fn readable_manifest(store: &Store, version: u64) -> Result<Option<Manifes
 
 /// How a lost commit race is worded (the retry recognizes it).
 const LOST_RACE: &str = "lost the commit race";
+
+/// Whether `e` is a distributed commit refused because its safetensors
+/// files are not its base's ([`crate::protocol::parts::check_delta_files`]).
+fn is_file_set_refusal(e: &Error) -> bool {
+    matches!(e, Error::Conflict(m) if m.starts_with(crate::protocol::parts::FILE_SET_CHANGED))
+}
 
 /// Whether the checkpoint has exactly the snapshot's tensor files.
 fn same_files(snap: &Snapshot, cp: &Checkpoint) -> bool {

@@ -93,6 +93,12 @@ pub struct State {
     /// The trainer step of the last version, when known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub step: Option<u64>,
+    /// How many ranks published the last version together (distributed
+    /// publish); absent for a publisher alone. A rank whose world changed
+    /// publishes an anchor: the version's set of safetensors files is the
+    /// union of the ranks' ([`super::dist`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub world: Option<u32>,
     /// Non-tensor files of the last version: name → (size, BLAKE3).
     pub files: BTreeMap<String, (u64, String)>,
     /// Tensor files of the snapshot and their digests.

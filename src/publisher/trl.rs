@@ -166,6 +166,7 @@ impl Publisher {
             step: opts.step,
             files: Default::default(),
             tensor_files: [(FILE.to_string(), FileDigests::of(&set))].into(),
+            world: None,
             pending: None,
         };
         let deltas = vec![(FILE.to_string(), bytes)];
@@ -248,6 +249,7 @@ impl Publisher {
             step: opts.step,
             files: Default::default(),
             tensor_files: [(FILE.to_string(), FileDigests::of(&set))].into(),
+            world: None,
             pending: None,
         };
         let mut pending = self.state.clone().unwrap_or_default();

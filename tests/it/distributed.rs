@@ -1001,3 +1001,76 @@ fn a_restarted_rank_never_rewrites_an_object_its_part_names() {
         2,
     ));
 }
+
+/// Issue 30, defect 4: after three-rank versions, two ranks publish with
+/// `--world 2`, each with the shard it had. Every rank's own files were
+/// unchanged, so each made a delta, and the version had no object for the
+/// third shard: every subscriber quarantined it. The number of ranks is
+/// part of a rank's snapshot: when it changes the version is an anchor (as
+/// a publisher alone makes one when its files change), and a delta whose
+/// files are not its base's is never committed.
+#[tokio::test]
+async fn ranks_leaving_the_world_make_an_anchor() {
+    let (store, _bucket) = common::local_store();
+    let work = tempfile::tempdir().unwrap();
+    let sub = work.path().join("sub");
+    let mut g = Generator::new(GeneratorConfig::tiny(31));
+    // Holds exactly shards `ranks` (of 3) of `set` and config.json of `step`.
+    let exact = |set: TensorSet, ranks: Vec<u32>, version: u64, step: u64| {
+        let (store, sub) = (store.clone(), sub.clone());
+        async move {
+            let c = weightcast::subscriber::catch_up(&store, &sub)
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(c.version, version, "{c:?}");
+            let cur = sub.join("current");
+            let mut want: Vec<String> = ranks.iter().map(|&r| shard_name(r, 3)).collect();
+            want.push("config.json".into());
+            want.sort();
+            let mut names: Vec<String> = std::fs::read_dir(&cur)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
+            names.sort();
+            assert_eq!(names, want, "version {version}");
+            for r in ranks {
+                let got = TensorSet::read(&cur.join(shard_name(r, 3)), Digests::Compute).unwrap();
+                let w = shard(&set, r, 3);
+                assert_eq!(got.len(), w.len());
+                for (i, t) in w.tensors().iter().enumerate() {
+                    let j = got.position(&t.name).unwrap();
+                    assert!(got.data(j) == w.data(i), "version {version}: {}", t.name);
+                }
+            }
+            assert_eq!(
+                std::fs::read_to_string(cur.join("config.json")).unwrap(),
+                config(step)
+            );
+        }
+    };
+    for step in 0..2u64 {
+        if step > 0 {
+            g.step();
+        }
+        let p = all_publish(&store, work.path(), (&[0, 1, 2], 3, 3), &g.snapshot(), step).await;
+        assert_eq!(p.version, step);
+        exact(g.snapshot(), vec![0, 1, 2], step, step).await;
+    }
+    // Rank 2 leaves: ranks 0 and 1 go on with --world 2 and their shards.
+    g.step();
+    let p = all_publish(&store, work.path(), (&[0, 1], 2, 3), &g.snapshot(), 2).await;
+    assert_eq!((p.version, p.kind), (2, VersionKind::Anchor), "{p:?}");
+    assert!(
+        p.anchor_reason
+            .as_deref()
+            .is_some_and(|r| r.contains("number of ranks changed from 3 to 2")),
+        "{p:?}"
+    );
+    exact(g.snapshot(), vec![0, 1], 2, 2).await;
+    // And deltas again after it.
+    g.step();
+    let p = all_publish(&store, work.path(), (&[0, 1], 2, 3), &g.snapshot(), 3).await;
+    assert_eq!((p.version, p.kind), (3, VersionKind::Delta), "{p:?}");
+    exact(g.snapshot(), vec![0, 1], 3, 3).await;
+}
