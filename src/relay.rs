@@ -21,23 +21,46 @@
 //!    backoff, a per-subscriber deadline), so a slow subscriber never
 //!    slows the relay.
 //!
-//! Which versions: `D+1..=N` when the origin still has `D+1`; otherwise
-//! (an empty destination, or history the origin has collected) from the
-//! origin's newest anchor at or before `N` — never the whole history. Keys
-//! are kept (`anchors/`, `deltas/`, `files/`, `versions/`), so a chain
-//! origin → region → zone is two relays. Retention at the destination
-//! follows its own registrations ([`crate::protocol::collect_garbage`]);
-//! the relay never deletes at the origin.
+//! Which versions: `D+1..=N` when the origin's history continues the
+//! destination's; otherwise (an empty destination, or history the origin
+//! has collected) from the origin's newest anchor at or before `N` — never
+//! the whole history. Keys are kept (`anchors/`, `deltas/`, `files/`,
+//! `versions/`), so a chain origin → region → zone is two relays. Retention
+//! at the destination follows its own registrations
+//! ([`crate::protocol::collect_garbage`]); the relay never deletes at the
+//! origin.
+//!
+//! **One lineage.** Version numbers alone do not say that two buckets hold
+//! the same history: an origin wiped and published again from a fresh state
+//! numbers its versions from 0 again, and its version `D+1` is a delta on
+//! *its* `D`, not on the destination's. Before a version with a base
+//! (`base_version = v − 1`: a delta, or a bridged anchor) is copied, the
+//! origin's manifest of `v − 1` must be the destination's (the same commit:
+//! writer, objects, BLAKE3s — writer tokens are random per commit). When it
+//! is not (the origin was reset, a foreign writer wrote either side):
+//!
+//! - a delta is never copied: the relay starts a **new lineage** at the
+//!   origin's newest anchor if that anchor is numbered after everything the
+//!   destination holds (copied without its bridges, which belong to the
+//!   other history: subscribers bootstrap from it cleanly), and says so
+//!   ([`RelayReport::new_lineage`], a warning in the log);
+//! - otherwise the sync **refuses** with [`Error::Conflict`] naming both
+//!   manifests, and copies nothing, until the origin publishes an anchor
+//!   numbered after the destination's newest version. An origin behind the
+//!   destination, or empty while the destination is not, is refused the same
+//!   way.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use futures::StreamExt;
 use serde::Serialize;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::notify::{Key, Notification, SendPolicy};
 use crate::protocol::{
-    Commit, Latest, Manifest, Retention, commit, newest_version, read_manifest, write_latest,
+    Commit, Latest, Manifest, ObjectRole, Retention, VersionKind, commit, manifest_key,
+    newest_version, read_manifest, versions_after, write_latest,
 };
 use crate::store::Store;
 
@@ -45,7 +68,6 @@ use crate::store::Store;
 pub const OBJECTS_IN_FLIGHT: usize = 4;
 /// Parts of a large object read ahead (and uploading) by default.
 pub const PARTS_AHEAD: usize = 4;
-
 /// How a relay copies, notifies and collects.
 #[derive(Clone, Debug)]
 pub struct RelayConfig {
@@ -103,9 +125,78 @@ pub struct RelayReport {
     /// check at the origin, passed over for a newer anchor.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub bypassed: Vec<u64>,
+    /// Set when the destination's history could not be continued from the
+    /// origin's (reset, or written by another writer) and the relay started
+    /// a new lineage at an origin anchor numbered after everything the
+    /// destination holds (see the module documentation).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub new_lineage: Option<NewLineage>,
     /// What retention removed at the destination, when it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub collected: Option<crate::protocol::Collected>,
+}
+
+/// A new lineage started at the destination ([`RelayReport::new_lineage`]).
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct NewLineage {
+    /// The origin anchor the destination's new history starts from.
+    pub anchor: u64,
+    /// The destination's newest version before it (the end of the history
+    /// it no longer continues).
+    pub after: u64,
+    /// Why the destination's history could not be continued.
+    pub reason: String,
+}
+
+/// What the destination holds under a version number.
+enum Held {
+    Absent,
+    Manifest(Manifest),
+    /// A manifest that fails validation (damaged).
+    Unreadable,
+}
+
+/// How an origin version fits the destination's history.
+enum Fit {
+    /// Its base (if any) is the destination's: copy it as it is.
+    Same(Manifest),
+    /// An anchor whose bridges belong to another history than the
+    /// destination's: copy it without them (a new lineage), and why.
+    NewLineage(Manifest, String),
+    /// A delta on another history than the destination's: never copied.
+    Break(String),
+}
+
+/// Whether `dest` (the destination's manifest of a version) is the commit
+/// `origin` (the origin's): the same manifest, or the same anchor copied
+/// without its bridges when it started a new lineage.
+fn same_commit(origin: &Manifest, dest: &Manifest) -> bool {
+    origin == dest
+        || (dest.kind == VersionKind::Anchor
+            && dest.base_version.is_none()
+            && origin.base_version.is_some()
+            && without_bridges(origin.clone()) == *dest)
+}
+
+/// An anchor without its bridge deltas (an unbridged anchor: nothing before
+/// it is needed to read it). Other manifests are returned as they are.
+fn without_bridges(mut m: Manifest) -> Manifest {
+    if m.kind == VersionKind::Anchor {
+        m.base_version = None;
+        m.objects.retain(|o| o.role != ObjectRole::Delta);
+    }
+    m
+}
+
+/// A manifest in a message: `versions/….json` (writer, kind, step).
+fn describe(m: &Manifest) -> String {
+    let step = m.step.map(|s| format!(", step {s}")).unwrap_or_default();
+    format!(
+        "`{}` (writer {}, {:?}{step})",
+        manifest_key(m.version),
+        m.writer,
+        m.kind
+    )
 }
 
 /// Mirrors one origin prefix into one destination prefix.
@@ -114,6 +205,9 @@ pub struct Relay {
     to: Store,
     cfg: RelayConfig,
     notifications: tokio::task::JoinSet<usize>,
+    /// Destination manifests read or committed by this relay (immutable
+    /// once committed), from the destination's newest anchor on.
+    known: BTreeMap<u64, Manifest>,
 }
 
 impl Relay {
@@ -124,6 +218,7 @@ impl Relay {
             to,
             cfg,
             notifications: tokio::task::JoinSet::new(),
+            known: BTreeMap::new(),
         }
     }
 
@@ -139,53 +234,107 @@ impl Relay {
 
     /// Copies every committed version the destination lacks (see the module
     /// documentation), in order; stops at the first version that fails,
-    /// leaving the versions before it committed.
+    /// leaving the versions before it committed. A destination whose history the
+    /// origin's does not continue, with no origin anchor after it, is an
+    /// [`Error::Conflict`] naming both manifests.
     pub async fn sync_once(&mut self) -> Result<RelayReport> {
         // Reap finished notification tasks (they never fail).
         while self.notifications.try_join_next().is_some() {}
-        let mut report = RelayReport {
-            origin: newest_version(&self.from).await?,
-            destination: newest_version(&self.to).await?,
-            ..RelayReport::default()
-        };
+        let mut report = RelayReport::default();
+        let held: BTreeSet<u64> = versions_after(&self.to, None).await?.into_iter().collect();
+        report.origin = newest_version(&self.from).await?;
+        report.destination = held.last().copied();
         let Some(newest) = report.origin else {
+            if let Some(d) = report.destination {
+                return Err(self.refusal(
+                    d,
+                    format!(
+                        "the origin has no committed version at all, the destination holds up \
+                         to version {d} (was the origin wiped?)"
+                    ),
+                    None,
+                ));
+            }
             return Ok(report);
         };
-        let Some(first) = self.first_version(report.destination, newest).await? else {
-            return Ok(report);
+        // The destination's newest version, known to be the origin's.
+        let mut tip: Option<Manifest> = None;
+        let first = match report.destination {
+            None => Some(self.origin_anchor(newest).await?),
+            Some(d) if newest <= d => {
+                let mine = self.dest_manifest(d).await?;
+                let theirs = self.origin_manifest(d).await?;
+                match (mine, &theirs) {
+                    (Held::Manifest(m), Some(o)) if same_commit(o, &m) => tip = Some(m),
+                    (mine, theirs) => {
+                        return Err(self.refusal(
+                            d,
+                            lineage_reason(d, theirs.as_ref(), &mine),
+                            Some(newest),
+                        ));
+                    }
+                }
+                None
+            }
+            Some(d) => Some(d + 1),
         };
         let mut anchored = false;
-        let mut v = first;
-        while v <= newest {
-            let m = match self.relay_version(v, &mut report).await {
-                Ok(m) => m,
-                Err(e) if e.kind() == crate::error::ErrorKind::Corrupt => {
-                    // A corrupt version is never relayed; a newer anchor
-                    // at the origin lets the region move past it.
-                    let anchor = match read_manifest(&self.from, newest).await {
-                        Ok(Some(n)) => n.anchor_version,
-                        _ => return Err(e),
-                    };
-                    if anchor <= v {
-                        return Err(e);
+        if let Some(mut v) = first {
+            while v <= newest {
+                match self.relay_version(v, &mut report).await {
+                    Ok(Fit::Same(m)) | Ok(Fit::NewLineage(m, _)) => {
+                        anchored |= m.kind == VersionKind::Anchor;
+                        report.versions.push(v);
+                        report.destination = Some(v);
+                        self.notify(&m);
+                        tip = Some(m);
+                        v += 1;
                     }
-                    tracing::warn!(
-                        version = v,
-                        next_anchor = anchor,
-                        error = %e,
-                        "refusing a corrupt origin version; relaying from the origin's newer anchor"
-                    );
-                    report.bypassed.extend(v..anchor);
-                    v = anchor;
-                    continue;
+                    Ok(Fit::Break(why)) => {
+                        // A delta on another history: the destination can
+                        // only move on at an anchor after all it holds.
+                        let held_to = report.destination.unwrap_or_default();
+                        let anchor = self.origin_anchor(newest).await?;
+                        if anchor <= held_to || anchor <= v {
+                            return Err(self.refusal(held_to, why, Some(newest)));
+                        }
+                        tracing::warn!(
+                            destination = held_to,
+                            anchor,
+                            reason = %why,
+                            "the origin's history is not the destination's; starting a new lineage at the origin's anchor"
+                        );
+                        report.new_lineage = Some(NewLineage {
+                            anchor,
+                            after: held_to,
+                            reason: why,
+                        });
+                        tip = None;
+                        v = anchor;
+                    }
+                    Err(e) if e.kind() == ErrorKind::Corrupt => {
+                        // A corrupt version is never relayed; a newer anchor
+                        // at the origin lets the region move past it.
+                        let anchor = match read_manifest(&self.from, newest).await {
+                            Ok(Some(n)) => n.anchor_version,
+                            _ => return Err(e),
+                        };
+                        if anchor <= v {
+                            return Err(e);
+                        }
+                        tracing::warn!(
+                            version = v,
+                            next_anchor = anchor,
+                            error = %e,
+                            "refusing a corrupt origin version; relaying from the origin's newer anchor"
+                        );
+                        report.bypassed.extend(v..anchor);
+                        tip = None;
+                        v = anchor;
+                    }
+                    Err(e) => return Err(e),
                 }
-                Err(e) => return Err(e),
-            };
-            anchored |= m.kind == crate::protocol::VersionKind::Anchor;
-            report.versions.push(v);
-            report.destination = Some(v);
-            self.notify(&m);
-            v += 1;
+            }
         }
         if anchored && let Some(r) = &self.cfg.retention {
             match crate::protocol::collect_garbage(&self.to, r, false).await {
@@ -193,20 +342,132 @@ impl Relay {
                 Err(e) => tracing::warn!(error = %e, "retention at the destination failed"),
             }
         }
+        if let Some(tip) = tip {
+            let from = tip.anchor_version;
+            self.known.retain(|&v, _| v >= from);
+        }
         Ok(report)
     }
 
-    /// Copies version `v` and commits it at the destination.
-    async fn relay_version(&self, v: u64, report: &mut RelayReport) -> Result<Manifest> {
-        let m = read_manifest(&self.from, v).await?.ok_or_else(|| {
+    /// The refusal to join two histories: names what differs (`why`), the
+    /// destination's newest version `held` and what to do.
+    fn refusal(&self, held: u64, why: String, newest: Option<u64>) -> Error {
+        let origin = newest.map_or("none".to_string(), |n| n.to_string());
+        tracing::error!(destination = held, origin = ?newest, reason = %why, "refusing to join two histories");
+        Error::Conflict(format!(
+            "relay from `{}` to `{}`: {why}. The origin's history is not the one the destination \
+             mirrors (the origin was reset or rewritten, or another writer wrote the \
+             destination); its versions are not copied onto the destination's, whose \
+             subscribers would refuse them. Nothing was copied. The relay starts a new lineage \
+             by itself once the origin's newest anchor is numbered after {held} (the origin's \
+             newest version is {origin}); to mirror the origin's history now, relay into an \
+             empty prefix, or empty this one",
+            self.from.url(),
+            self.to.url()
+        ))
+    }
+
+    /// The anchor of the origin's version `newest`.
+    async fn origin_anchor(&self, newest: u64) -> Result<u64> {
+        let m = read_manifest(&self.from, newest).await?.ok_or_else(|| {
             Error::NotFound(format!(
-                "version {v} vanished from the origin `{}` while being relayed \
-                 (retention there?); the next sync starts from its newest anchor",
+                "version {newest} vanished from the origin `{}` while being read",
                 self.from.url()
             ))
         })?;
-        self.copy_objects(&m, report).await?;
-        self.commit(&m).await?;
+        Ok(m.anchor_version)
+    }
+
+    /// The origin's manifest of `v`; `None` when it is missing or does not
+    /// validate (neither proves anything about the destination's history).
+    async fn origin_manifest(&self, v: u64) -> Result<Option<Manifest>> {
+        match read_manifest(&self.from, v).await {
+            Err(e) if e.kind() == ErrorKind::Corrupt => Ok(None),
+            other => other,
+        }
+    }
+
+    /// The destination's manifest of `v` (remembered once read).
+    async fn dest_manifest(&mut self, v: u64) -> Result<Held> {
+        if let Some(m) = self.known.get(&v) {
+            return Ok(Held::Manifest(m.clone()));
+        }
+        match read_manifest(&self.to, v).await {
+            Ok(Some(m)) => {
+                self.known.insert(v, m.clone());
+                Ok(Held::Manifest(m))
+            }
+            Ok(None) => Ok(Held::Absent),
+            Err(e) if e.kind() == ErrorKind::Corrupt => Ok(Held::Unreadable),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// How the origin's `m` fits the destination's history (see [`Fit`]).
+    async fn fit(&mut self, m: Manifest) -> Result<Fit> {
+        let Some(b) = m.base_version else {
+            return Ok(Fit::Same(m));
+        };
+        let mine = self.dest_manifest(b).await?;
+        if matches!(mine, Held::Absent) {
+            // Nothing at the destination holds the base: an anchor's
+            // bridges are of no use there, and no harm; a delta cannot be
+            // read.
+            return Ok(match m.kind {
+                VersionKind::Anchor => Fit::Same(m),
+                VersionKind::Delta => Fit::Break(format!(
+                    "the origin's version {} is a delta on version {b}, which the destination \
+                     does not hold",
+                    m.version
+                )),
+            });
+        }
+        let theirs = self.origin_manifest(b).await?;
+        if let (Held::Manifest(mine), Some(theirs)) = (&mine, &theirs)
+            && same_commit(theirs, mine)
+        {
+            return Ok(Fit::Same(m));
+        }
+        let why = lineage_reason(b, theirs.as_ref(), &mine);
+        Ok(match m.kind {
+            VersionKind::Anchor => Fit::NewLineage(without_bridges(m), why),
+            VersionKind::Delta => Fit::Break(why),
+        })
+    }
+
+    /// Copies version `v` and commits it at the destination, if it fits
+    /// the destination's history.
+    async fn relay_version(&mut self, v: u64, report: &mut RelayReport) -> Result<Fit> {
+        let Some(m) = read_manifest(&self.from, v).await? else {
+            // Collected by retention at the origin (the destination fell
+            // behind its oldest anchor), or the origin was reset.
+            return Ok(Fit::Break(format!(
+                "the origin no longer has version {v}, which follows the destination's newest"
+            )));
+        };
+        let fit = self.fit(m).await?;
+        let m = match &fit {
+            Fit::Same(m) => m,
+            Fit::NewLineage(m, why) => {
+                let after = report.destination.unwrap_or_default();
+                tracing::warn!(
+                    anchor = v,
+                    destination = after,
+                    reason = %why,
+                    "the origin's history is not the destination's; starting a new lineage at this anchor, without its bridges"
+                );
+                report.new_lineage = Some(NewLineage {
+                    anchor: v,
+                    after,
+                    reason: why.clone(),
+                });
+                m
+            }
+            Fit::Break(_) => return Ok(fit),
+        };
+        self.copy_objects(m, report).await?;
+        self.commit(m, true).await?;
+        self.known.insert(v, m.clone());
         tracing::info!(
             version = v,
             kind = ?m.kind,
@@ -214,54 +475,24 @@ impl Relay {
             to = self.to.url(),
             "relayed"
         );
-        Ok(m)
-    }
-
-    /// The first version to copy, or `None` when the destination is current.
-    async fn first_version(&self, held: Option<u64>, newest: u64) -> Result<Option<u64>> {
-        if let Some(d) = held {
-            if d >= newest {
-                if d > newest {
-                    tracing::warn!(
-                        destination = d,
-                        origin = newest,
-                        "the destination is ahead of the origin (was the origin reset?); \
-                         nothing to relay until the origin passes it"
-                    );
-                }
-                return Ok(None);
-            }
-            // Every committed version follows the one before (a delta, or an
-            // anchor), so the origin's next one is all a replay needs.
-            // (A corrupt one is tried, refused and passed over by the sync.)
-            match read_manifest(&self.from, d + 1).await {
-                Ok(Some(_)) => return Ok(Some(d + 1)),
-                Err(e) if e.kind() == crate::error::ErrorKind::Corrupt => return Ok(Some(d + 1)),
-                Ok(None) => {}
-                Err(e) => return Err(e),
-            }
-        }
-        let m = read_manifest(&self.from, newest).await?.ok_or_else(|| {
-            Error::NotFound(format!(
-                "version {newest} vanished from the origin `{}` while being read",
-                self.from.url()
-            ))
-        })?;
-        Ok(Some(m.anchor_version))
+        Ok(fit)
     }
 
     /// Copies the objects of `m`, [`RelayConfig::objects_in_flight`] at a
     /// time, skipping those already in place.
-    async fn copy_objects(&self, m: &Manifest, report: &mut RelayReport) -> Result<()> {
+    async fn copy_objects(&mut self, m: &Manifest, report: &mut RelayReport) -> Result<()> {
         let ahead = self.cfg.parts_ahead;
         let mut copies = futures::stream::iter(m.objects.clone())
             .map(|o| copy_one(self.from.clone(), self.to.clone(), o, ahead))
             .buffer_unordered(self.cfg.objects_in_flight.max(1));
         while let Some(r) = copies.next().await {
-            let (copied, size) = r.map_err(|e| {
-                tracing::error!(version = m.version, error = %e, "relaying the version failed; nothing of it is committed");
-                e
-            })?;
+            let (copied, size) = match r {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::error!(version = m.version, error = %e, "relaying the version failed; nothing of it is committed");
+                    return Err(e);
+                }
+            };
             if copied {
                 report.objects += 1;
                 report.bytes += size;
@@ -273,8 +504,8 @@ impl Relay {
         Ok(())
     }
 
-    /// Commits `m` at the destination, then its hint.
-    async fn commit(&self, m: &Manifest) -> Result<()> {
+    /// Commits `m` at the destination, then (`hint`) its `latest.json`.
+    async fn commit(&self, m: &Manifest, hint: bool) -> Result<()> {
         crate::failpoint::hit("relay.before_commit");
         match commit(&self.to, m).await? {
             Commit::Committed => {}
@@ -286,6 +517,9 @@ impl Relay {
                     self.to.url()
                 )));
             }
+        }
+        if !hint {
+            return Ok(());
         }
         write_latest(
             &self.to,
@@ -395,4 +629,19 @@ async fn copy_one(
     from.copy_verified(&to, &o.key, (o.size, &o.blake3), ahead)
         .await?;
     Ok((true, o.size))
+}
+
+/// Why the destination's version `v` (`mine`) is not the origin's
+/// (`theirs`), in words naming both manifests.
+fn lineage_reason(v: u64, theirs: Option<&Manifest>, mine: &Held) -> String {
+    let origin = theirs.map_or_else(
+        || format!("has no (readable) `{}`", manifest_key(v)),
+        |m| format!("has {}", describe(m)),
+    );
+    let dest = match mine {
+        Held::Manifest(m) => format!("has {}", describe(m)),
+        Held::Absent => format!("has no `{}`", manifest_key(v)),
+        Held::Unreadable => format!("has a `{}` that does not validate", manifest_key(v)),
+    };
+    format!("at version {v} the origin {origin}, the destination {dest}")
 }
