@@ -49,9 +49,21 @@
 //!   numbered after the destination's newest version. An origin behind the
 //!   destination, or empty while the destination is not, is refused the same
 //!   way.
+//!
+//! **Repairs.** After each sync the destination's live window (its newest
+//! anchor to its newest version: what a newcomer and a follower read) is
+//! audited against the origin: a manifest missing from the window is copied
+//! again (its successor's base, same lineage), an object missing or of the
+//! wrong size (one listing per object prefix) is copied again, and the
+//! objects of a version that a subscriber of the destination reports
+//! quarantined (its registration) are measured and the damaged ones copied
+//! again — each copy verified against the manifest as always. At a
+//! `file://` destination, the staging files of uploads a killed relay left
+//! behind (`<key>#<n>`, which no listing shows) are removed on the first
+//! sync and after a failed copy.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::time::Duration;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use serde::Serialize;
@@ -68,6 +80,11 @@ use crate::store::Store;
 pub const OBJECTS_IN_FLIGHT: usize = 4;
 /// Parts of a large object read ahead (and uploading) by default.
 pub const PARTS_AHEAD: usize = 4;
+/// A version whose objects were measured after a subscriber reported it
+/// quarantined is measured again only after this long (its registration
+/// keeps reporting it until the subscriber's next try).
+pub const REVERIFY_AFTER: Duration = Duration::from_secs(600);
+
 /// How a relay copies, notifies and collects.
 #[derive(Clone, Debug)]
 pub struct RelayConfig {
@@ -131,9 +148,26 @@ pub struct RelayReport {
     /// destination holds (see the module documentation).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub new_lineage: Option<NewLineage>,
+    /// Versions of the destination's live window whose manifest was missing
+    /// and was copied again from the origin.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub repaired_versions: Vec<u64>,
+    /// Objects of the destination's live window found missing, of the wrong
+    /// size, or damaged (in a version a subscriber reported quarantined),
+    /// copied again from the origin: their keys.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub repaired_objects: Vec<String>,
+    /// Staging files of interrupted uploads removed at a `file://`
+    /// destination.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub staging_removed: u64,
     /// What retention removed at the destination, when it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub collected: Option<crate::protocol::Collected>,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 /// A new lineage started at the destination ([`RelayReport::new_lineage`]).
@@ -208,6 +242,10 @@ pub struct Relay {
     /// Destination manifests read or committed by this relay (immutable
     /// once committed), from the destination's newest anchor on.
     known: BTreeMap<u64, Manifest>,
+    /// Remove staging leftovers at a `file://` destination at the next sync.
+    sweep: bool,
+    /// Versions whose objects were measured after a quarantine report, when.
+    measured: HashMap<u64, Instant>,
 }
 
 impl Relay {
@@ -219,6 +257,8 @@ impl Relay {
             cfg,
             notifications: tokio::task::JoinSet::new(),
             known: BTreeMap::new(),
+            sweep: true,
+            measured: HashMap::new(),
         }
     }
 
@@ -233,14 +273,18 @@ impl Relay {
     }
 
     /// Copies every committed version the destination lacks (see the module
-    /// documentation), in order; stops at the first version that fails,
-    /// leaving the versions before it committed. A destination whose history the
+    /// documentation), in order, then audits and repairs the destination's
+    /// live window; stops at the first version that fails, leaving the
+    /// versions before it committed. A destination whose history the
     /// origin's does not continue, with no origin anchor after it, is an
     /// [`Error::Conflict`] naming both manifests.
     pub async fn sync_once(&mut self) -> Result<RelayReport> {
         // Reap finished notification tasks (they never fail).
         while self.notifications.try_join_next().is_some() {}
         let mut report = RelayReport::default();
+        if std::mem::take(&mut self.sweep) {
+            report.staging_removed = sweep_staging(self.to.url());
+        }
         let held: BTreeSet<u64> = versions_after(&self.to, None).await?.into_iter().collect();
         report.origin = newest_version(&self.from).await?;
         report.destination = held.last().copied();
@@ -343,8 +387,17 @@ impl Relay {
             }
         }
         if let Some(tip) = tip {
+            let mut held = held;
+            held.extend(report.versions.iter().copied());
+            if let Some(c) = &report.collected {
+                held.retain(|v| !c.versions.contains(v));
+            }
+            if let Err(e) = self.audit(&tip, &held, &mut report).await {
+                tracing::warn!(error = %e, "auditing the destination failed; it is audited again at the next sync");
+            }
             let from = tip.anchor_version;
             self.known.retain(|&v, _| v >= from);
+            self.measured.retain(|&v, _| v >= from);
         }
         Ok(report)
     }
@@ -478,6 +531,133 @@ impl Relay {
         Ok(fit)
     }
 
+    /// Audits the destination's live window — from the newest anchor of
+    /// `tip` (its newest version, the origin's) to `tip` — and repairs it
+    /// from the origin: manifests missing (`held`: the destination's
+    /// versions), objects missing or of the wrong size, and objects of
+    /// versions a subscriber reported quarantined that do not measure right.
+    async fn audit(
+        &mut self,
+        tip: &Manifest,
+        held: &BTreeSet<u64>,
+        report: &mut RelayReport,
+    ) -> Result<()> {
+        let from = tip.anchor_version;
+        let mut window = vec![tip.clone()];
+        let mut upper = tip.clone();
+        for v in (from..tip.version).rev() {
+            if held.contains(&v) {
+                match self.dest_manifest(v).await? {
+                    Held::Manifest(m) => {
+                        upper = m.clone();
+                        window.push(m);
+                        continue;
+                    }
+                    // A damaged manifest is not overwritten (its subscribers
+                    // refuse it; removing it lets the relay copy it again).
+                    _ => break,
+                }
+            }
+            // Missing: the origin's `v` is the base of the origin's `v + 1`,
+            // which the destination holds as it is.
+            if upper.base_version != Some(v) {
+                break;
+            }
+            let Some(m) = self.origin_manifest(v).await? else {
+                tracing::warn!(
+                    version = v,
+                    "the destination lacks a version of its live window and the origin no longer has it"
+                );
+                break;
+            };
+            self.copy_objects(&m, report).await?;
+            self.commit(&m, false).await?;
+            tracing::warn!(
+                version = v,
+                "repaired: the destination lacked the manifest of a version of its live window; copied again from the origin"
+            );
+            report.repaired_versions.insert(0, v);
+            self.known.insert(v, m.clone());
+            upper = m.clone();
+            window.push(m);
+        }
+        let mut sizes: HashMap<String, u64> = HashMap::new();
+        for prefix in crate::protocol::layout::OBJECT_PREFIXES {
+            let after = format!("{prefix}/{from:020}");
+            for l in self.to.list_after(prefix, &after).await? {
+                sizes.insert(l.key, l.size);
+            }
+        }
+        let reported = self.reported_quarantined(from, tip.version).await;
+        window.sort_by_key(|m| m.version);
+        for m in &window {
+            let measure = reported.contains(&m.version);
+            for o in &m.objects {
+                let damaged = if sizes.get(&o.key) != Some(&o.size) {
+                    true
+                } else if measure {
+                    self.to.measure(&o.key).await? != Some((o.size, o.blake3.clone()))
+                } else {
+                    false
+                };
+                if !damaged {
+                    continue;
+                }
+                match self
+                    .from
+                    .copy_verified(&self.to, &o.key, (o.size, &o.blake3), self.cfg.parts_ahead)
+                    .await
+                {
+                    Ok(()) => {
+                        tracing::warn!(
+                            version = m.version,
+                            key = o.key,
+                            "repaired: a destination object was missing or damaged; copied again from the origin"
+                        );
+                        report.repaired_objects.push(o.key.clone());
+                    }
+                    Err(e) => {
+                        self.sweep = true;
+                        tracing::error!(
+                            version = m.version,
+                            key = o.key,
+                            error = %e,
+                            "a destination object is missing or damaged and cannot be copied again from the origin"
+                        );
+                    }
+                }
+            }
+            if measure {
+                self.measured.insert(m.version, Instant::now());
+            }
+        }
+        Ok(())
+    }
+
+    /// Versions in `from..=to` that a fresh registration at the destination
+    /// reports quarantined, and that were not measured recently.
+    async fn reported_quarantined(&self, from: u64, to: u64) -> BTreeSet<u64> {
+        let regs = match crate::protocol::registrations(&self.to).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the destination's registrations");
+                return BTreeSet::new();
+            }
+        };
+        let max_age = crate::notify::registration_horizon(self.cfg.retention.as_ref());
+        let now = crate::protocol::registry::unix_now();
+        regs.iter()
+            .filter(|r| now.saturating_sub(r.updated_at) <= max_age)
+            .flat_map(|r| r.quarantined.iter().copied())
+            .filter(|v| (from..=to).contains(v))
+            .filter(|v| {
+                self.measured
+                    .get(v)
+                    .is_none_or(|t| t.elapsed() >= REVERIFY_AFTER)
+            })
+            .collect()
+    }
+
     /// Copies the objects of `m`, [`RelayConfig::objects_in_flight`] at a
     /// time, skipping those already in place.
     async fn copy_objects(&mut self, m: &Manifest, report: &mut RelayReport) -> Result<()> {
@@ -490,6 +670,8 @@ impl Relay {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::error!(version = m.version, error = %e, "relaying the version failed; nothing of it is committed");
+                    drop(copies);
+                    self.sweep = true;
                     return Err(e);
                 }
             };
@@ -644,4 +826,97 @@ fn lineage_reason(v: u64, theirs: Option<&Manifest>, mine: &Held) -> String {
         Held::Unreadable => format!("has a `{}` that does not validate", manifest_key(v)),
     };
     format!("at version {v} the origin {origin}, the destination {dest}")
+}
+
+/// Removes the staging files that interrupted uploads left at a `file://`
+/// destination: object_store writes each object to `<file>#<n>` and renames
+/// it into place, so a process killed mid-upload (or a copy it abandoned)
+/// leaves that file, which no listing shows and nothing else removes. Only
+/// the relay's own prefixes are swept (`anchors/`, `deltas/`, `files/`,
+/// `versions/`, `latest.json`): a destination is written by one relay, and
+/// the sweep runs while none of its uploads is in flight. Other stores:
+/// nothing (incomplete S3 multipart uploads are a lifecycle rule's job).
+/// Returns how many were removed.
+fn sweep_staging(url: &str) -> u64 {
+    let Some(root) = url::Url::parse(url)
+        .ok()
+        .filter(|u| u.scheme() == "file")
+        .and_then(|u| u.to_file_path().ok())
+    else {
+        return 0;
+    };
+    let mut removed = 0;
+    let mut dirs: Vec<(std::path::PathBuf, usize)> = crate::protocol::layout::OBJECT_PREFIXES
+        .iter()
+        .chain(&[crate::protocol::layout::VERSIONS_PREFIX])
+        .map(|p| (root.join(p), 0))
+        .collect();
+    remove_staging_in(&root, &mut removed, None);
+    while let Some((dir, depth)) = dirs.pop() {
+        // Object names are at most a few components deep; links are not
+        // followed.
+        if depth > 64 {
+            continue;
+        }
+        remove_staging_in(&dir, &mut removed, Some((&mut dirs, depth)));
+    }
+    if removed > 0 {
+        tracing::info!(
+            removed,
+            "removed staging files of interrupted uploads at the destination"
+        );
+    }
+    removed
+}
+
+/// Removes the staging files directly in `dir`; queues its subdirectories
+/// when `subdirs` is given.
+fn remove_staging_in(
+    dir: &std::path::Path,
+    removed: &mut u64,
+    mut subdirs: Option<(&mut Vec<(std::path::PathBuf, usize)>, usize)>,
+) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let Ok(t) = e.file_type() else { continue };
+        if t.is_dir() {
+            if let Some((queue, depth)) = subdirs.as_mut() {
+                queue.push((e.path(), *depth + 1));
+            }
+            continue;
+        }
+        if !t.is_file() || !is_staging_name(&e.file_name().to_string_lossy()) {
+            continue;
+        }
+        match std::fs::remove_file(e.path()) {
+            Ok(()) => *removed += 1,
+            Err(err) => {
+                tracing::warn!(path = %e.path().display(), error = %err, "cannot remove a staging file")
+            }
+        }
+    }
+}
+
+/// Whether a file name is object_store's staging name for an upload in
+/// progress (`<name>#<digits>`, a name no object can have).
+fn is_staging_name(name: &str) -> bool {
+    name.rsplit_once('#')
+        .is_some_and(|(_, n)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn staging_names_are_recognized() {
+        for yes in ["model.safetensors#1", "latest.json#12", "a#b#3"] {
+            assert!(is_staging_name(yes), "{yes}");
+        }
+        for no in ["model.safetensors", "a#b", "a#", "a#1b", "config.json"] {
+            assert!(!is_staging_name(no), "{no}");
+        }
+    }
 }

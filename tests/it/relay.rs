@@ -726,3 +726,114 @@ async fn a_foreign_writer_in_the_destination_is_refused() {
         .assert_followed(&dest, out.path(), 3, "the foreign version stands alone")
         .await;
 }
+
+/// Issue 30, the relay's smaller items: a middle manifest deleted from the
+/// destination, an object truncated there, an object damaged in place
+/// (reported quarantined by the region's subscriber), and staging files a
+/// killed upload left: the next sync repairs each from the origin instead
+/// of leaving the region to wait for the next anchor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_destination_is_repaired_from_the_origin() {
+    use weightcast::subscriber::status::Shared;
+    use weightcast::subscriber::{Daemon, DaemonConfig};
+    let (origin, _o) = common::local_store();
+    let (dest, ddir) = common::local_store();
+    let mut run = Run::start(&origin, 10).await;
+    let follower = tempfile::tempdir().unwrap();
+    run.publish(2).await;
+    let mut r = relay(&origin, &dest);
+    r.sync_once().await.unwrap();
+    run.assert_followed(&dest, follower.path(), 1, "before")
+        .await;
+    run.publish(3).await;
+    r.sync_once().await.unwrap();
+
+    // A middle manifest deleted: the follower at v1 cannot go on.
+    std::fs::remove_file(ddir.path().join("versions/00000000000000000002.json")).unwrap();
+    let stuck = weightcast::subscriber::catch_up(&dest, follower.path()).await;
+    assert!(
+        !matches!(&stuck, Ok(Some(c)) if c.version == 4),
+        "{stuck:?}"
+    );
+    let rep = r.sync_once().await.unwrap();
+    assert_eq!(
+        json(&rep)["repaired_versions"],
+        serde_json::json!([2]),
+        "{rep:?}"
+    );
+    assert!(rep.versions.is_empty());
+    run.assert_followed(&dest, follower.path(), 4, "after the manifest's repair")
+        .await;
+
+    // An object truncated, another damaged in place; staging files left.
+    let m3 = manifest(&dest, 3).await;
+    let m4 = manifest(&dest, 4).await;
+    let delta = |m: &Manifest| {
+        m.objects
+            .iter()
+            .find(|o| o.name == "model.safetensors")
+            .unwrap()
+            .key
+            .clone()
+    };
+    let (short, flipped) = (delta(&m3), delta(&m4));
+    let bytes = std::fs::read(ddir.path().join(&short)).unwrap();
+    std::fs::write(ddir.path().join(&short), &bytes[..bytes.len() / 2]).unwrap();
+    flip_byte(ddir.path(), &flipped);
+    let staging = [
+        ddir.path().join(format!("{short}#1")),
+        ddir.path().join("latest.json#7"),
+    ];
+    for s in &staging {
+        std::fs::write(s, b"partial").unwrap();
+    }
+    // The region's subscriber (registered) quarantines v4 and says so.
+    let edge = tempfile::tempdir().unwrap();
+    let cfg = DaemonConfig {
+        id: Some("edge-1".into()),
+        ..DaemonConfig::new(edge.path())
+    };
+    let shared = Shared::new(dest.url(), None);
+    let mut d = Daemon::open(&dest, &cfg).unwrap();
+    let first = d.iterate(&shared, true).await;
+    assert!(
+        !matches!(&first, Ok(Some((c, _))) if c.version == 4),
+        "{first:?}"
+    );
+    let regs = weightcast::protocol::registrations(&dest).await.unwrap();
+    assert!(regs.iter().any(|g| g.quarantined.contains(&4)), "{regs:?}");
+
+    // A new relay process: it sweeps the staging files and repairs both.
+    let mut r = relay(&origin, &dest);
+    let rep = r.sync_once().await.unwrap();
+    let j = json(&rep);
+    let mut repaired: Vec<String> = serde_json::from_value(j["repaired_objects"].clone())
+        .unwrap_or_else(|e| panic!("{e}: {j}"));
+    repaired.sort();
+    let mut want = vec![short.clone(), flipped.clone()];
+    want.sort();
+    assert_eq!(repaired, want, "{j}");
+    assert_eq!(j["staging_removed"], 2, "{j}");
+    for s in &staging {
+        assert!(!s.exists(), "{} left", s.display());
+    }
+    for o in m3.objects.iter().chain(&m4.objects) {
+        assert_eq!(
+            dest.measure(&o.key).await.unwrap(),
+            Some((o.size, o.blake3.clone())),
+            "{}",
+            o.key
+        );
+    }
+    let fresh = tempfile::tempdir().unwrap();
+    run.assert_followed(
+        &dest,
+        fresh.path(),
+        4,
+        "a fresh subscriber after the repairs",
+    )
+    .await;
+    // Measured once: the report still standing is not measured again.
+    let again = r.sync_once().await.unwrap();
+    assert!(json(&again).get("repaired_objects").is_none(), "{again:?}");
+}
