@@ -458,7 +458,9 @@ impl Relay {
 
     /// How the origin's `m` fits the destination's history (see [`Fit`]).
     async fn fit(&mut self, m: Manifest) -> Result<Fit> {
-        let Some(b) = m.base_version else {
+        // An unbridged anchor needs nothing before it; whether it continues
+        // the destination's history is still said.
+        let Some(b) = m.base_version.or(m.version.checked_sub(1)) else {
             return Ok(Fit::Same(m));
         };
         let mine = self.dest_manifest(b).await?;
@@ -483,6 +485,7 @@ impl Relay {
         }
         let why = lineage_reason(b, theirs.as_ref(), &mine);
         Ok(match m.kind {
+            // Without the bridges of the other history (if it has any).
             VersionKind::Anchor => Fit::NewLineage(without_bridges(m), why),
             VersionKind::Delta => Fit::Break(why),
         })

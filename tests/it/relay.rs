@@ -837,3 +837,43 @@ async fn a_damaged_destination_is_repaired_from_the_origin() {
     let again = r.sync_once().await.unwrap();
     assert!(json(&again).get("repaired_objects").is_none(), "{again:?}");
 }
+
+/// The lineage check attacked with an origin reset to *higher* numbers: the
+/// bucket wiped under a publisher that keeps its state numbers its next
+/// version after what it had (an unbridged anchor, v5). Copying it is safe
+/// (it needs nothing before it), and the relay says that the destination's
+/// history ends at v4 and a new lineage starts there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_origin_reset_to_higher_numbers_is_said_to_start_a_new_lineage() {
+    let (origin, odir) = common::local_store();
+    let (dest, _d) = common::local_store();
+    let follower = tempfile::tempdir().unwrap();
+    let mut run = Run::start(&origin, 10).await;
+    run.publish(5).await;
+    let mut r = relay(&origin, &dest);
+    r.sync_once().await.unwrap();
+    run.assert_followed(&dest, follower.path(), 4, "before the reset")
+        .await;
+    wipe(odir.path());
+    assert_eq!(run.publish(1).await, 5);
+    let m5 = manifest(&origin, 5).await;
+    assert_eq!(
+        (m5.kind, m5.base_version),
+        (weightcast::protocol::VersionKind::Anchor, None)
+    );
+    let rep = r.sync_once().await.unwrap();
+    assert_eq!(rep.versions, vec![5], "{rep:?}");
+    let lineage = &json(&rep)["new_lineage"];
+    assert_eq!(
+        (&lineage["anchor"], &lineage["after"]),
+        (&5.into(), &4.into()),
+        "{rep:?}"
+    );
+    assert_eq!(manifest(&dest, 5).await, m5, "copied as it is");
+    run.assert_followed(&dest, follower.path(), 5, "after the reset")
+        .await;
+    run.publish(1).await;
+    let rep = r.sync_once().await.unwrap();
+    assert_eq!(rep.versions, vec![6]);
+    assert!(json(&rep).get("new_lineage").is_none(), "{rep:?}");
+}
