@@ -411,7 +411,7 @@ impl Relay {
             "relay from `{}` to `{}`: {why}. The origin's history is not the one the destination \
              mirrors (the origin was reset or rewritten, or another writer wrote the \
              destination); its versions are not copied onto the destination's, whose \
-             subscribers would refuse them. Nothing was copied. The relay starts a new lineage \
+             subscribers would refuse them. The relay starts a new lineage \
              by itself once the origin's newest anchor is numbered after {held} (the origin's \
              newest version is {origin}); to mirror the origin's history now, relay into an \
              empty prefix, or empty this one",
