@@ -263,6 +263,57 @@ pub fn merge(parts: &[Part]) -> Result<Manifest> {
     Ok(manifest)
 }
 
+/// How [`check_delta_files`] words its refusal (a rank recognizes it: it
+/// stops trusting its snapshot, so that the rerun is an anchor).
+pub const FILE_SET_CHANGED: &str = "the set of safetensors files changed";
+
+/// The safetensors files version `m` holds: its `anchor` objects, or a
+/// delta's `delta` objects (a delta has one for every file, changed or not).
+pub fn tensor_files(m: &Manifest) -> std::collections::BTreeSet<&str> {
+    let role = match m.kind {
+        VersionKind::Anchor => ObjectRole::Anchor,
+        VersionKind::Delta => ObjectRole::Delta,
+    };
+    m.objects
+        .iter()
+        .filter(|o| o.role == role)
+        .map(|o| o.name.as_str())
+        .collect()
+}
+
+/// Refuses a merged delta whose safetensors files are not exactly those of
+/// its base version (`base`: its manifest, `None` when it is missing). A
+/// reader replays a delta only with a delta object for every file it holds,
+/// so a version whose file set changed — a rank left or joined, a shard
+/// moved — must be an anchor.
+pub fn check_delta_files(m: &Manifest, base: Option<&Manifest>) -> Result<()> {
+    if m.kind != VersionKind::Delta {
+        return Ok(());
+    }
+    let b = m.version.saturating_sub(1);
+    let Some(base) = base else {
+        return Err(Error::Conflict(format!(
+            "{FILE_SET_CHANGED}: version {} would be a delta on version {b}, which is not \
+             committed; the version must be an anchor. Rerun the step on every rank (each \
+             writes an anchor)",
+            m.version
+        )));
+    };
+    let (now, before) = (tensor_files(m), tensor_files(base));
+    if now == before {
+        return Ok(());
+    }
+    let gone: Vec<&str> = before.difference(&now).copied().collect();
+    let new: Vec<&str> = now.difference(&before).copied().collect();
+    Err(Error::Conflict(format!(
+        "{FILE_SET_CHANGED}: version {} would be a delta without {gone:?} and with new \
+         {new:?} relative to version {b}; a reader replays a delta only with one for every \
+         file it holds, so the version must be an anchor (did a rank leave or join?). Rerun \
+         the step on every rank (each writes an anchor)",
+        m.version
+    )))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -353,6 +404,61 @@ mod tests {
 
         let e = merge(&[a.clone(), a]).unwrap_err().to_string();
         assert!(e.contains("expected one of each rank"), "{e}");
+    }
+
+    /// A manifest of `version` holding one object of `role` per file.
+    fn holding(version: u64, kind: VersionKind, files: &[&str]) -> Manifest {
+        let writer = "0123456789abcdef".to_string();
+        let role = match kind {
+            VersionKind::Anchor => ObjectRole::Anchor,
+            VersionKind::Delta => ObjectRole::Delta,
+        };
+        Manifest {
+            format: crate::protocol::MANIFEST_FORMAT.into(),
+            version,
+            kind,
+            base_version: (kind == VersionKind::Delta).then(|| version - 1),
+            anchor_version: if kind == VersionKind::Delta {
+                0
+            } else {
+                version
+            },
+            step: None,
+            objects: files
+                .iter()
+                .map(|f| ObjectEntry {
+                    name: f.to_string(),
+                    role,
+                    key: object_key(role, version, &writer, f).unwrap(),
+                    size: 1,
+                    blake3: "a".repeat(64),
+                })
+                .collect(),
+            writer,
+            files: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_delta_must_hold_its_bases_files() {
+        let (a, b) = ("a.safetensors", "b.safetensors");
+        let base = holding(5, VersionKind::Anchor, &[a, b]);
+        check_delta_files(&holding(6, VersionKind::Delta, &[a, b]), Some(&base)).unwrap();
+        // A rank's shard gone, or a new one: refused, naming it.
+        for files in [&[a][..], &[a, b, "c.safetensors"]] {
+            let e =
+                check_delta_files(&holding(6, VersionKind::Delta, files), Some(&base)).unwrap_err();
+            assert_eq!(e.kind(), crate::error::ErrorKind::Precondition);
+            let e = e.to_string();
+            assert!(e.starts_with(FILE_SET_CHANGED), "{e}");
+            assert!(
+                e.contains("b.safetensors") || e.contains("c.safetensors"),
+                "{e}"
+            );
+        }
+        // No base: refused. An anchor may change its files.
+        assert!(check_delta_files(&holding(6, VersionKind::Delta, &[a]), None).is_err());
+        check_delta_files(&holding(6, VersionKind::Anchor, &[a]), Some(&base)).unwrap();
     }
 
     #[test]

@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::protocol::parts::{
-    INTENT_FORMAT, Intent, PART_FORMAT, Part, intent_key, merge, part_key, read_record,
-    shared_writer, write_record,
+    INTENT_FORMAT, Intent, PART_FORMAT, Part, check_delta_files, intent_key, merge, part_key,
+    read_record, shared_writer, write_record,
 };
 use crate::protocol::{Commit, Latest, Manifest, read_manifest, write_latest, writer_token};
 use crate::store::Store;
@@ -71,6 +71,77 @@ pub struct Agreement {
     pub writer: String,
     /// Why the version is an anchor, when it is (the first rank's reason).
     pub anchor: Option<String>,
+    /// Whether this rank resumed the intent of an earlier attempt at the
+    /// same step (a restart): objects of that attempt may be named by its
+    /// part already ([`staged`]).
+    pub resumed: bool,
+}
+
+/// Object key → (size, BLAKE3).
+type StagedObjects = BTreeMap<String, (u64, String)>;
+
+/// What an earlier attempt of this rank at the same version staged under
+/// the agreed writer: the objects its part names (key → size, BLAKE3). Once
+/// a part is written, any rank may commit the version from it; a restarted
+/// rank (same intent, hence the same writer and the same keys) must then
+/// never write other bytes to those keys ([`Staged::check`], before each
+/// upload), or the committed manifest would name objects that no longer
+/// match it.
+#[derive(Clone, Debug, Default)]
+pub struct Staged {
+    /// The part's key, and its objects.
+    part: Option<(String, StagedObjects)>,
+    rank: u32,
+    version: u64,
+}
+
+impl Staged {
+    /// Whether an earlier part of this rank names objects of the writer.
+    pub fn active(&self) -> bool {
+        self.part.is_some()
+    }
+
+    /// Refuses to write `key` with this size and BLAKE3 if the earlier part
+    /// names it with others (the checkpoint changed since that attempt).
+    pub fn check(&self, key: &str, size: u64, blake3: &str) -> Result<()> {
+        let Some((part_key, objects)) = &self.part else {
+            return Ok(());
+        };
+        match objects.get(key) {
+            Some((s, b)) if (*s, b.as_str()) != (size, blake3) => Err(Error::Conflict(format!(
+                "rank {}: an earlier attempt of this rank at version {} wrote its part \
+                 `{part_key}`, which names `{key}` ({s} bytes, BLAKE3 {b}); this attempt's \
+                 `{key}` differs ({size} bytes, BLAKE3 {blake3}): the checkpoint changed since. \
+                 The other ranks may commit the version from that part, so its objects are not \
+                 rewritten and this content is refused. Restart the rank with the checkpoint it \
+                 first published for this step, or move every rank to the next step",
+                self.rank, self.version
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// This rank's part of `version` under `writer`, if an earlier attempt
+/// wrote it (see [`Staged`]).
+pub async fn staged(store: &Store, d: &Distributed, version: u64, writer: &str) -> Result<Staged> {
+    let key = part_key(version, d.rank, d.world);
+    let part = match read_record::<Part>(store, &key).await? {
+        Some(p) if p.manifest.writer == writer => Some((
+            key,
+            p.manifest
+                .objects
+                .into_iter()
+                .map(|o| (o.key, (o.size, o.blake3)))
+                .collect(),
+        )),
+        _ => None,
+    };
+    Ok(Staged {
+        part,
+        rank: d.rank,
+        version,
+    })
 }
 
 /// Polling: the first wait, then half as long again each time, up to the
@@ -138,6 +209,7 @@ pub async fn agree(
     anchor: Option<String>,
 ) -> Result<Agreement> {
     let key = intent_key(version, d.rank);
+    let mut resumed = false;
     let mine = match read_record::<Intent>(store, &key).await? {
         Some(old) if old.step == step && old.world == d.world && old.version == version => {
             if old.anchor.is_none()
@@ -151,6 +223,7 @@ pub async fn agree(
                 )));
             }
             tracing::info!(version, step, "resuming this rank's intent");
+            resumed = true;
             old
         }
         _ => {
@@ -230,6 +303,7 @@ pub async fn agree(
     Ok(Agreement {
         writer: shared_writer(&tokens),
         anchor,
+        resumed,
     })
 }
 
@@ -282,19 +356,29 @@ pub async fn commit(
         }
         if parts.len() == d.world as usize {
             let all: Vec<Part> = parts.values().cloned().collect();
-            let manifest = match merge(&all) {
-                Ok(m) => m,
-                Err(e) => {
-                    // This attempt can never commit: withdraw the intent, so
-                    // that a rerun at the same step starts a new attempt (a
-                    // new writer, in which these parts do not count). The
-                    // parts stay, so that every rank sees the same error.
-                    if let Err(d_err) = store.delete(&intent_key(version, d.rank)).await {
-                        tracing::warn!(error = %d_err, "cannot withdraw this rank's intent");
-                    }
-                    return Err(e);
+            let merged = merge(&all);
+            // A delta must hold exactly its base's safetensors files (the
+            // ranks' own checks cannot see a rank that left).
+            let base = match &merged {
+                Ok(m) if m.kind == crate::protocol::VersionKind::Delta => {
+                    read_manifest(store, version.saturating_sub(1)).await?
                 }
+                _ => None,
             };
+            let manifest =
+                match merged.and_then(|m| check_delta_files(&m, base.as_ref()).map(|()| m)) {
+                    Ok(m) => m,
+                    Err(e) => {
+                        // This attempt can never commit: withdraw the intent, so
+                        // that a rerun at the same step starts a new attempt (a
+                        // new writer, in which these parts do not count). The
+                        // parts stay, so that every rank sees the same error.
+                        if let Err(d_err) = store.delete(&intent_key(version, d.rank)).await {
+                            tracing::warn!(error = %d_err, "cannot withdraw this rank's intent");
+                        }
+                        return Err(e);
+                    }
+                };
             match crate::protocol::commit(store, &manifest).await? {
                 Commit::Committed => {
                     holds_share(&manifest, share, d)?;

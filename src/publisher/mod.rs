@@ -331,7 +331,7 @@ impl Publisher {
             ));
         }
         let pos = self.position().await?;
-        if let Some(done) = self.already_committed(&pos, opts) {
+        if let Some(done) = self.already_committed(&pos, opts, &cp)? {
             return Ok(done);
         }
         if let (Some(step), Some(last)) = (opts.step, pos.last_step)
@@ -474,11 +474,16 @@ impl Publisher {
         // Several ranks: they agree on the kind (an anchor if any of them
         // needs one; this rank's deltas are then its bridges) and the writer.
         let mut writer = None;
+        let mut staged = dist::Staged::default();
         if let Some(d) = &self.cfg.distributed {
             let step = opts.step.expect("checked in publish");
             let agreed = dist::agree(&self.store, d, next, step, anchor_reason.clone()).await?;
             if anchor_reason.is_none() {
                 anchor_reason = agreed.anchor;
+            }
+            if agreed.resumed {
+                // A restart: its earlier part may name objects of this writer.
+                staged = dist::staged(&self.store, d, next, &agreed.writer).await?;
             }
             writer = Some(agreed.writer);
         }
@@ -487,24 +492,77 @@ impl Publisher {
             None => Staging::new(next),
         };
         match anchor_reason {
-            Some(reason) => self.publish_anchor(cp, staging, reason, deltas, opts).await,
-            None => self.publish_delta(cp, staging, deltas, changed, opts).await,
+            Some(reason) => {
+                self.publish_anchor(cp, staging, reason, deltas, opts, &staged)
+                    .await
+            }
+            None => {
+                self.publish_delta(cp, staging, deltas, changed, opts, &staged)
+                    .await
+            }
         }
     }
 
     /// A distributed rank restarted after the version of its step was
-    /// committed (with its part): that version, as an unchanged publish.
-    fn already_committed(&self, pos: &Position, opts: &PublishOptions) -> Option<Published> {
-        let snap = self.snapshot.as_ref()?;
+    /// committed (with its part): that version, as an unchanged publish —
+    /// if the checkpoint is the one committed. A rank's content is part of
+    /// its identity: other content for a committed step is refused, as a
+    /// publisher alone refuses a step that is not newer.
+    fn already_committed(
+        &self,
+        pos: &Position,
+        opts: &PublishOptions,
+        cp: &Checkpoint,
+    ) -> Result<Option<Published>> {
+        let Some(snap) = self.snapshot.as_ref() else {
+            return Ok(None);
+        };
         let st = &snap.state;
-        (self.cfg.distributed.is_some()
-            && opts.step.is_some()
-            && st.step == opts.step
-            && pos.last == Some(st.version))
-        .then(|| {
-            let total = snap.sets.values().map(|s| s.total_elements()).sum();
-            Published::unchanged(st, total)
-        })
+        let Some(d) = &self.cfg.distributed else {
+            return Ok(None);
+        };
+        if opts.step.is_none() || st.step != opts.step || pos.last != Some(st.version) {
+            return Ok(None);
+        }
+        if let Some(diff) = self.content_differs(snap, cp)? {
+            return Err(Error::Conflict(format!(
+                "rank {} of {}: step {} is already committed as version {}, and this \
+                 checkpoint is not what this rank committed for it ({diff}); new content for a \
+                 committed step is refused, as for a publisher alone (steps must increase). \
+                 Publish it as a newer --step on every rank",
+                d.rank,
+                d.world,
+                opts.step.unwrap_or_default(),
+                st.version
+            )));
+        }
+        let total = snap.sets.values().map(|s| s.total_elements()).sum();
+        Ok(Some(Published::unchanged(st, total)))
+    }
+
+    /// What differs between the snapshot and `cp` (`None`: the same tensor
+    /// files, tensors and bytes, and the same non-tensor files). Compares the
+    /// bytes, not digests: one read of the checkpoint, on a restart only.
+    fn content_differs(&self, snap: &Snapshot, cp: &Checkpoint) -> Result<Option<String>> {
+        if !same_files(snap, cp) {
+            return Ok(Some("its set of safetensors files differs".into()));
+        }
+        for (name, set) in &cp.tensors {
+            let held = &snap.sets[name];
+            if let Err(e) = held.same_structure(set) {
+                return Ok(Some(format!("`{name}`: {e}")));
+            }
+            for (i, t) in set.tensors().iter().enumerate() {
+                let j = held.position(&t.name).unwrap_or(i);
+                if held.data(j) != set.data(i) {
+                    return Ok(Some(format!("tensor `{}` in `{name}` differs", t.name)));
+                }
+            }
+        }
+        if !self.files_unchanged(cp)? {
+            return Ok(Some("its non-tensor files differ".into()));
+        }
+        Ok(None)
     }
 
     fn anchor_reason(&self, cp: &Checkpoint, next: u64) -> Option<String> {
@@ -518,6 +576,18 @@ impl Publisher {
         }
         if !same_files(snap, cp) {
             return Some("the set of safetensors files changed".into());
+        }
+        // The version's safetensors files are the union of every rank's: a
+        // rank that left (or joined) changes them though no rank's own did.
+        let world = self.cfg.distributed.as_ref().map(|d| d.world);
+        if snap.state.world != world {
+            let n = |w: Option<u32>| w.map_or("1 (alone)".to_string(), |w| w.to_string());
+            return Some(format!(
+                "the number of ranks changed from {} to {}, so the set of safetensors files may \
+                 have",
+                n(snap.state.world),
+                n(world)
+            ));
         }
         None
     }
@@ -545,11 +615,16 @@ impl Publisher {
         deltas: Vec<(String, Vec<u8>)>,
         changed: u64,
         opts: &PublishOptions,
+        staged: &dist::Staged,
     ) -> Result<Published> {
         let next = staging.version();
         let snap = self.snapshot.as_ref().expect("a delta implies a snapshot");
         let base = snap.state.clone();
         let mut bytes = 0u64;
+        for (name, d) in &deltas {
+            let key = staging.key(ObjectRole::Delta, name)?;
+            staged.check(&key, d.len() as u64, blake3::hash(d).to_hex().as_str())?;
+        }
         for (name, d) in &deltas {
             bytes += d.len() as u64;
             staging
@@ -557,7 +632,9 @@ impl Publisher {
                 .await?;
             crate::failpoint::hit("publisher.mid_upload");
         }
-        let files = self.upload_files(cp, &mut staging, &base.files).await?;
+        let files = self
+            .upload_files(cp, &mut staging, &base.files, staged)
+            .await?;
         bytes += files.1;
         cp.check_unchanged()?;
         let writer = staging.writer().to_string();
@@ -575,6 +652,7 @@ impl Publisher {
             anchor_bytes: base.anchor_bytes,
             bytes_since_anchor: base.bytes_since_anchor + bytes + manifest_bytes,
             step: opts.step,
+            world: self.cfg.distributed.as_ref().map(|d| d.world),
             files: files.0,
             tensor_files: cp
                 .tensors
@@ -590,11 +668,35 @@ impl Publisher {
             if let Some(s) = self.snapshot.as_mut() {
                 s.abandon()?;
             }
+            if is_file_set_refusal(&e) {
+                self.distrust_snapshot(&base);
+            }
             return Err(e);
         }
         crate::failpoint::hit("publisher.after_latest");
         let snap = self.snapshot.as_mut().expect("checked above");
-        snap.finish_delta(&deltas, after.clone())?;
+        if let Err(e) = snap.finish_delta(&deltas, after.clone()) {
+            // The version's own deltas do not verify against the snapshot
+            // they were made from: the checkpoint's bytes changed while the
+            // diff read them (a caller's buffer written during the publish),
+            // or the snapshot did. Subscribers refuse the version as well.
+            // Nothing built on this snapshot can be trusted again: the next
+            // version is an anchor, from a full read.
+            tracing::error!(version = next, error = %e, "a committed delta does not verify against the publisher's snapshot; the next version will be an anchor");
+            let mut recorded = after;
+            recorded.tensor_files.clear();
+            self.distrust_snapshot(&recorded);
+            self.state = Some(recorded);
+            return Err(Error::Integrity {
+                scope: format!(
+                    "the publisher's snapshot after applying committed version {next} ({e}); \
+                     did the checkpoint change while it was being published? Subscribers refuse \
+                     version {next}; the next version is an anchor"
+                ),
+                expected: "the digests the version's deltas record".into(),
+                actual: "others".into(),
+            });
+        }
         self.state = Some(after);
         let notified = self.notify(next, base.anchor_version);
         Ok(Published {
@@ -612,9 +714,28 @@ impl Publisher {
         })
     }
 
+    /// Stops trusting the snapshot, here and in `state.json` (which keeps
+    /// `recorded`'s numbering): the next version is an anchor.
+    fn distrust_snapshot(&mut self, recorded: &State) {
+        self.snapshot = None;
+        if let Err(e) = Snapshot::distrust(&self.cfg.state_dir, recorded) {
+            tracing::warn!(error = %e, "cannot record the distrusted snapshot; a restart verifies it in full");
+        }
+    }
+
     /// Publishes an anchor; `bridges` (deltas from the previous version, one per
     /// safetensors file, or none) go into the same version so that subscribers
     /// behind it can replay across it.
+    ///
+    /// Everything comes from one read of the checkpoint: its tensor files are
+    /// written once as the new snapshot, and the anchor objects and the
+    /// digests recorded for them are made from the files written, never from
+    /// the checkpoint again. A checkpoint whose bytes change during the
+    /// publish (a caller's buffers written meanwhile, a file rewritten in
+    /// place) cannot make the snapshot, the objects and their digests
+    /// disagree; with bridges, whose digests come from the diff's read, a
+    /// change between the two reads is refused (nothing committed, the next
+    /// version an anchor).
     async fn publish_anchor(
         &mut self,
         cp: &mut Checkpoint,
@@ -622,15 +743,14 @@ impl Publisher {
         reason: String,
         bridges: Vec<(String, Vec<u8>)>,
         opts: &PublishOptions,
+        staged: &dist::Staged,
     ) -> Result<Published> {
         let next = staging.version();
         let dir = self.cfg.state_dir.clone();
         let total = cp.total_elements();
-        // Bridged: `encode_delta` derived the new digests. Otherwise a full pass.
-        for set in cp.tensors.values_mut() {
-            if !set.has_digests() {
-                set.compute_digests();
-            }
+        for (name, d) in &bridges {
+            let key = staging.key(ObjectRole::Delta, name)?;
+            staged.check(&key, d.len() as u64, blake3::hash(d).to_hex().as_str())?;
         }
         // The new snapshot's files, written once; the anchor objects are
         // uploaded from them (the checkpoint may be rewritten by the trainer
@@ -638,18 +758,38 @@ impl Publisher {
         let next_dir = Snapshot::next_dir(&dir);
         let _ = std::fs::remove_dir_all(&next_dir);
         let mut anchor_bytes = 0u64;
+        let mut tensor_files = BTreeMap::new();
         let spill_dir = dir.join("spill");
         for (name, set) in &cp.tensors {
             let path = next_dir.join(name);
-            let data_start = write_snapshot_file(&path, set)?;
+            let (written, data_start) = write_snapshot_file(&path, set)?;
+            let digests = FileDigests::of(&written);
+            if set.has_digests() && FileDigests::of(set) != digests {
+                // The bridges were diffed from other bytes than the ones
+                // just written.
+                let _ = std::fs::remove_dir_all(&next_dir);
+                if let Some(st) = self.state.clone() {
+                    self.distrust_snapshot(&st);
+                } else {
+                    self.snapshot = None;
+                }
+                return Err(Error::Conflict(format!(
+                    "tensor file `{name}` of checkpoint {} changed while it was being published \
+                     (its bytes differ between the diff and the snapshot); nothing was committed \
+                     and the next version is an anchor. Publish again once the trainer has \
+                     finished writing it",
+                    cp.describe()
+                )));
+            }
+            tensor_files.insert(name.clone(), digests);
             let mut spill = None;
             let sources = match self.cfg.anchor_encoding {
                 AnchorEncoding::Raw => vec![
-                    Source::Bytes(Bytes::from(anchor_prefix(set, next)?)),
+                    Source::Bytes(Bytes::from(anchor_prefix(&written, next)?)),
                     Source::File {
                         path: path.clone(),
                         offset: data_start,
-                        len: set.total_bytes(),
+                        len: written.total_bytes(),
                     },
                 ],
                 AnchorEncoding::Planes => {
@@ -670,7 +810,7 @@ impl Publisher {
                         })?,
                     );
                     let done = crate::codec::write_anchor_planes(
-                        set,
+                        &written,
                         next,
                         crate::codec::planes::PlanesOptions::default(),
                         sink,
@@ -690,7 +830,12 @@ impl Publisher {
                     sources
                 }
             };
+            drop(written);
             let key = staging.key(ObjectRole::Anchor, name)?;
+            if staged.active() {
+                let (size, blake3) = hash_sources(&sources)?;
+                staged.check(&key, size, &blake3)?;
+            }
             let (size, blake3) = self.store.put_sources(&key, &sources).await?;
             crate::failpoint::hit("publisher.mid_upload");
             drop(spill);
@@ -713,7 +858,7 @@ impl Publisher {
                 .await?;
         }
         let (files, file_bytes) = self
-            .upload_files(cp, &mut staging, &BTreeMap::new())
+            .upload_files(cp, &mut staging, &BTreeMap::new(), staged)
             .await?;
         cp.check_unchanged()?;
         let writer = staging.writer().to_string();
@@ -731,12 +876,9 @@ impl Publisher {
             anchor_bytes,
             bytes_since_anchor: 0,
             step: opts.step,
+            world: self.cfg.distributed.as_ref().map(|d| d.world),
             files,
-            tensor_files: cp
-                .tensors
-                .iter()
-                .map(|(n, s)| (n.clone(), FileDigests::of(s)))
-                .collect(),
+            tensor_files,
             pending: None,
         };
         // Record the commit in flight (in the old state, which stays valid if
@@ -787,6 +929,7 @@ impl Publisher {
         cp: &Checkpoint,
         staging: &mut Staging,
         previous: &BTreeMap<String, (u64, String)>,
+        staged: &dist::Staged,
     ) -> Result<(BTreeMap<String, (u64, String)>, u64)> {
         let mut table = BTreeMap::new();
         let mut bytes = 0;
@@ -806,6 +949,7 @@ impl Publisher {
                 },
             };
             let key = staging.key(ObjectRole::File, name)?;
+            staged.check(&key, size, &hash)?;
             let (sent, blake3) = self.store.put_sources(&key, &[source]).await?;
             if blake3 != hash {
                 return Err(Error::Conflict(format!(
@@ -983,6 +1127,12 @@ async fn readable_manifest(store: &Store, version: u64) -> Result<Option<Manifes
 /// How a lost commit race is worded (the retry recognizes it).
 const LOST_RACE: &str = "lost the commit race";
 
+/// Whether `e` is a distributed commit refused because its safetensors
+/// files are not its base's ([`crate::protocol::parts::check_delta_files`]).
+fn is_file_set_refusal(e: &Error) -> bool {
+    matches!(e, Error::Conflict(m) if m.starts_with(crate::protocol::parts::FILE_SET_CHANGED))
+}
+
 /// Whether the checkpoint has exactly the snapshot's tensor files.
 fn same_files(snap: &Snapshot, cp: &Checkpoint) -> bool {
     cp.tensors.len() == snap.sets.len() && cp.tensors.keys().all(|k| snap.sets.contains_key(k))
@@ -993,9 +1143,46 @@ fn manifest_size(m: &Manifest) -> u64 {
 }
 
 /// Writes `set` as a plain safetensors file (its own metadata kept) at
-/// `path`, streaming from wherever its bytes are; returns where the tensor
-/// data starts in the file.
-fn write_snapshot_file(path: &Path, set: &crate::tensors::TensorSet) -> Result<u64> {
+/// `path`, streaming from wherever its bytes are, and maps it back with its
+/// digests computed from the bytes written (one pass over the page cache):
+/// what an anchor and the snapshot are made from, whatever happens to
+/// `set`'s own bytes meanwhile. Returns the mapped file and where its tensor
+/// data starts.
+fn write_snapshot_file(
+    path: &Path,
+    set: &crate::tensors::TensorSet,
+) -> Result<(crate::tensors::TensorSet, u64)> {
+    let data_start = write_plain_file(path, set)?;
+    let written = crate::tensors::TensorSet::map(path, false, crate::tensors::Digests::Compute)?;
+    Ok((written, data_start))
+}
+
+/// Size and BLAKE3 of what `sources` upload, read locally (a restarted rank
+/// checks an anchor object against its earlier part before uploading it).
+fn hash_sources(sources: &[Source]) -> Result<(u64, String)> {
+    use std::io::{Read, Seek};
+    let mut h = blake3::Hasher::new();
+    let mut n = 0u64;
+    for s in sources {
+        match s {
+            Source::Bytes(b) => {
+                h.update(b);
+            }
+            Source::File { path, offset, len } => {
+                let io = |e| Error::io(format!("reading {}", path.display()), e);
+                let mut f = std::fs::File::open(path).map_err(io)?;
+                f.seek(std::io::SeekFrom::Start(*offset)).map_err(io)?;
+                h.update_reader(f.take(*len)).map_err(io)?;
+            }
+        }
+        n += s.len();
+    }
+    Ok((n, h.finalize().to_hex().to_string()))
+}
+
+/// Writes `set` as a plain safetensors file at `path`; returns where the
+/// tensor data starts.
+fn write_plain_file(path: &Path, set: &crate::tensors::TensorSet) -> Result<u64> {
     use std::io::Write;
     let io = |what: &str, e| Error::io(format!("{what} {}", path.display()), e);
     if let Some(parent) = path.parent() {

@@ -93,6 +93,12 @@ pub struct State {
     /// The trainer step of the last version, when known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub step: Option<u64>,
+    /// How many ranks published the last version together (distributed
+    /// publish); absent for a publisher alone. A rank whose world changed
+    /// publishes an anchor: the version's set of safetensors files is the
+    /// union of the ranks' ([`super::dist`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub world: Option<u32>,
     /// Non-tensor files of the last version: name → (size, BLAKE3).
     pub files: BTreeMap<String, (u64, String)>,
     /// Tensor files of the snapshot and their digests.
@@ -354,6 +360,20 @@ impl Snapshot {
         let mut s = self.state.clone();
         s.pending = Some(p);
         write_state(&self.dir, &s)
+    }
+
+    /// Stops trusting the snapshot, durably: `state.json` keeps the
+    /// numbering (version, writer, step) but lists no snapshot file, so
+    /// that neither this process nor the next one builds a delta on it —
+    /// the next version is an anchor, from a full read of its checkpoint.
+    /// Called when something failed its integrity check.
+    pub fn distrust(dir: &Path, state: &State) -> Result<()> {
+        let mut s = state.clone();
+        s.pending = None;
+        s.tensor_files.clear();
+        let _ = std::fs::remove_dir_all(dir.join("journal"));
+        let _ = std::fs::remove_dir_all(Self::next_dir(dir));
+        write_state(dir, &s)
     }
 
     /// Forgets a pending commit that did not happen (a lost race).

@@ -166,6 +166,7 @@ impl Publisher {
             step: opts.step,
             files: Default::default(),
             tensor_files: [(FILE.to_string(), FileDigests::of(&set))].into(),
+            world: None,
             pending: None,
         };
         let deltas = vec![(FILE.to_string(), bytes)];
@@ -212,20 +213,20 @@ impl Publisher {
 
     async fn publish_trl_anchor(
         &mut self,
-        mut set: TensorSet,
+        set: TensorSet,
         next: u64,
         total: u64,
         opts: &PublishOptions,
     ) -> Result<Published> {
         let dir = self.cfg.state_dir.clone();
         let step = next + 1;
-        if !set.has_digests() {
-            set.compute_digests();
-        }
         let next_dir = Snapshot::next_dir(&dir);
         let _ = std::fs::remove_dir_all(&next_dir);
         let path = next_dir.join(FILE);
-        let data_start = write_snapshot_file(&path, &set)?;
+        // The anchor and its digests come from the file written, never from
+        // the checkpoint again (see `Publisher::publish_anchor`).
+        let (written, data_start) = write_snapshot_file(&path, &set)?;
+        let set = written;
         state::sync_dir(&next_dir)?;
         let prefix = crate::codec::trl::anchor_prefix(&set, next, &self.cfg.trl)?;
         let key = anchor_key(step);
@@ -248,6 +249,7 @@ impl Publisher {
             step: opts.step,
             files: Default::default(),
             tensor_files: [(FILE.to_string(), FileDigests::of(&set))].into(),
+            world: None,
             pending: None,
         };
         let mut pending = self.state.clone().unwrap_or_default();

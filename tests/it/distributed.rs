@@ -744,3 +744,333 @@ async fn two_publisher_daemons_publish_one_version_per_step() {
     assert!(r.text().await.unwrap().contains("step"));
     assert_eq!(versions_after(&store, None).await.unwrap(), vec![0, 1, 2]);
 }
+
+/// Rank `rank` of `world` as an in-process publisher with a short timeout,
+/// its state under `work`.
+async fn open_rank_of(
+    store: &Store,
+    work: &Path,
+    rank: u32,
+    world: u32,
+    timeout_s: u64,
+) -> Publisher {
+    let mut cfg = common::publisher_config(&work.join(format!("state-{rank}")), 10, None);
+    cfg.distributed = Some(Distributed {
+        timeout: Duration::from_secs(timeout_s),
+        ..Distributed::new(rank, world).unwrap()
+    });
+    Publisher::open(store.clone(), cfg).await.unwrap()
+}
+
+/// Rank `rank`'s checkpoint of `set` split `shards` ways, at `step`.
+fn shard_checkpoint(set: &TensorSet, rank: u32, shards: u32, step: u64) -> Checkpoint {
+    Checkpoint::from_sets(
+        [(shard_name(rank, shards), shard(set, rank, shards))].into(),
+        [("config.json".to_string(), bytes::Bytes::from(config(step)))].into(),
+    )
+    .unwrap()
+}
+
+/// `ranks` of `world` publish their shards (of `shards`) of `set` at
+/// `step`, concurrently; every rank must succeed with the same version and
+/// kind, which is returned.
+async fn all_publish(
+    store: &Store,
+    work: &Path,
+    (ranks, world, shards): (&[u32], u32, u32),
+    set: &TensorSet,
+    step: u64,
+) -> weightcast::publisher::Published {
+    let runs = ranks.iter().map(|&r| {
+        let (store, work, set) = (store.clone(), work.to_path_buf(), set.clone());
+        async move {
+            let mut p = open_rank_of(&store, &work, r, world, 60).await;
+            p.publish(
+                shard_checkpoint(&set, r, shards, step),
+                &PublishOptions { step: Some(step) },
+            )
+            .await
+            .unwrap_or_else(|e| panic!("rank {r} at step {step}: {e}"))
+        }
+    });
+    let out = futures::future::join_all(runs).await;
+    for o in &out {
+        assert_eq!(
+            (o.version, o.kind),
+            (out[0].version, out[0].kind),
+            "{out:?}"
+        );
+    }
+    out.into_iter().next().unwrap()
+}
+
+/// Issue 30, defect 2: a rank that republishes a committed step with other
+/// weights was told `{"unchanged": true}` and its weights went nowhere. A
+/// rank's content is part of its identity: other content for a committed
+/// step is refused (as a publisher alone refuses a step that is not newer);
+/// the same content still answers the committed version.
+#[tokio::test]
+async fn a_rank_republishing_a_committed_step_with_new_content_is_refused() {
+    let (store, _bucket) = common::local_store();
+    let work = tempfile::tempdir().unwrap();
+    let mut g = Generator::new(GeneratorConfig::tiny(28));
+    for step in 0..3u64 {
+        if step > 0 {
+            g.step();
+        }
+        let p = all_publish(&store, work.path(), (&[0, 1], 2, 2), &g.snapshot(), step).await;
+        assert_eq!(p.version, step);
+    }
+    let committed = g.snapshot();
+    g.step();
+    let mut r0 = open_rank_of(&store, work.path(), 0, 2, 2).await;
+    let e = r0
+        .publish(
+            shard_checkpoint(&g.snapshot(), 0, 2, 2),
+            &PublishOptions { step: Some(2) },
+        )
+        .await
+        .expect_err("new content for a committed step must not be 'unchanged'");
+    assert_eq!(e.kind(), weightcast::error::ErrorKind::Precondition, "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("step 2 is already committed as version 2") && msg.contains("newer --step"),
+        "{msg}"
+    );
+    // A non-tensor file that differs is other content too.
+    let other_config = Checkpoint::from_sets(
+        [(shard_name(0, 2), shard(&committed, 0, 2))].into(),
+        [("config.json".to_string(), bytes::Bytes::from("{}"))].into(),
+    )
+    .unwrap();
+    let e = r0
+        .publish(other_config, &PublishOptions { step: Some(2) })
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("non-tensor files differ"), "{e}");
+    // The content it committed: the committed version, unchanged.
+    let same = r0
+        .publish(
+            shard_checkpoint(&committed, 0, 2, 2),
+            &PublishOptions { step: Some(2) },
+        )
+        .await
+        .unwrap();
+    assert!(same.unchanged && same.version == 2, "{same:?}");
+    assert_eq!(versions_after(&store, None).await.unwrap(), vec![0, 1, 2]);
+}
+
+/// Issue 30, defect 3: rank 0 dies after writing its part; restarted with
+/// other weights (a nondeterministic kernel), it reused its intent — the
+/// same writer, the same keys — rewrote an object its part names, and died
+/// before its new part; rank 1 then committed the version from the old part,
+/// whose BLAKE3 no longer matched, and every subscriber quarantined it. A
+/// restarted rank never writes other bytes to a key its part names: the
+/// new content is refused before anything is uploaded, and the version
+/// commits from the first attempt's part, readable.
+#[test]
+fn a_restarted_rank_never_rewrites_an_object_its_part_names() {
+    let work = tempfile::tempdir().unwrap();
+    let bucket = work.path().join("bucket");
+    std::fs::create_dir_all(&bucket).unwrap();
+    let url = url::Url::from_directory_path(&bucket).unwrap().to_string();
+    let store = Store::open(&url).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let ranks: Vec<Rank> = (0..2)
+        .map(|r| Rank {
+            url: &url,
+            env: &[],
+            state: work.path().join(format!("state-{r}")),
+            rank: r,
+            world: 2,
+        })
+        .collect();
+    let mut g = Generator::new(GeneratorConfig::tiny(29));
+    let sub = work.path().join("sub");
+    // Steps 0..=3 (anchors at 0 and 3), both ranks.
+    for step in 0..4u64 {
+        if step > 0 {
+            g.step();
+        }
+        let dirs = write_step(work.path(), &g, step, 2);
+        let children: Vec<Child> = ranks
+            .iter()
+            .zip(&dirs)
+            .map(|(r, d)| r.spawn(d, step))
+            .collect();
+        for (r, c) in children.into_iter().enumerate() {
+            let out = published(c.wait_with_output().unwrap(), &format!("rank {r}"));
+            assert_eq!(out["version"], step, "rank {r}: {out}");
+        }
+    }
+    // Step 4 (a delta): rank 0 writes its part and dies; rank 1 dies before
+    // its own (both had written their intents).
+    g.step();
+    let step4 = g.snapshot();
+    let dirs = write_step(work.path(), &g, 4, 2);
+    let r1 = ranks[1]
+        .command(&dirs[1], 4, Some("publisher.mid_upload"))
+        .spawn()
+        .unwrap();
+    let killed = ranks[0]
+        .command(&dirs[0], 4, Some("publisher.after_part"))
+        .output()
+        .unwrap();
+    assert!(
+        !killed.status.success(),
+        "the failpoint did not stop rank 0"
+    );
+    assert!(
+        !r1.wait_with_output().unwrap().status.success(),
+        "the failpoint did not stop rank 1"
+    );
+    assert_eq!(
+        rt.block_on(versions_after(&store, None)).unwrap(),
+        vec![0, 1, 2, 3]
+    );
+    // Restarted at step 4 with other weights, set to die after its first
+    // upload: it must refuse before uploading anything.
+    let mut h = Generator::new(GeneratorConfig::tiny(29));
+    for _ in 0..5 {
+        h.step();
+    }
+    let other = work.path().join("other/rank-0");
+    std::fs::create_dir_all(&other).unwrap();
+    shard(&h.snapshot(), 0, 2)
+        .write_to(
+            &BTreeMap::new(),
+            &mut std::fs::File::create(other.join(shard_name(0, 2))).unwrap(),
+        )
+        .unwrap();
+    std::fs::write(other.join("config.json"), config(4)).unwrap();
+    let again = ranks[0]
+        .command(&other, 4, Some("publisher.mid_upload"))
+        .output()
+        .unwrap();
+    // Rank 1 commits version 4 from rank 0's first part: every object is
+    // the one its manifest names, and a subscriber reads exactly step 4.
+    let out = published(
+        ranks[1].command(&dirs[1], 4, None).output().unwrap(),
+        "rank 1",
+    );
+    assert_eq!(out["version"], 4, "{out}");
+    rt.block_on(async {
+        let m = read_manifest(&store, 4).await.unwrap().unwrap();
+        for o in &m.objects {
+            assert_eq!(
+                store.measure(&o.key).await.unwrap(),
+                Some((o.size, o.blake3.clone())),
+                "{} no longer matches the committed manifest",
+                o.key
+            );
+        }
+        assert_subscriber_exact(&store, &sub, &step4, (4, 4), 2).await;
+    });
+    // The restarted rank 0 was refused before uploading anything.
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert_eq!(again.status.code(), Some(75), "{stderr}");
+    assert!(
+        stderr.contains("this content is refused") && stderr.contains("rank-0-of-2.json"),
+        "{stderr}"
+    );
+    // Rank 0 with its other weights at step 4: that step is taken.
+    let late = ranks[0].command(&other, 4, None).output().unwrap();
+    assert_eq!(late.status.code(), Some(75));
+    // Step 5: every rank moves on (rank 0's snapshot was left behind by the
+    // commit it did not see: an anchor), exact.
+    g.step();
+    let dirs = write_step(work.path(), &g, 5, 2);
+    let children: Vec<Child> = ranks
+        .iter()
+        .zip(&dirs)
+        .map(|(r, d)| r.spawn(d, 5))
+        .collect();
+    for (r, c) in children.into_iter().enumerate() {
+        let out = published(c.wait_with_output().unwrap(), &format!("rank {r}"));
+        assert_eq!(
+            (&out["version"], &out["kind"]),
+            (&5.into(), &"anchor".into()),
+            "{out}"
+        );
+    }
+    rt.block_on(assert_subscriber_exact(
+        &store,
+        &sub,
+        &g.snapshot(),
+        (5, 5),
+        2,
+    ));
+}
+
+/// Issue 30, defect 4: after three-rank versions, two ranks publish with
+/// `--world 2`, each with the shard it had. Every rank's own files were
+/// unchanged, so each made a delta, and the version had no object for the
+/// third shard: every subscriber quarantined it. The number of ranks is
+/// part of a rank's snapshot: when it changes the version is an anchor (as
+/// a publisher alone makes one when its files change), and a delta whose
+/// files are not its base's is never committed.
+#[tokio::test]
+async fn ranks_leaving_the_world_make_an_anchor() {
+    let (store, _bucket) = common::local_store();
+    let work = tempfile::tempdir().unwrap();
+    let sub = work.path().join("sub");
+    let mut g = Generator::new(GeneratorConfig::tiny(31));
+    // Holds exactly shards `ranks` (of 3) of `set` and config.json of `step`.
+    let exact = |set: TensorSet, ranks: Vec<u32>, version: u64, step: u64| {
+        let (store, sub) = (store.clone(), sub.clone());
+        async move {
+            let c = weightcast::subscriber::catch_up(&store, &sub)
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(c.version, version, "{c:?}");
+            let cur = sub.join("current");
+            let mut want: Vec<String> = ranks.iter().map(|&r| shard_name(r, 3)).collect();
+            want.push("config.json".into());
+            want.sort();
+            let mut names: Vec<String> = std::fs::read_dir(&cur)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
+            names.sort();
+            assert_eq!(names, want, "version {version}");
+            for r in ranks {
+                let got = TensorSet::read(&cur.join(shard_name(r, 3)), Digests::Compute).unwrap();
+                let w = shard(&set, r, 3);
+                assert_eq!(got.len(), w.len());
+                for (i, t) in w.tensors().iter().enumerate() {
+                    let j = got.position(&t.name).unwrap();
+                    assert!(got.data(j) == w.data(i), "version {version}: {}", t.name);
+                }
+            }
+            assert_eq!(
+                std::fs::read_to_string(cur.join("config.json")).unwrap(),
+                config(step)
+            );
+        }
+    };
+    for step in 0..2u64 {
+        if step > 0 {
+            g.step();
+        }
+        let p = all_publish(&store, work.path(), (&[0, 1, 2], 3, 3), &g.snapshot(), step).await;
+        assert_eq!(p.version, step);
+        exact(g.snapshot(), vec![0, 1, 2], step, step).await;
+    }
+    // Rank 2 leaves: ranks 0 and 1 go on with --world 2 and their shards.
+    g.step();
+    let p = all_publish(&store, work.path(), (&[0, 1], 2, 3), &g.snapshot(), 2).await;
+    assert_eq!((p.version, p.kind), (2, VersionKind::Anchor), "{p:?}");
+    assert!(
+        p.anchor_reason
+            .as_deref()
+            .is_some_and(|r| r.contains("number of ranks changed from 3 to 2")),
+        "{p:?}"
+    );
+    exact(g.snapshot(), vec![0, 1], 2, 2).await;
+    // And deltas again after it.
+    g.step();
+    let p = all_publish(&store, work.path(), (&[0, 1], 2, 3), &g.snapshot(), 3).await;
+    assert_eq!((p.version, p.kind), (3, VersionKind::Delta), "{p:?}");
+    exact(g.snapshot(), vec![0, 1], 3, 3).await;
+}

@@ -403,3 +403,146 @@ async fn empty_or_unrelated_tensor_sets_are_never_deltas() {
     let m = read_manifest(&store, 1).await.unwrap().unwrap();
     assert_eq!(m.kind, VersionKind::Anchor, "{m:?}");
 }
+
+/// A buffer a caller lends (as the Python package lends a tensor's
+/// storage) that the trainer writes while the publisher reads it, made
+/// deterministic: its first `reads` reads see `before`, every later one
+/// `after`. Both have the same length.
+struct Racy {
+    before: Vec<u8>,
+    after: Vec<u8>,
+    reads: usize,
+    seen: std::sync::atomic::AtomicUsize,
+}
+
+impl weightcast::tensors::ExternalBuffer for Racy {
+    fn bytes(&self) -> &[u8] {
+        let n = self.seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if n < self.reads {
+            &self.before
+        } else {
+            &self.after
+        }
+    }
+    fn bytes_mut(&mut self) -> Option<&mut [u8]> {
+        None
+    }
+}
+
+/// An in-memory checkpoint over [`Racy`] buffers: `before` on each tensor's
+/// first read, `after` from then on.
+fn racy_checkpoint(
+    before: &TensorSet,
+    after: &TensorSet,
+    config: &[u8],
+) -> weightcast::publisher::Checkpoint {
+    let set = TensorSet::from_external(before.tensors().iter().enumerate().map(|(i, t)| {
+        let j = after.position(&t.name).unwrap();
+        let buf: Box<dyn weightcast::tensors::ExternalBuffer> = Box::new(Racy {
+            before: before.data(i).to_vec(),
+            after: after.data(j).to_vec(),
+            // `from_external` reads it once, for its length.
+            reads: 2,
+            seen: Default::default(),
+        });
+        (t.name.clone(), t.dtype, t.shape.clone(), buf)
+    }))
+    .unwrap();
+    weightcast::publisher::Checkpoint::from_sets(
+        [("model.safetensors".to_string(), set)].into(),
+        [(
+            "config.json".to_string(),
+            bytes::Bytes::copy_from_slice(config),
+        )]
+        .into(),
+    )
+    .unwrap()
+}
+
+/// Issue 30, defect 6: a checkpoint whose lent buffers change while it is
+/// being published. The anchor and the digests recorded for it used to come
+/// from different reads (the digests from the first, the snapshot and the
+/// object from the next), so the snapshot's digests stopped describing its
+/// bytes: every later version failed its subscribers' integrity checks while
+/// `publish` reported success, until the process restarted. Now an anchor
+/// is made from the snapshot file it writes (one read: whatever the buffers
+/// held then, exactly), and a bridged anchor whose bridges were diffed from
+/// other bytes is refused and followed by a verified anchor. After every
+/// successful publish a fresh subscriber holds that version exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_written_during_its_publish_never_poisons_the_publisher() {
+    let (store, _bucket) = common::local_store();
+    let work = tempfile::tempdir().unwrap();
+    let mut p = Publisher::open(store.clone(), cfg(&work.path().join("state"), 3))
+        .await
+        .unwrap();
+    let fresh = |version: u64, weights: TensorSet, config: Vec<u8>, what: &'static str| {
+        let store = store.clone();
+        async move {
+            let out = tempfile::tempdir().unwrap();
+            let c = weightcast::subscriber::catch_up(&store, out.path())
+                .await
+                .unwrap_or_else(|e| panic!("{what}: {e}"))
+                .unwrap_or_else(|| panic!("{what}: no version"));
+            assert_eq!(c.version, version, "{what}: {c:?}");
+            common::assert_replica(out.path(), &weights, &config, what);
+        }
+    };
+    let mut t = common::Trainer::new(41);
+    let opts = weightcast::publisher::PublishOptions::default();
+
+    // Version 0, an anchor: the trainer writes its next step into the
+    // buffers after the publisher's first read of them.
+    let (before, config) = (t.weights(), t.config());
+    t.step();
+    let out = p
+        .publish(racy_checkpoint(&before, &t.weights(), &config), &opts)
+        .await
+        .unwrap();
+    assert_eq!((out.version, out.kind), (0, VersionKind::Anchor));
+    fresh(0, before, config, "an anchor read while written").await;
+
+    // Versions 1 and 2: deltas of still checkpoints.
+    for v in 1..3u64 {
+        if v > 1 {
+            t.step();
+        }
+        let out = p.publish(t.checkpoint(), &opts).await.unwrap();
+        assert_eq!((out.version, out.kind), (v, VersionKind::Delta));
+        fresh(v, t.weights(), t.config(), "a delta after it").await;
+    }
+
+    // Version 3, the scheduled anchor with bridges: the bridges are diffed
+    // from the buffers' first bytes, the snapshot would be written from the
+    // next. Refused; nothing is committed.
+    t.step();
+    let (before, config) = (t.weights(), t.config());
+    t.step();
+    let e = p
+        .publish(racy_checkpoint(&before, &t.weights(), &config), &opts)
+        .await
+        .expect_err("bridges diffed from other bytes than the anchor's");
+    assert_eq!(e.kind(), weightcast::error::ErrorKind::Precondition, "{e}");
+    assert!(
+        e.to_string()
+            .contains("changed while it was being published"),
+        "{e}"
+    );
+    assert_eq!(versions_after(&store, None).await.unwrap(), vec![0, 1, 2]);
+
+    // The next version is an anchor from a full read, and every version
+    // after it is exact.
+    let out = p.publish(t.checkpoint(), &opts).await.unwrap();
+    assert_eq!((out.version, out.kind), (3, VersionKind::Anchor), "{out:?}");
+    assert!(
+        out.anchor_reason
+            .as_deref()
+            .is_some_and(|r| r.contains("no trusted snapshot")),
+        "{out:?}"
+    );
+    fresh(3, t.weights(), t.config(), "the anchor after a refusal").await;
+    t.step();
+    let out = p.publish(t.checkpoint(), &opts).await.unwrap();
+    assert_eq!((out.version, out.kind), (4, VersionKind::Delta));
+    fresh(4, t.weights(), t.config(), "a delta after that anchor").await;
+}

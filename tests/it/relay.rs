@@ -11,7 +11,9 @@ use std::path::Path;
 use std::process::Command;
 
 use weightcast::error::ErrorKind;
-use weightcast::protocol::{Manifest, Retention, newest_version, read_manifest, versions_after};
+use weightcast::protocol::{
+    Manifest, ObjectRole, Retention, newest_version, read_manifest, versions_after,
+};
 use weightcast::publisher::{PublishOptions, Publisher};
 use weightcast::relay::{Relay, RelayConfig};
 use weightcast::store::Store;
@@ -511,4 +513,367 @@ async fn relay_cli_takes_options_per_side() {
         );
     }
     assert_eq!(newest_version(&file_dest).await.unwrap(), None);
+}
+
+/// Empties a local bucket (the origin wiped).
+fn wipe(dir: &Path) {
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            std::fs::remove_dir_all(p).unwrap();
+        } else {
+            std::fs::remove_file(p).unwrap();
+        }
+    }
+}
+
+/// `weightcast relay --once` from `from` to `to`.
+fn relay_once_cli(from: &Store, to: &Store) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_weightcast"))
+        .args(["relay", "--once", "--from", from.url(), "--to", to.url()])
+        .env_remove("WEIGHTCAST_FAILPOINT")
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("running weightcast relay")
+}
+
+/// A sync's report as JSON (what `relay --once` prints).
+fn json(rep: &weightcast::relay::RelayReport) -> serde_json::Value {
+    serde_json::to_value(rep).unwrap()
+}
+
+/// Issue 30, defect 1: an origin wiped and published again from a fresh
+/// state numbers its versions from 0 again. `relay --once` used to exit 0
+/// copying the new v5 (a delta on the *new* v4) onto the old v0–4, and every
+/// subscriber quarantined it ("wrong base"). The relay follows one lineage:
+/// it refuses, naming both manifests, while the origin has no anchor after
+/// the destination's newest version, then starts the new lineage at that
+/// anchor and says so; the region's follower and a fresh subscriber are
+/// exact at every point.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_origin_reset_to_the_same_versions_is_never_joined() {
+    let (origin, odir) = common::local_store();
+    let (dest, _d) = common::local_store();
+    let follower = tempfile::tempdir().unwrap();
+    let mut old = Run::start(&origin, 3).await;
+    assert_eq!(old.publish(5).await, 4);
+    let mut r = relay(&origin, &dest);
+    assert_eq!(r.sync_once().await.unwrap().versions, vec![3, 4]);
+    old.assert_followed(&dest, follower.path(), 4, "the old history")
+        .await;
+    let mirrored = manifest(&dest, 4).await;
+
+    wipe(odir.path());
+    let mut new = Run::start(&origin, 3).await;
+    new.trainer = common::Trainer::new(12);
+    assert_eq!(new.publish(6).await, 5);
+    let reset = manifest(&origin, 4).await;
+    assert_ne!(reset.writer, mirrored.writer);
+
+    let out = relay_once_cli(&origin, &dest);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(75),
+        "refused, retry later: {stderr}"
+    );
+    for needle in [
+        "versions/00000000000000000004.json",
+        reset.writer.as_str(),
+        mirrored.writer.as_str(),
+        "empty prefix",
+    ] {
+        assert!(stderr.contains(needle), "names {needle}: {stderr}");
+    }
+    let e = r.sync_once().await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Precondition, "{e}");
+    assert_eq!(newest_version(&dest).await.unwrap(), Some(4));
+    old.assert_followed(&dest, follower.path(), 4, "still the old history")
+        .await;
+
+    // The origin's next anchor (v6) is numbered after everything the
+    // destination holds: the new lineage starts there.
+    assert_eq!(new.publish(1).await, 6);
+    let rep = r.sync_once().await.unwrap();
+    assert_eq!(rep.versions, vec![6], "{rep:?}");
+    let lineage = &json(&rep)["new_lineage"];
+    assert_eq!(
+        (&lineage["anchor"], &lineage["after"]),
+        (&6.into(), &4.into()),
+        "{rep:?}"
+    );
+    assert!(newest_version(&dest).await.unwrap() == Some(6));
+    assert!(read_manifest(&dest, 5).await.unwrap().is_none());
+    new.assert_followed(
+        &dest,
+        follower.path(),
+        6,
+        "the follower, on the new lineage",
+    )
+    .await;
+    let fresh = tempfile::tempdir().unwrap();
+    new.assert_followed(&dest, fresh.path(), 6, "a fresh subscriber")
+        .await;
+    assert_eq!(new.publish(1).await, 7);
+    let rep = r.sync_once().await.unwrap();
+    assert_eq!(rep.versions, vec![7]);
+    assert!(json(&rep).get("new_lineage").is_none(), "{rep:?}");
+    new.assert_followed(&dest, follower.path(), 7, "the follower after")
+        .await;
+}
+
+/// The lineage check attacked with an origin reset that went *past* the
+/// destination's numbers while the relay was away: the new history's v5 is
+/// a delta on its own v4 and is never copied; the relay restarts at the
+/// origin's newest anchor (v6) and goes on from there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_origin_reset_past_the_destination_restarts_at_its_anchor() {
+    let (origin, odir) = common::local_store();
+    let (dest, _d) = common::local_store();
+    let follower = tempfile::tempdir().unwrap();
+    let mut old = Run::start(&origin, 3).await;
+    old.publish(5).await;
+    let mut r = relay(&origin, &dest);
+    r.sync_once().await.unwrap();
+    old.assert_followed(&dest, follower.path(), 4, "the old history")
+        .await;
+    wipe(odir.path());
+    let mut new = Run::start(&origin, 3).await;
+    new.trainer = common::Trainer::new(13);
+    assert_eq!(new.publish(8).await, 7);
+    let rep = r.sync_once().await.unwrap();
+    assert_eq!(rep.versions, vec![6, 7], "{rep:?}");
+    let lineage = &json(&rep)["new_lineage"];
+    assert_eq!(
+        (&lineage["anchor"], &lineage["after"]),
+        (&6.into(), &4.into()),
+        "{rep:?}"
+    );
+    assert!(
+        lineage["reason"].as_str().unwrap().contains("at version 4"),
+        "{lineage}"
+    );
+    assert!(read_manifest(&dest, 5).await.unwrap().is_none());
+    new.assert_followed(&dest, follower.path(), 7, "the follower")
+        .await;
+}
+
+/// The lineage check attacked with a new history whose anchor is the very
+/// next version, bridged on the *new* v4: its bridges would lead a follower
+/// of the old v4 astray, so the anchor is copied without them (a new
+/// lineage: an unbridged anchor), and the next sync continues it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_lineage_anchor_right_after_the_destination_loses_its_bridges() {
+    let (origin, odir) = common::local_store();
+    let (dest, _d) = common::local_store();
+    let follower = tempfile::tempdir().unwrap();
+    let mut old = Run::start(&origin, 5).await;
+    old.publish(5).await;
+    let mut r = relay(&origin, &dest);
+    assert_eq!(r.sync_once().await.unwrap().versions, vec![0, 1, 2, 3, 4]);
+    old.assert_followed(&dest, follower.path(), 4, "the old history")
+        .await;
+    wipe(odir.path());
+    let mut new = Run::start(&origin, 5).await;
+    new.trainer = common::Trainer::new(14);
+    assert_eq!(new.publish(6).await, 5);
+    let bridged = manifest(&origin, 5).await;
+    assert_eq!(bridged.base_version, Some(4), "the origin's v5 is bridged");
+    let rep = r.sync_once().await.unwrap();
+    assert_eq!(rep.versions, vec![5], "{rep:?}");
+    assert_eq!(json(&rep)["new_lineage"]["anchor"], 5, "{rep:?}");
+    let copied = manifest(&dest, 5).await;
+    assert_eq!(copied.base_version, None, "{copied:?}");
+    assert!(copied.objects.iter().all(|o| o.role != ObjectRole::Delta));
+    assert_eq!(copied.writer, bridged.writer);
+    new.assert_followed(&dest, follower.path(), 5, "the follower bootstraps")
+        .await;
+    // Its successor's base is the destination's v5: continued.
+    assert_eq!(new.publish(1).await, 6);
+    let rep = r.sync_once().await.unwrap();
+    assert_eq!(rep.versions, vec![6], "{rep:?}");
+    assert!(json(&rep).get("new_lineage").is_none(), "{rep:?}");
+    new.assert_followed(&dest, follower.path(), 6, "the follower after")
+        .await;
+}
+
+/// The lineage check attacked with a foreign writer: a publisher writing
+/// straight into the destination takes its next version; the origin's next
+/// delta is never copied onto it, and the sync says why, naming both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_writer_in_the_destination_is_refused() {
+    let (origin, _o) = common::local_store();
+    let (dest, _d) = common::local_store();
+    let mut run = Run::start(&origin, 10).await;
+    run.publish(3).await;
+    let mut r = relay(&origin, &dest);
+    assert_eq!(r.sync_once().await.unwrap().versions, vec![0, 1, 2]);
+    let mut foreign = Run::start(&dest, 10).await;
+    foreign.trainer = common::Trainer::new(15);
+    assert_eq!(foreign.publish(1).await, 3);
+    let theirs = manifest(&dest, 3).await;
+    assert_eq!(run.publish(2).await, 4);
+    let e = r.sync_once().await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Precondition, "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains(&theirs.writer) && msg.contains(&manifest(&origin, 3).await.writer),
+        "{msg}"
+    );
+    assert_eq!(newest_version(&dest).await.unwrap(), Some(3));
+    let out = tempfile::tempdir().unwrap();
+    foreign
+        .assert_followed(&dest, out.path(), 3, "the foreign version stands alone")
+        .await;
+}
+
+/// Issue 30, the relay's smaller items: a middle manifest deleted from the
+/// destination, an object truncated there, an object damaged in place
+/// (reported quarantined by the region's subscriber), and staging files a
+/// killed upload left: the next sync repairs each from the origin instead
+/// of leaving the region to wait for the next anchor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_destination_is_repaired_from_the_origin() {
+    use weightcast::subscriber::status::Shared;
+    use weightcast::subscriber::{Daemon, DaemonConfig};
+    let (origin, _o) = common::local_store();
+    let (dest, ddir) = common::local_store();
+    let mut run = Run::start(&origin, 10).await;
+    let follower = tempfile::tempdir().unwrap();
+    run.publish(2).await;
+    let mut r = relay(&origin, &dest);
+    r.sync_once().await.unwrap();
+    run.assert_followed(&dest, follower.path(), 1, "before")
+        .await;
+    run.publish(3).await;
+    r.sync_once().await.unwrap();
+
+    // A middle manifest deleted: the follower at v1 cannot go on.
+    std::fs::remove_file(ddir.path().join("versions/00000000000000000002.json")).unwrap();
+    let stuck = weightcast::subscriber::catch_up(&dest, follower.path()).await;
+    assert!(
+        !matches!(&stuck, Ok(Some(c)) if c.version == 4),
+        "{stuck:?}"
+    );
+    let rep = r.sync_once().await.unwrap();
+    assert_eq!(
+        json(&rep)["repaired_versions"],
+        serde_json::json!([2]),
+        "{rep:?}"
+    );
+    assert!(rep.versions.is_empty());
+    run.assert_followed(&dest, follower.path(), 4, "after the manifest's repair")
+        .await;
+
+    // An object truncated, another damaged in place; staging files left.
+    let m3 = manifest(&dest, 3).await;
+    let m4 = manifest(&dest, 4).await;
+    let delta = |m: &Manifest| {
+        m.objects
+            .iter()
+            .find(|o| o.name == "model.safetensors")
+            .unwrap()
+            .key
+            .clone()
+    };
+    let (short, flipped) = (delta(&m3), delta(&m4));
+    let bytes = std::fs::read(ddir.path().join(&short)).unwrap();
+    std::fs::write(ddir.path().join(&short), &bytes[..bytes.len() / 2]).unwrap();
+    flip_byte(ddir.path(), &flipped);
+    let staging = [
+        ddir.path().join(format!("{short}#1")),
+        ddir.path().join("latest.json#7"),
+    ];
+    for s in &staging {
+        std::fs::write(s, b"partial").unwrap();
+    }
+    // The region's subscriber (registered) quarantines v4 and says so.
+    let edge = tempfile::tempdir().unwrap();
+    let cfg = DaemonConfig {
+        id: Some("edge-1".into()),
+        ..DaemonConfig::new(edge.path())
+    };
+    let shared = Shared::new(dest.url(), None);
+    let mut d = Daemon::open(&dest, &cfg).unwrap();
+    let first = d.iterate(&shared, true).await;
+    assert!(
+        !matches!(&first, Ok(Some((c, _))) if c.version == 4),
+        "{first:?}"
+    );
+    let regs = weightcast::protocol::registrations(&dest).await.unwrap();
+    assert!(regs.iter().any(|g| g.quarantined.contains(&4)), "{regs:?}");
+
+    // A new relay process: it sweeps the staging files and repairs both.
+    let mut r = relay(&origin, &dest);
+    let rep = r.sync_once().await.unwrap();
+    let j = json(&rep);
+    let mut repaired: Vec<String> = serde_json::from_value(j["repaired_objects"].clone())
+        .unwrap_or_else(|e| panic!("{e}: {j}"));
+    repaired.sort();
+    let mut want = vec![short.clone(), flipped.clone()];
+    want.sort();
+    assert_eq!(repaired, want, "{j}");
+    assert_eq!(j["staging_removed"], 2, "{j}");
+    for s in &staging {
+        assert!(!s.exists(), "{} left", s.display());
+    }
+    for o in m3.objects.iter().chain(&m4.objects) {
+        assert_eq!(
+            dest.measure(&o.key).await.unwrap(),
+            Some((o.size, o.blake3.clone())),
+            "{}",
+            o.key
+        );
+    }
+    let fresh = tempfile::tempdir().unwrap();
+    run.assert_followed(
+        &dest,
+        fresh.path(),
+        4,
+        "a fresh subscriber after the repairs",
+    )
+    .await;
+    // Measured once: the report still standing is not measured again.
+    let again = r.sync_once().await.unwrap();
+    assert!(json(&again).get("repaired_objects").is_none(), "{again:?}");
+}
+
+/// The lineage check attacked with an origin reset to *higher* numbers: the
+/// bucket wiped under a publisher that keeps its state numbers its next
+/// version after what it had (an unbridged anchor, v5). Copying it is safe
+/// (it needs nothing before it), and the relay says that the destination's
+/// history ends at v4 and a new lineage starts there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_origin_reset_to_higher_numbers_is_said_to_start_a_new_lineage() {
+    let (origin, odir) = common::local_store();
+    let (dest, _d) = common::local_store();
+    let follower = tempfile::tempdir().unwrap();
+    let mut run = Run::start(&origin, 10).await;
+    run.publish(5).await;
+    let mut r = relay(&origin, &dest);
+    r.sync_once().await.unwrap();
+    run.assert_followed(&dest, follower.path(), 4, "before the reset")
+        .await;
+    wipe(odir.path());
+    assert_eq!(run.publish(1).await, 5);
+    let m5 = manifest(&origin, 5).await;
+    assert_eq!(
+        (m5.kind, m5.base_version),
+        (weightcast::protocol::VersionKind::Anchor, None)
+    );
+    let rep = r.sync_once().await.unwrap();
+    assert_eq!(rep.versions, vec![5], "{rep:?}");
+    let lineage = &json(&rep)["new_lineage"];
+    assert_eq!(
+        (&lineage["anchor"], &lineage["after"]),
+        (&5.into(), &4.into()),
+        "{rep:?}"
+    );
+    assert_eq!(manifest(&dest, 5).await, m5, "copied as it is");
+    run.assert_followed(&dest, follower.path(), 5, "after the reset")
+        .await;
+    run.publish(1).await;
+    let rep = r.sync_once().await.unwrap();
+    assert_eq!(rep.versions, vec![6]);
+    assert!(json(&rep).get("new_lineage").is_none(), "{rep:?}");
 }

@@ -257,7 +257,11 @@ async fn relay(
             if let Ok(mut s) = shared.status.lock() {
                 s.version = rep.destination;
             }
-            if !rep.versions.is_empty() {
+            // What changed the destination: versions relayed, or repaired.
+            if !rep.versions.is_empty()
+                || !rep.repaired_versions.is_empty()
+                || !rep.repaired_objects.is_empty()
+            {
                 emit(serde_json::to_string(rep).unwrap_or_default());
             }
         }
