@@ -74,6 +74,7 @@ fuzz_target!(|data: &[u8]| {
         stream,
         wb,
         words: block_len,
+        context: None,
     };
 
     // 1. Full decode, checking every entry as it comes.

@@ -194,6 +194,7 @@ fn main() {
                         stream: &d.payload,
                         wb: 2,
                         words: (buf.len() / 2) as u64,
+                        context: None,
                     };
                     apply_block(&block, ctx, &mut buf, &mut undo).expect("apply");
                 }

@@ -163,6 +163,7 @@ impl<'a> Delta<'a> {
                         stream,
                         wb,
                         words: chunk.min(words as u64 - first),
+                        context: None,
                     };
                     compact::decode_block(&block, None, |i, v| f(first + i, v))?;
                     n += entry.changes;

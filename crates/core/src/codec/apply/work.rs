@@ -57,6 +57,7 @@ impl Work<'_, '_, '_> {
                     stream,
                     wb,
                     words: (blk.len() / wb) as u64,
+                    context: None,
                 };
                 let ctx = Ctx {
                     kind,

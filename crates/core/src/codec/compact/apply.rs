@@ -5,7 +5,9 @@
 //! the first pass of `codec::apply_in_place`, which may keep the resolved
 //! changes for [`write_kept`]).
 
+use super::context::Member;
 use super::decode::{Coding, clean_end, step_entry};
+use super::v2::{self, Decoded};
 use super::vector;
 use super::{BATCH, Block, Ctx, Group, Value, decode_block, step_word};
 use crate::digest::ChangeBatch;
@@ -141,6 +143,18 @@ fn apply_block_on(
     blk: &mut [u8],
     undo: &mut BlockUndo,
 ) -> Result<u64> {
+    if let Some(members) = block.context {
+        let run = Run {
+            platform,
+            block,
+            ctx,
+        };
+        return if block.entry.values == ValueCoding::Step {
+            run_v2(run, members, blk, &mut Write::<false> { undo })
+        } else {
+            run_v2(run, members, blk, &mut Write::<true> { undo })
+        };
+    }
     if block.entry.values == ValueCoding::Step {
         let run = Run {
             platform,
@@ -178,7 +192,124 @@ pub(crate) fn verify_block(
         block,
         ctx,
     };
+    if let Some(members) = block.context {
+        return run_v2(run, members, blk, &mut Check { kept });
+    }
     run_block_on(run, blk, &mut Check { kept })
+}
+
+/// A `compact2` block through `sink`: decoded whole (its classes merged into
+/// ascending order, see `v2`), then resolved against `blk` a group at a time,
+/// each change's line prefetched [`AHEAD`] changes before it is resolved.
+fn run_v2<S: Sink>(
+    run: Run<'_, '_>,
+    members: &[Member],
+    blk: &mut [u8],
+    sink: &mut S,
+) -> Result<u64> {
+    let block = run.block;
+    if blk.len() as u64 != block.words.saturating_mul(block.wb as u64) {
+        return Err(block.error(&format!(
+            "{} words given, the block has {}",
+            blk.len() / block.wb,
+            block.words
+        )));
+    }
+    v2::DECODE.with(|cell| {
+        let mut guard = cell.borrow_mut();
+        let (scratch, dec) = &mut *guard;
+        v2::decode(block, members, scratch, dec)?;
+        #[cfg(target_arch = "x86_64")]
+        if run.platform.has(Level::Avx2) {
+            dispatched!(Apply, Level::Avx2);
+            // SAFETY: `platform.has(Level::Avx2)`: detection found every
+            // feature `run_list_avx2` is compiled with; it is otherwise safe
+            // code.
+            return unsafe { run_list_avx2(run, blk, dec, sink) };
+        }
+        dispatched!(Apply, Level::Portable);
+        crate::with_word_width!(block.wb, W => run_list::<W, S>(run, blk, dec, sink))
+    })
+}
+
+/// [`run_list`] compiled for [`Level::Avx2`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,bmi1,bmi2,lzcnt,popcnt")]
+fn run_list_avx2<S: Sink>(
+    run: Run<'_, '_>,
+    blk: &mut [u8],
+    dec: &Decoded,
+    sink: &mut S,
+) -> Result<u64> {
+    crate::with_word_width!(run.block.wb, W => run_list::<W, S>(run, blk, dec, sink))
+}
+
+/// Resolves decoded changes (ascending block indices; steps, or new words
+/// for a raw-coded block) against `blk` and hands them to `sink`, a group
+/// of [`BATCH`] at a time; returns the digest change.
+#[inline(always)]
+fn run_list<const W: usize, S: Sink>(
+    Run {
+        platform,
+        block,
+        ctx,
+    }: Run<'_, '_>,
+    blk: &mut [u8],
+    dec: &Decoded,
+    sink: &mut S,
+) -> Result<u64> {
+    let raw = block.entry.values == ValueCoding::Raw;
+    let n = dec.index.len();
+    for &i in dec.index.iter().take(AHEAD) {
+        prefetch_l2(blk, i as usize * W);
+    }
+    let mut batch = ChangeBatch::default();
+    let mut g = Group::default();
+    let mut dig = 0u64;
+    let mut j = 0usize;
+    while j < n {
+        g.count = (n - j).min(BATCH);
+        for l in 0..g.count {
+            (g.index[l], g.step[l]) = (dec.index[j + l] as u64, dec.value[j + l]);
+            if let Some(&a) = dec.index.get(j + l + AHEAD) {
+                prefetch_l2(blk, a as usize * W);
+            }
+        }
+        dig = dig.wrapping_add(if raw {
+            resolve_raw::<W, S>(platform, block, ctx, blk, &g, sink)?
+        } else {
+            resolve_group::<W, S>(platform, ctx, blk, &g, (&mut batch, sink))
+        });
+        j += g.count;
+    }
+    Ok(dig)
+}
+
+/// Resolves a raw-coded group (old word read here, new word given), checks
+/// every entry changes its word, and hands the group on.
+#[inline(always)]
+fn resolve_raw<const W: usize, S: Sink>(
+    platform: Platform,
+    block: &Block<'_>,
+    ctx: Ctx,
+    blk: &mut [u8],
+    g: &Group,
+    sink: &mut S,
+) -> Result<u64> {
+    let mut batch = ChangeBatch::default();
+    for j in 0..g.count {
+        let (i, new) = (g.index[j], g.step[j]);
+        let old = load::<W>(blk, i as usize);
+        if new == old {
+            return Err(unchanged_error(block, ctx.first + i));
+        }
+        (batch.index[j], batch.old[j], batch.new[j]) = (ctx.first + i, old, new);
+    }
+    for j in 0..g.count {
+        sink.lane::<W>(blk, g.index[j] as usize, batch.old[j], batch.new[j]);
+    }
+    sink.taken(g.count);
+    Ok(ctx.seed.change_sum_on(platform, &batch))
 }
 
 /// Writes what [`verify_block`] kept: a scatter of the new words, each

@@ -236,8 +236,23 @@ pub(super) fn clean_end(stream: &[u8], at: u64) -> bool {
 pub fn decode_block(
     block: &Block<'_>,
     limit: Option<u64>,
-    f: impl FnMut(u64, Value) -> Result<()>,
+    mut f: impl FnMut(u64, Value) -> Result<()>,
 ) -> Result<()> {
+    if let Some(members) = block.context {
+        // A `compact2` block: decoded whole, then handed over in order.
+        return super::v2::DECODE.with(|cell| {
+            let mut guard = cell.borrow_mut();
+            let (scratch, dec) = &mut *guard;
+            super::v2::decode(block, members, scratch, dec)?;
+            let raw = block.entry.values == ValueCoding::Raw;
+            let count = limit.map_or(dec.index.len(), |l| l.min(dec.index.len() as u64) as usize);
+            for j in 0..count {
+                let (i, v) = (dec.index[j] as u64, dec.value[j]);
+                f(i, if raw { Value::Raw(v) } else { Value::Step(v) })?;
+            }
+            Ok(())
+        });
+    }
     let c = Coding::check(block)?;
     crate::with_word_width!(block.wb, W => decode_entries::<W>(block, &c, limit, f))
 }
@@ -293,6 +308,7 @@ mod tests {
             stream: &[],
             wb: 2,
             words,
+            context: None,
         };
         Coding::check(&b).expect("valid parameters")
     }

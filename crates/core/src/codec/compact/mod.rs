@@ -33,8 +33,10 @@
 //!   over the types this file defines ([`Ctx`], `Group`).
 
 mod apply;
+pub mod context;
 mod decode;
 mod encode;
+pub mod v2;
 pub mod vector;
 
 pub use apply::{BlockUndo, apply_block, undo_block};
@@ -132,6 +134,10 @@ pub struct Block<'a> {
     pub wb: usize,
     /// Words in the block.
     pub words: u64,
+    /// `None` for a `compact` block; for a `compact2` block (docs/format.md
+    /// §6.3), the block's context members (empty when the delta was made
+    /// without context).
+    pub context: Option<&'a [context::Member]>,
 }
 
 impl Block<'_> {
@@ -193,6 +199,7 @@ mod testutil {
             stream: &enc.payload,
             wb: 2,
             words: words as u64,
+            context: None,
         }
     }
 

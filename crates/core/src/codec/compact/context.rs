@@ -1,0 +1,110 @@
+//! What both sides of a `compact2` delta hold besides the base: the changes
+//! of the delta that produced the base (docs/format.md §6.3).
+//!
+//! A tensor's context is, per block, the sorted list of the block indices the
+//! previous delta changed, each with the direction and size class of its step
+//! (its **members**, packed in a `u32`: [`Member`]). It is O(changed): 4 bytes
+//! per element the previous version changed, nothing per unchanged element.
+//! Both sides build it the same way from the same two states: the publisher
+//! from the changes it encodes, a subscriber from the changes it applies (or,
+//! after a restart, by decoding the last delta again, [`crate::codec::Context::of_delta`]).
+
+use crate::digest::{Digest, fmix64};
+use crate::dtype::word_mask;
+
+/// One member of a block's context: `index << 2 | neg << 1 | big`, where
+/// `index` is the block index of a word the previous delta changed, `neg` its
+/// step's sign (1: the ordered key went down) and `big` whether its step's
+/// magnitude was 2 or more.
+pub type Member = u32;
+
+/// `big` bit of a [`Member`].
+pub const BIG: u32 = 1;
+/// `neg` bit of a [`Member`].
+pub const NEG: u32 = 2;
+
+/// Largest block a context can describe (indices are kept in 30 bits).
+pub const MAX_BLOCK_WORDS: u64 = 1 << 30;
+
+/// The member for a change at block index `i` by the masked step `s` of a
+/// `wb`-byte word (`s ≠ 0`).
+#[inline(always)]
+pub fn member(i: u64, s: u64, wb: usize) -> Member {
+    let top = wb as u32 * 8 - 1;
+    let neg = ((s >> top) & 1) as u32;
+    // |s| = 1 is s = 1 or s = −1 (all ones).
+    let big = u32::from(s != 1 && s != word_mask(wb));
+    ((i as u32) << 2) | (neg << 1) | big
+}
+
+/// The block index of a member.
+#[inline(always)]
+pub fn index(m: Member) -> u32 {
+    m >> 2
+}
+
+/// The checksum of a tensor's context: `Σ fmix64(seed ^ fmix64(block ‖ member))`
+/// over its members (wrapping); a file's is the sum of its tensors'. Both
+/// sides compute it as they build the context; a delta records the
+/// publisher's, and a reader refuses a context whose checksum differs.
+#[inline]
+pub fn member_hash(seed: u64, block: u64, m: Member) -> u64 {
+    fmix64(seed ^ fmix64((block << 32) | m as u64))
+}
+
+/// One tensor's context: its block length and, per block, its members
+/// (ascending index).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TensorContext {
+    /// Words per block (the delta's `block_words`).
+    pub block_words: u64,
+    /// Members of each block, ascending.
+    pub blocks: Vec<Vec<Member>>,
+}
+
+impl TensorContext {
+    /// Members held.
+    pub fn len(&self) -> usize {
+        self.blocks.iter().map(Vec::len).sum()
+    }
+
+    /// Whether it holds no member.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes it holds.
+    pub fn bytes(&self) -> usize {
+        self.len() * 4 + self.blocks.len() * std::mem::size_of::<Vec<Member>>()
+    }
+
+    /// The members of block `b` (none past the end).
+    pub fn block(&self, b: usize) -> &[Member] {
+        self.blocks.get(b).map_or(&[], Vec::as_slice)
+    }
+
+    /// Its checksum (see [`member_hash`]).
+    pub fn checksum(&self, seed: u64) -> u64 {
+        let mut sum = 0u64;
+        for (b, ms) in self.blocks.iter().enumerate() {
+            for &m in ms {
+                sum = sum.wrapping_add(member_hash(seed, b as u64, m));
+            }
+        }
+        sum
+    }
+}
+
+/// Where a context stands in the version chain: the changes from the state
+/// with digest `from` to the state with digest `to` (version `version`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ContextId {
+    /// The version whose changes these are.
+    pub version: u64,
+    /// File digest before those changes.
+    pub from: Digest,
+    /// File digest after them (the base of the delta that uses the context).
+    pub to: Digest,
+    /// Checksum of the members (see [`member_hash`]).
+    pub checksum: u64,
+}
