@@ -58,18 +58,17 @@ PLANS = {
     "tuning": [
         ("minilm-2e-6", "minilm", 2e-6, 1, 200, {}),
         ("minilm-1e-5", "minilm", 1e-5, 1, 200, {}),
-        ("minilm-4e-5", "minilm", 4e-5, 1, 200, {}),
-        ("llama-warm-3e-6", "llama", 3e-6, 1, 300, {"warm": 300}),
-        ("llama-1e-5", "llama", 1e-5, 1, 300, {}),
+        ("llama-1e-5", "llama", 1e-5, 1, 200, {}),
         ("llama-5e-5", "llama", 5e-5, 1, 200, {}),
+        ("llama-warm-3e-6", "llama", 3e-6, 1, 200, {"warm": 200}),
+        ("minilm-4e-5", "minilm", 4e-5, 1, 200, {}),
     ],
     "heldout": [
+        ("gpt2-2e-5", "gpt2", 2e-5, 2, 200, {"text": 1}),
+        ("gpt2-8e-5", "gpt2", 8e-5, 2, 200, {"text": 1}),
+        ("gpt2-warm-5e-6", "gpt2", 5e-6, 2, 200, {"warm": 200, "text": 1}),
         ("minilm-3e-6", "minilm", 3e-6, 2, 200, {"text": 1}),
         ("minilm-1.5e-5", "minilm", 1.5e-5, 2, 200, {"text": 1}),
-        ("minilm-1e-4", "minilm", 1e-4, 2, 200, {"text": 1}),
-        ("gpt2-warm-5e-6", "gpt2", 5e-6, 2, 300, {"warm": 300, "text": 1}),
-        ("gpt2-2e-5", "gpt2", 2e-5, 2, 300, {"text": 1}),
-        ("gpt2-8e-5", "gpt2", 8e-5, 2, 200, {"text": 1}),
     ],
 }
 

@@ -335,7 +335,10 @@ impl<'a> Cursor<'a> {
 
     /// Whether the region ends here: fewer than 8 bits left, all zero.
     fn clean_end(&self) -> bool {
-        super::decode::clean_end(self.s, self.at)
+        let total = self.s.len() as u64 * 8;
+        self.at <= total
+            && total - self.at < 8
+            && (self.at == total || self.s[self.s.len() - 1] >> (self.at & 7) == 0)
     }
 }
 
