@@ -217,6 +217,7 @@ fn main() -> Result<(), Error> {
                 stream: &e.payload,
                 wb,
                 words: len,
+                context: None,
             };
             compact::decode_block(&block, None, |_, _| {
                 n += 1;
@@ -398,6 +399,7 @@ fn multi_block_compact(base: &TensorSet, new: &TensorSet, bw: u64) -> Result<Vec
         density: changed as f64 / total as f64,
         payload_blake3: Some(hasher.finalize().to_hex().to_string()),
         tensors,
+        context: None,
     };
     let shapes: Vec<[usize; 1]> = payload.iter().map(|(_, p)| [p.len()]).collect();
     let views: Vec<(&str, Dtype, &[usize], &[u8])> = payload

@@ -132,6 +132,17 @@ pub enum Error {
         actual: String,
     },
 
+    /// A `compact2` delta was made against a context (the changes of the
+    /// delta before it, docs/format.md §6.3) that the reader does not hold:
+    /// none, or the changes of another version or state.
+    #[error("wrong context: the delta needs {expected}; the reader holds {actual}")]
+    WrongContext {
+        /// The context the delta records.
+        expected: String,
+        /// The one given (or `none`).
+        actual: String,
+    },
+
     /// A delta does not fit the local state's structure (tensor count, a
     /// tensor's dtype or shape): it was made for a different model or file.
     #[error("wrong base, the delta was made for a different file: {0}")]
@@ -246,6 +257,7 @@ impl Error {
             | Error::Metadata { .. }
             | Error::Tensor { .. }
             | Error::WrongBase { .. }
+            | Error::WrongContext { .. }
             | Error::BaseMismatch(_)
             | Error::Integrity { .. }
             | Error::TooLarge { .. } => ErrorKind::Corrupt,
@@ -269,7 +281,10 @@ impl Error {
     pub fn needs_repair(&self) -> bool {
         matches!(
             self,
-            Error::WrongBase { .. } | Error::BaseMismatch(_) | Error::Integrity { .. }
+            Error::WrongBase { .. }
+                | Error::WrongContext { .. }
+                | Error::BaseMismatch(_)
+                | Error::Integrity { .. }
         )
     }
 

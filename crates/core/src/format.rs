@@ -53,6 +53,15 @@ pub mod keys {
     pub const TENSORS: &str = "weightcast.tensors";
     /// JSON object: the chunk table of a `planes` anchor (see `codec::planes`).
     pub const PLANES: &str = "weightcast.planes";
+    /// Decimal u64 (`compact2` deltas made with context): the version whose
+    /// changes are the context (the delta's base version).
+    pub const CONTEXT_VERSION: &str = "weightcast.context_version";
+    /// Digest (`compact2` deltas made with context): the file state the
+    /// context's changes start from.
+    pub const CONTEXT_BASE_DIGEST: &str = "weightcast.context_base_digest";
+    /// 16 hex digits (`compact2` deltas made with context): the checksum of
+    /// the context's members.
+    pub const CONTEXT_CHECKSUM: &str = "weightcast.context_checksum";
 }
 
 /// Anchor (full weights) or delta (changed elements only).
@@ -75,6 +84,9 @@ pub enum Encoding {
     Compact,
     /// Deltas: the Hugging Face TRL `sparse_weight_patch` layout (I32 indices, absolute values).
     Trl,
+    /// Deltas: `compact` with positions and values coded against the
+    /// changes of the previous delta (its context), see docs/format.md §6.3.
+    Compact2,
     /// Anchors: each tensor's byte planes, zstd-compressed in independent
     /// chunks (see `codec::planes` and docs/format.md §5.1).
     Planes,
@@ -88,6 +100,7 @@ impl Encoding {
             Encoding::Compact => "compact",
             Encoding::Trl => "trl",
             Encoding::Planes => "planes",
+            Encoding::Compact2 => "compact2",
         }
     }
 }
@@ -106,9 +119,10 @@ impl FromStr for Encoding {
             "compact" => Ok(Encoding::Compact),
             "trl" => Ok(Encoding::Trl),
             "planes" => Ok(Encoding::Planes),
+            "compact2" => Ok(Encoding::Compact2),
             _ => Err(Error::metadata(
                 keys::ENCODING,
-                format!("unknown encoding `{s}` (expected full, planes, compact or trl)"),
+                format!("unknown encoding `{s}` (expected full, planes, compact, compact2 or trl)"),
             )),
         }
     }
@@ -309,6 +323,21 @@ pub struct Header {
     pub payload_blake3: Option<String>,
     /// Per-tensor entries: every tensor for anchors, changed tensors for deltas.
     pub tensors: BTreeMap<String, TensorEntry>,
+    /// `compact2` deltas made with context: which context.
+    pub context: Option<ContextRef>,
+}
+
+/// The context a `compact2` delta was made against (docs/format.md §6.3):
+/// the changes from the state with digest `base_digest` to the delta's base
+/// (version `version`), whose members have the checksum `checksum`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ContextRef {
+    /// The version whose changes these are (the delta's base version).
+    pub version: u64,
+    /// The file state those changes start from.
+    pub base_digest: Digest,
+    /// Checksum of the members.
+    pub checksum: u64,
 }
 
 impl Header {
@@ -349,6 +378,11 @@ impl Header {
             keys::TENSORS,
             serde_json::to_string(&self.tensors).expect("serializable"),
         );
+        if let Some(c) = &self.context {
+            put(keys::CONTEXT_VERSION, c.version.to_string());
+            put(keys::CONTEXT_BASE_DIGEST, c.base_digest.to_string());
+            put(keys::CONTEXT_CHECKSUM, Digest(c.checksum).to_string());
+        }
         if self.kind == Kind::Anchor && self.encoding == Encoding::Full {
             m.insert("format".into(), "pt".into());
         }
@@ -389,7 +423,7 @@ impl Header {
         let encoding: Encoding = req(m, keys::ENCODING)?.parse()?;
         match (kind, encoding) {
             (Kind::Anchor, Encoding::Full | Encoding::Planes)
-            | (Kind::Delta, Encoding::Compact | Encoding::Trl) => {}
+            | (Kind::Delta, Encoding::Compact | Encoding::Compact2 | Encoding::Trl) => {}
             _ => {
                 return Err(Error::metadata(
                     keys::ENCODING,
@@ -422,7 +456,30 @@ impl Header {
             Some(_) => return Err(Error::metadata(keys::PAYLOAD_BLAKE3, "not 64 hex digits")),
             None => None,
         };
+        let context = match m.get(keys::CONTEXT_VERSION) {
+            None => None,
+            Some(_) if encoding != Encoding::Compact2 || kind != Kind::Delta => {
+                return Err(Error::metadata(
+                    keys::CONTEXT_VERSION,
+                    "only compact2 deltas have a context",
+                ));
+            }
+            Some(_) => Some(ContextRef {
+                version: req_parse(m, keys::CONTEXT_VERSION)?,
+                base_digest: digest_of(keys::CONTEXT_BASE_DIGEST)?,
+                checksum: digest_of(keys::CONTEXT_CHECKSUM)?.0,
+            }),
+        };
+        if context.is_none()
+            && (m.contains_key(keys::CONTEXT_BASE_DIGEST) || m.contains_key(keys::CONTEXT_CHECKSUM))
+        {
+            return Err(Error::metadata(
+                keys::CONTEXT_VERSION,
+                "missing beside the other context keys",
+            ));
+        }
         Ok(Some(Header {
+            context,
             kind,
             encoding,
             model_version: req_parse(m, keys::MODEL_VERSION)?,
@@ -499,6 +556,7 @@ mod tests {
             density: 1.0 / 6.0,
             payload_blake3: Some("ab".repeat(32)),
             tensors,
+            context: None,
         }
     }
 

@@ -6,11 +6,14 @@ use std::collections::BTreeMap;
 use rayon::prelude::*;
 use serde::Serialize;
 
-use super::{compact, trl};
+use super::compact::{self, Context, TensorContext};
+use super::trl;
 use crate::digest::Digest;
 use crate::dtype::{Dtype, key_kind, word_bytes};
 use crate::error::{Error, Result};
-use crate::format::{BlockEntry, Encoding, Header, Kind, TensorEntry, TrlOptions, keys};
+use crate::format::{
+    BlockEntry, ContextRef, Encoding, Header, Kind, TensorEntry, TrlOptions, keys,
+};
 use crate::tensors::{TensorSet, write_safetensors};
 
 /// What a delta is and where it sits in the version chain.
@@ -74,6 +77,8 @@ struct TensorOut {
     digest_change: u64,
     blocks: Option<Vec<BlockEntry>>,
     payload: Vec<(String, Dtype, Vec<usize>, Vec<u8>)>,
+    /// `compact2`: the tensor's context for the next delta.
+    next: Option<TensorContext>,
 }
 
 /// Diffs `new` against `base` and encodes the delta object. Also records `new`'s
@@ -86,6 +91,24 @@ pub fn encode_delta(
     new: &mut TensorSet,
     opts: &DeltaOptions,
 ) -> Result<(Vec<u8>, DeltaSummary)> {
+    encode_delta_ctx(base, new, opts, None).map(|(bytes, summary, _)| (bytes, summary))
+}
+
+/// [`encode_delta`] against a context (`compact2` only; docs/format.md
+/// §6.3): `context` holds the changes of the delta that produced `base`
+/// (what [`encode_delta_ctx`] returned for it), or `None` (after an anchor:
+/// the delta is made without context and every reader decodes it). Returns
+/// also the context for the next delta: `new`'s changes, for `compact2`;
+/// `None` for other encodings.
+///
+/// Fails with [`Error::WrongContext`] when `context` does not lead to
+/// `base` (its `id.to` is not `base`'s digest).
+pub fn encode_delta_ctx(
+    base: &TensorSet,
+    new: &mut TensorSet,
+    opts: &DeltaOptions,
+    context: Option<&Context>,
+) -> Result<(Vec<u8>, DeltaSummary, Option<Context>)> {
     if !base.has_digests() {
         return Err(Error::metadata("base", "base tensor set has no digests"));
     }
@@ -99,6 +122,32 @@ pub fn encode_delta(
         ));
     }
     base.same_structure(new)?;
+    let context = if opts.encoding == Encoding::Compact2 {
+        context
+    } else {
+        None
+    };
+    if let Some(c) = context
+        && c.id.to != base.digest()
+    {
+        return Err(Error::WrongContext {
+            expected: format!("the changes that led to {}", base.digest()),
+            actual: format!(
+                "the changes of version {} (from {} to {})",
+                c.id.version, c.id.from, c.id.to
+            ),
+        });
+    }
+    if let Some((name, t)) = context.and_then(|c| {
+        c.tensors
+            .iter()
+            .find(|(_, t)| t.block_words != compact::BLOCK_WORDS && !t.is_empty())
+    }) {
+        return Err(Error::WrongContext {
+            expected: format!("blocks of {} words", compact::BLOCK_WORDS),
+            actual: format!("tensor `{name}` in blocks of {} words", t.block_words),
+        });
+    }
     let outs: Vec<TensorOut> = base
         .tensors()
         .par_iter()
@@ -120,6 +169,25 @@ pub fn encode_delta(
                             e.payload,
                         )],
                         blocks: Some(e.blocks),
+                        next: None,
+                    })
+                }
+                Encoding::Compact2 => {
+                    let tctx = context.and_then(|c| c.tensors.get(&t.name));
+                    let e =
+                        compact::v2::encode_tensor(key_kind(t.dtype), wb, t.seed, (old, nw), tctx);
+                    Ok(TensorOut {
+                        idx,
+                        changed: e.tensor.changed,
+                        digest_change: e.tensor.digest_change,
+                        payload: vec![(
+                            format!("{}{}", t.name, compact::SUFFIX),
+                            Dtype::U8,
+                            vec![e.tensor.payload.len()],
+                            e.tensor.payload,
+                        )],
+                        blocks: Some(e.tensor.blocks),
+                        next: Some(e.next),
                     })
                 }
                 _ => {
@@ -131,6 +199,7 @@ pub fn encode_delta(
                         digest_change: e.digest_change,
                         payload: trl::payload_tensors(&t.name, t.dtype, e, &opts.trl)?,
                         blocks: None,
+                        next: None,
                     })
                 }
             }
@@ -139,8 +208,9 @@ pub fn encode_delta(
 
     let mut entries = BTreeMap::new();
     let mut payload = Vec::new();
+    let mut next_tensors = BTreeMap::new();
     let (mut changed, mut total) = (0u64, 0u64);
-    for o in outs {
+    for mut o in outs {
         let t = &base.tensors()[o.idx];
         let words = t.words() as u64;
         total += words;
@@ -148,6 +218,9 @@ pub fn encode_delta(
         new.set_digest(o.idx, digest);
         if o.changed == 0 {
             continue;
+        }
+        if let Some(next) = o.next.take() {
+            next_tensors.insert(t.name.clone(), next);
         }
         changed += o.changed;
         entries.insert(
@@ -190,6 +263,11 @@ pub fn encode_delta(
         },
         payload_blake3: Some(hasher.finalize().to_hex().to_string()),
         tensors: entries,
+        context: context.map(|c| ContextRef {
+            version: c.id.version,
+            base_digest: c.id.from,
+            checksum: c.id.checksum,
+        }),
     };
     let mut meta = header.to_metadata();
     if opts.encoding == Encoding::Trl {
@@ -211,7 +289,14 @@ pub fn encode_delta(
         bytes: out.len() as u64,
         digest: header.digest.to_string(),
     };
-    Ok((out, summary))
+    let next = (opts.encoding == Encoding::Compact2).then(|| {
+        Context::new(
+            opts.model_version,
+            (base.digest(), header.digest),
+            next_tensors,
+        )
+    });
+    Ok((out, summary, next))
 }
 
 /// The TRL `sparse_weight_patch` keys of the generation `trl` names (see

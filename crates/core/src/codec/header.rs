@@ -88,6 +88,7 @@ pub(crate) fn anchor_header_of<'a>(
         density: 1.0,
         payload_blake3: None,
         tensors,
+        context: None,
     }
 }
 

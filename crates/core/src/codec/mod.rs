@@ -33,10 +33,12 @@ pub use anchor::{
 };
 pub use apply::{
     ApplyReport, Delta, InPlaceOptions, InPlaceReport, Positions, Prepared, Target, TensorChange,
-    apply_delta, apply_in_place, apply_in_place_all, apply_in_place_with, prepare_in_place_all,
+    apply_delta, apply_delta_ctx, apply_in_place, apply_in_place_all, apply_in_place_all_ctx,
+    apply_in_place_with, prepare_in_place_all, prepare_in_place_all_ctx,
 };
 pub use compact::vector;
-pub use encode::{DeltaOptions, DeltaSummary, encode_delta};
+pub use compact::{Context, ContextId, TensorContext};
+pub use encode::{DeltaOptions, DeltaSummary, encode_delta, encode_delta_ctx};
 pub use header::{AnchorSummary, keep_trainer_metadata};
 
 /// The cache hints the codec's scatter loops use, under their old path

@@ -8,12 +8,20 @@ use std::collections::BTreeMap;
 
 use safetensors::SafeTensors;
 
+use super::compact::{self, Context, TensorContext};
 use super::header::{entry_matches, metadata_map};
-use super::{compact, trl};
+use super::trl;
 use crate::digest::Digest;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::format::{BlockEntry, Encoding, Header, Kind, entry_digest, keys};
+
+/// The context of a tensor a `compact2` delta made without context (or
+/// that the context's delta did not change): no member.
+static NO_MEMBERS: TensorContext = TensorContext {
+    block_words: 0,
+    blocks: Vec::new(),
+};
 use crate::tensors::TensorSet;
 
 pub(super) enum Payload<'a> {
@@ -21,6 +29,8 @@ pub(super) enum Payload<'a> {
         block_words: u64,
         blocks: Vec<BlockEntry>,
         streams: Vec<&'a [u8]>,
+        /// `None` for `compact`; for `compact2`, the tensor's context.
+        context: Option<&'a TensorContext>,
     },
     Trl {
         indices: trl::Indices<'a>,
@@ -82,8 +92,10 @@ pub(super) struct Local<'s> {
 pub(super) fn weightcast_jobs<'a, 's>(
     h: &Header,
     st: &SafeTensors<'a>,
+    context: Option<&'a Context>,
     local: impl Fn(&str) -> Option<Local<'s>>,
 ) -> Result<Vec<Job<'a>>> {
+    let context = check_context(h, context)?;
     let mut jobs = Vec::with_capacity(h.tensors.len());
     let mut expected_payloads = 0usize;
     for (name, e) in &h.tensors {
@@ -110,7 +122,7 @@ pub(super) fn weightcast_jobs<'a, 's>(
         }
         let digest = entry_digest(name, "digest", &e.digest)?;
         let payload = match h.encoding {
-            Encoding::Compact => {
+            Encoding::Compact | Encoding::Compact2 => {
                 expected_payloads += 1;
                 let key = format!("{name}{}", compact::SUFFIX);
                 let view = st
@@ -131,10 +143,37 @@ pub(super) fn weightcast_jobs<'a, 's>(
                 })?;
                 let streams =
                     compact::split_blocks(name, t.words as u64, block_words, &blocks, view.data())?;
+                let context = if h.encoding == Encoding::Compact2 {
+                    if block_words > compact::context::MAX_BLOCK_WORDS {
+                        return Err(Error::metadata(
+                            format!("tensors.{name}.block_words"),
+                            "compact2 blocks have at most 2^30 words",
+                        ));
+                    }
+                    let tc = context
+                        .and_then(|c| c.tensors.get(name.as_str()))
+                        .unwrap_or(&NO_MEMBERS);
+                    if !tc.is_empty() && tc.block_words != block_words {
+                        return Err(Error::WrongContext {
+                            expected: format!("tensor `{name}` in blocks of {block_words} words"),
+                            actual: format!("blocks of {} words", tc.block_words),
+                        });
+                    }
+                    if tc.blocks.len() > blocks.len() {
+                        return Err(Error::WrongContext {
+                            expected: format!("tensor `{name}` in {} blocks", blocks.len()),
+                            actual: format!("{} blocks", tc.blocks.len()),
+                        });
+                    }
+                    Some(tc)
+                } else {
+                    None
+                };
                 Payload::Compact {
                     block_words,
                     blocks,
                     streams,
+                    context,
                 }
             }
             _ => {
@@ -160,6 +199,47 @@ pub(super) fn weightcast_jobs<'a, 's>(
         )));
     }
     Ok(jobs)
+}
+
+/// The context a `compact2` delta needs, checked against the one given:
+/// `Some` when the delta was made with context (the given one then leads to
+/// the delta's base and has the recorded version, start and checksum), `None`
+/// when it was made without (whatever was given is not used).
+fn check_context<'c>(h: &Header, given: Option<&'c Context>) -> Result<Option<&'c Context>> {
+    let Some(want) = h.context else {
+        return Ok(None);
+    };
+    let base = h.base_digest.expect("deltas have a base digest");
+    let expected = format!(
+        "the changes of version {} (from {} to {base}, checksum {})",
+        want.version,
+        want.base_digest,
+        Digest(want.checksum)
+    );
+    match given {
+        Some(c)
+            if c.id.version == want.version
+                && c.id.from == want.base_digest
+                && c.id.to == base
+                && c.id.checksum == want.checksum =>
+        {
+            Ok(Some(c))
+        }
+        Some(c) => Err(Error::WrongContext {
+            expected,
+            actual: format!(
+                "the changes of version {} (from {} to {}, checksum {})",
+                c.id.version,
+                c.id.from,
+                c.id.to,
+                Digest(c.id.checksum)
+            ),
+        }),
+        None => Err(Error::WrongContext {
+            expected,
+            actual: "none".into(),
+        }),
+    }
 }
 
 fn trl_payload<'a>(name: &str, dtype: Dtype, st: &SafeTensors<'a>) -> Result<Payload<'a>> {

@@ -2,7 +2,7 @@
 
 use super::trl::TrlRun;
 use super::work::{check_change, count_error};
-use crate::codec::compact::{self, Block, Value};
+use crate::codec::compact::{self, Block, Context, TensorContext, Value};
 use crate::codec::parse::{Job, Local, Payload, open, weightcast_jobs};
 use crate::digest::{ChangeBatch, LANES, TensorSeed};
 use crate::dtype::{Dtype, byte_len, key_kind, parse_dtype, read_word, word_bytes};
@@ -68,6 +68,16 @@ impl<'a> Delta<'a> {
     /// payload structure. Foreign TRL files, which carry no digests, are
     /// refused.
     pub fn parse(bytes: &'a [u8]) -> Result<Delta<'a>> {
+        Delta::parse_ctx(bytes, None)
+    }
+
+    /// [`Delta::parse`] with a context (docs/format.md §6.3): the changes of
+    /// the delta that produced the tensors' state (see
+    /// [`apply_delta_ctx`](crate::codec::apply_delta_ctx)); a `compact2`
+    /// delta made with context is refused ([`Error::WrongContext`]) unless it
+    /// is the one it was made against. [`Context::of_delta`] makes the
+    /// context for the next delta.
+    pub fn parse_ctx(bytes: &'a [u8], context: Option<&'a Context>) -> Result<Delta<'a>> {
         let (header, st) = open(bytes)?;
         // The header's entries as the local tensors: checks payload structure.
         let mut described = Vec::with_capacity(header.tensors.len());
@@ -89,7 +99,7 @@ impl<'a> Delta<'a> {
             let words = byte_len(dtype, &shape).unwrap_or(0) / word_bytes(dtype);
             described.push((name.as_str(), dtype, shape, words));
         }
-        let jobs = weightcast_jobs(&header, &st, |name| {
+        let jobs = weightcast_jobs(&header, &st, context, |name| {
             described.iter().position(|d| d.0 == name).map(|idx| Local {
                 idx,
                 dtype: described[idx].1,
@@ -152,6 +162,7 @@ impl<'a> Delta<'a> {
                 block_words,
                 blocks,
                 streams,
+                context,
             } => {
                 let chunk = (*block_words).min(words as u64);
                 for (b, (entry, stream)) in blocks.iter().zip(streams).enumerate() {
@@ -163,7 +174,7 @@ impl<'a> Delta<'a> {
                         stream,
                         wb,
                         words: chunk.min(words as u64 - first),
-                        context: None,
+                        context: context.map(|c| c.block(b)),
                     };
                     compact::decode_block(&block, None, |i, v| f(first + i, v))?;
                     n += entry.changes;
@@ -264,6 +275,51 @@ impl<'a> Delta<'a> {
             .iter()
             .map(|&d| d as usize)
             .collect()
+    }
+}
+
+impl Context {
+    /// The context a delta makes for the next one (its changes, see
+    /// docs/format.md §6.3), decoded from the delta itself: no tensor is
+    /// read or written, so a reader that restarts after applying `delta`
+    /// rebuilds its context from the object. `context` is the one `delta`
+    /// was made against (as for [`Delta::parse_ctx`]). `None` for deltas
+    /// that are not `compact2` (the next delta is then made without
+    /// context).
+    pub fn of_delta(delta: &[u8], context: Option<&Context>) -> Result<Option<Context>> {
+        let d = Delta::parse_ctx(delta, context)?;
+        let h = d.header();
+        if h.encoding != crate::format::Encoding::Compact2 {
+            return Ok(None);
+        }
+        let mut tensors = std::collections::BTreeMap::new();
+        for (job, dtype, words) in &d.jobs {
+            let Payload::Compact { block_words, .. } = &job.payload else {
+                continue;
+            };
+            let wb = word_bytes(*dtype);
+            let chunk = (*block_words).min(*words as u64).max(1);
+            let mut blocks: Vec<Vec<compact::context::Member>> =
+                vec![Vec::new(); (*words as u64).div_ceil(chunk) as usize];
+            d.entries(&job.name, |i, v| {
+                let b = (i / chunk) as usize;
+                blocks[b].push(compact::entry_member(i % chunk, v, wb));
+                Ok(())
+            })?;
+            tensors.insert(
+                job.name.clone(),
+                TensorContext {
+                    block_words: *block_words,
+                    blocks,
+                },
+            );
+        }
+        let base = h.base_digest.expect("deltas have a base digest");
+        Ok(Some(Context::new(
+            h.model_version,
+            (base, h.digest),
+            tensors,
+        )))
     }
 }
 

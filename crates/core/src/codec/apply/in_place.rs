@@ -7,7 +7,7 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use super::work::{Tally, Work, check_change};
-use crate::codec::compact::{self, Block, BlockUndo, Kept};
+use crate::codec::compact::{self, Block, BlockUndo, Context, Kept, TensorContext};
 use crate::codec::parse::{Local, Payload, open, weightcast_jobs};
 use crate::digest::{Digest, TensorSeed};
 use crate::dtype::{Dtype, byte_len, word_bytes};
@@ -128,7 +128,23 @@ pub fn apply_in_place_all(
     deltas: &[&[u8]],
     opts: &InPlaceOptions,
 ) -> Result<Vec<InPlaceReport>> {
-    in_place(targets, deltas, opts.keep_bytes, Then::Write).map(|(reports, _)| reports)
+    in_place(targets, (deltas, &[]), opts.keep_bytes, Then::Write).map(|(reports, ..)| reports)
+}
+
+/// [`apply_in_place_all`] with contexts (docs/format.md §6.3): `contexts[d]`
+/// is the context of the file `deltas[d]` applies to (missing or `None`:
+/// none; see [`apply_delta_ctx`](crate::codec::apply_delta_ctx)). Returns
+/// also each file's context for the next delta (`Some` for `compact2`
+/// deltas).
+#[allow(clippy::type_complexity)]
+pub fn apply_in_place_all_ctx(
+    targets: &mut [Target<'_>],
+    deltas: &[&[u8]],
+    contexts: &[Option<&Context>],
+    opts: &InPlaceOptions,
+) -> Result<(Vec<InPlaceReport>, Vec<Option<Context>>)> {
+    in_place(targets, (deltas, contexts), opts.keep_bytes, Then::Write)
+        .map(|(reports, _, next)| (reports, next))
 }
 
 /// The verified, decoded changes of one version, made by
@@ -138,6 +154,8 @@ pub fn apply_in_place_all(
 pub struct Prepared {
     reports: Vec<InPlaceReport>,
     tensors: Vec<PreparedTensor>,
+    /// Each delta's context for the next delta (`compact2` deltas).
+    contexts: Vec<Option<Context>>,
 }
 
 /// One tensor of a [`Prepared`].
@@ -177,6 +195,16 @@ impl Prepared {
     /// when a tensor it changes is missing from `targets`, given twice, or
     /// has another dtype or size.
     pub fn commit(self, targets: &mut [Target<'_>]) -> Result<Vec<InPlaceReport>> {
+        self.commit_ctx(targets).map(|(reports, _)| reports)
+    }
+
+    /// [`Prepared::commit`], returning also each file's context for the next
+    /// delta (see [`prepare_in_place_all_ctx`]).
+    #[allow(clippy::type_complexity)]
+    pub fn commit_ctx(
+        self,
+        targets: &mut [Target<'_>],
+    ) -> Result<(Vec<InPlaceReport>, Vec<Option<Context>>)> {
         let mut by_name = HashMap::with_capacity(targets.len());
         for (i, t) in targets.iter().enumerate() {
             if by_name.insert(t.name, i).is_some() {
@@ -217,7 +245,7 @@ impl Prepared {
                 .zip(p.kept.par_iter())
                 .for_each(|(blk, k)| compact::write_kept(blk, wb, k));
         });
-        Ok(self.reports)
+        Ok((self.reports, self.contexts))
     }
 }
 
@@ -235,8 +263,23 @@ impl Prepared {
 /// decoded: TRL-encoded deltas and blocks over 2^32 words (apply those with
 /// [`apply_in_place_all`]).
 pub fn prepare_in_place_all(targets: &mut [Target<'_>], deltas: &[&[u8]]) -> Result<Prepared> {
-    in_place(targets, deltas, usize::MAX, Then::Keep)
-        .map(|(reports, tensors)| Prepared { reports, tensors })
+    prepare_in_place_all_ctx(targets, deltas, &[])
+}
+
+/// [`prepare_in_place_all`] with contexts, as [`apply_in_place_all_ctx`];
+/// [`Prepared::commit_ctx`] returns the contexts for the next delta.
+pub fn prepare_in_place_all_ctx(
+    targets: &mut [Target<'_>],
+    deltas: &[&[u8]],
+    contexts: &[Option<&Context>],
+) -> Result<Prepared> {
+    in_place(targets, (deltas, contexts), usize::MAX, Then::Keep).map(
+        |(reports, tensors, contexts)| Prepared {
+            reports,
+            tensors,
+            contexts,
+        },
+    )
 }
 
 /// What [`in_place`] does after verifying.
@@ -248,12 +291,17 @@ enum Then {
     Keep,
 }
 
+#[allow(clippy::type_complexity)]
 fn in_place(
     targets: &mut [Target<'_>],
-    deltas: &[&[u8]],
+    (deltas, contexts): (&[&[u8]], &[Option<&Context>]),
     keep_bytes: usize,
     then: Then,
-) -> Result<(Vec<InPlaceReport>, Vec<PreparedTensor>)> {
+) -> Result<(
+    Vec<InPlaceReport>,
+    Vec<PreparedTensor>,
+    Vec<Option<Context>>,
+)> {
     let opened = deltas.iter().map(|d| open(d)).collect::<Result<Vec<_>>>()?;
     let mut by_name = HashMap::with_capacity(targets.len());
     for (i, t) in targets.iter().enumerate() {
@@ -280,7 +328,8 @@ fn in_place(
     let mut jobs = Vec::new();
     let mut owner = Vec::new();
     for (d, (header, st)) in opened.iter().enumerate() {
-        let js = weightcast_jobs(header, st, |name| {
+        let context = contexts.get(d).copied().flatten();
+        let js = weightcast_jobs(header, st, context, |name| {
             by_name.get(name).map(|&i| {
                 let t = &targets[i];
                 Local {
@@ -374,15 +423,42 @@ fn in_place(
             }
         })
         .collect();
+    // Each compact2 delta's context for the next delta: its jobs' members.
+    let mut next: Vec<Option<Context>> = opened
+        .iter()
+        .map(|(h, _)| {
+            (h.encoding == crate::format::Encoding::Compact2).then(|| {
+                Context::new(
+                    h.model_version,
+                    (h.base_digest.expect("deltas have a base digest"), h.digest),
+                    Default::default(),
+                )
+            })
+        })
+        .collect();
+    for ((j, v), &d) in jobs.iter().zip(&mut verified).zip(&owner) {
+        if let (Some(c), Payload::Compact { block_words, .. }) = (&mut next[d], &j.payload) {
+            c.tensors.insert(
+                j.name.clone(),
+                TensorContext {
+                    block_words: *block_words,
+                    blocks: std::mem::take(&mut v.members),
+                },
+            );
+        }
+    }
+    for c in next.iter_mut().flatten() {
+        c.id.checksum = c.recompute_checksum();
+    }
     if then == Then::Write {
-        return Ok((reports, Vec::new()));
+        return Ok((reports, Vec::new(), next));
     }
     let prepared = work
         .iter()
         .zip(verified)
         .map(|(w, v)| keep_all(w, v))
         .collect::<Result<Vec<_>>>()?;
-    Ok((reports, prepared))
+    Ok((reports, prepared, next))
 }
 
 /// A verified job's kept changes, every block's, as a [`PreparedTensor`].
@@ -430,6 +506,8 @@ struct Verified {
     tally: Tally,
     /// Compact: per block, its changes when they were kept.
     kept: Vec<Option<Kept>>,
+    /// `compact2`: per block, its members for the next context.
+    members: Vec<Vec<compact::context::Member>>,
 }
 
 /// Takes room for a block's changes from the shared budget: the claimed count,
@@ -460,11 +538,18 @@ fn verify_job(w: &mut Work<'_, '_, '_>, budget: &AtomicUsize) -> Verified {
         Payload::Compact { blocks, .. } => {
             let per_block = w.blocks(|_, block, ctx, blk| {
                 let mut kept = keep_room(block, budget);
-                let r = compact::verify_block(block, ctx, blk, kept.as_mut());
-                (r, kept)
+                let mut m = Vec::new();
+                let record = block.context.is_some().then_some(&mut m);
+                let r = compact::verify_block(block, ctx, blk, kept.as_mut(), record);
+                (r, (kept, m))
             });
-            let (tally, kept) = Tally::blocks(per_block, blocks);
-            Verified { tally, kept }
+            let (tally, rest) = Tally::blocks(per_block, blocks);
+            let (kept, members) = rest.into_iter().unzip();
+            Verified {
+                tally,
+                kept,
+                members,
+            }
         }
     }
 }

@@ -35,9 +35,10 @@ mod work;
 pub use elsewhere::{Delta, Positions};
 pub use in_place::{
     InPlaceOptions, InPlaceReport, Prepared, Target, TensorChange, apply_in_place,
-    apply_in_place_all, apply_in_place_with, prepare_in_place_all,
+    apply_in_place_all, apply_in_place_all_ctx, apply_in_place_with, prepare_in_place_all,
+    prepare_in_place_all_ctx,
 };
-pub use one_pass::{ApplyReport, apply_delta};
+pub use one_pass::{ApplyReport, apply_delta, apply_delta_ctx};
 
 #[cfg(test)]
 mod tests;

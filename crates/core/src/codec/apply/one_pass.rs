@@ -6,7 +6,7 @@ use serde::Serialize;
 
 use super::trl::trl_undo;
 use super::work::{Tally, Work, count_error};
-use crate::codec::compact::{self, BlockUndo};
+use crate::codec::compact::{self, BlockUndo, Context, TensorContext};
 use crate::codec::header::metadata_map;
 use crate::codec::parse::{Job, Local, Payload, check_payload, foreign_trl_jobs, weightcast_jobs};
 use crate::digest::{Digest, TensorSeed};
@@ -40,6 +40,31 @@ pub struct ApplyReport {
 /// files written by other tools (applied with full structural checks; `verified`
 /// is false because they carry no digests).
 pub fn apply_delta(state: &mut TensorSet, bytes: &[u8]) -> Result<ApplyReport> {
+    apply_delta_with(state, bytes, None, false).map(|(r, _)| r)
+}
+
+/// [`apply_delta`] with a context (docs/format.md §6.3): `context` holds the
+/// changes of the delta that produced `state` (what the previous call
+/// returned; `None` after an anchor). A `compact2` delta made with context
+/// is refused with [`Error::WrongContext`] unless `context` is the one it
+/// was made against; any other delta does not use it. Returns also the
+/// context for the next delta: this delta's changes for a `compact2` delta,
+/// `None` for other encodings (after which the next delta is written
+/// without context).
+pub fn apply_delta_ctx(
+    state: &mut TensorSet,
+    bytes: &[u8],
+    context: Option<&Context>,
+) -> Result<(ApplyReport, Option<Context>)> {
+    apply_delta_with(state, bytes, context, true)
+}
+
+fn apply_delta_with(
+    state: &mut TensorSet,
+    bytes: &[u8],
+    context: Option<&Context>,
+    want_context: bool,
+) -> Result<(ApplyReport, Option<Context>)> {
     let (n, map) = metadata_map(bytes)?;
     let st = SafeTensors::deserialize(bytes).map_err(|e| Error::Container(e.to_string()))?;
     if !state.has_digests() {
@@ -76,7 +101,7 @@ pub fn apply_delta(state: &mut TensorSet, bytes: &[u8]) -> Result<ApplyReport> {
                     }
                 })
             };
-            (weightcast_jobs(&h, &st, local)?, Some(h))
+            (weightcast_jobs(&h, &st, context, local)?, Some(h))
         }
         Some(h) => {
             return Err(Error::metadata(
@@ -102,12 +127,46 @@ pub fn apply_delta(state: &mut TensorSet, bytes: &[u8]) -> Result<ApplyReport> {
 
     // One pass: decode, write in place, keep what undoes it; if anything fails
     // to decode or verify, every written word is put back.
-    let (changed, new_digests) = apply_jobs(state, &jobs, header.as_ref().map(|h| h.digest))?;
+    let want_context =
+        want_context && header.as_ref().map(|h| h.encoding) == Some(Encoding::Compact2);
+    let (changed, new_digests, members) = apply_jobs(
+        state,
+        &jobs,
+        header.as_ref().map(|h| h.digest),
+        want_context,
+    )?;
+    let before = state.digest();
     for (j, d) in jobs.iter().zip(new_digests) {
         state.set_digest(j.idx, d);
     }
     let encoding = header.as_ref().map_or(Encoding::Trl, |h| h.encoding);
-    Ok(ApplyReport {
+    let next = match (&header, want_context) {
+        (Some(h), true) => {
+            let tensors = jobs
+                .iter()
+                .zip(members)
+                .filter_map(|(j, m)| {
+                    let Payload::Compact { block_words, .. } = &j.payload else {
+                        return None;
+                    };
+                    Some((
+                        j.name.clone(),
+                        TensorContext {
+                            block_words: *block_words,
+                            blocks: m,
+                        },
+                    ))
+                })
+                .collect();
+            Some(Context::new(
+                h.model_version,
+                (before, state.digest()),
+                tensors,
+            ))
+        }
+        _ => None,
+    };
+    let report = ApplyReport {
         model_version: header
             .as_ref()
             .map(|h| h.model_version)
@@ -117,7 +176,8 @@ pub fn apply_delta(state: &mut TensorSet, bytes: &[u8]) -> Result<ApplyReport> {
         changed,
         changed_tensors: jobs.iter().map(|j| j.name.clone()).collect(),
         verified: header.is_some(),
-    })
+    };
+    Ok((report, next))
 }
 
 /// What applying one tensor in one pass did: enough to verify it or to undo it.
@@ -128,17 +188,22 @@ struct Outcome {
     undo: Vec<u8>,
     /// Compact: what each block wrote.
     block_undo: Vec<BlockUndo>,
+    /// Compact, when asked: each block's members for the next context.
+    members: Vec<Vec<compact::context::Member>>,
 }
 
 /// Applies `jobs` to `state` in one pass, checks every count and digest
 /// against the header (`want_file`: its file digest, for weightcast deltas)
 /// and, on any failure, restores every word written. Returns the changed
-/// words and each job's new tensor digest.
+/// words, each job's new tensor digest and (`members`: when asked) each
+/// job's blocks' members for the next context.
+#[allow(clippy::type_complexity)]
 fn apply_jobs(
     state: &mut TensorSet,
     jobs: &[Job<'_>],
     want_file: Option<Digest>,
-) -> Result<(u64, Vec<Digest>)> {
+    members: bool,
+) -> Result<(u64, Vec<Digest>, Vec<Vec<Vec<compact::context::Member>>>)> {
     let info: Vec<(Dtype, TensorSeed, Digest)> = jobs
         .iter()
         .map(|j| {
@@ -158,7 +223,7 @@ fn apply_jobs(
             seed,
         })
         .collect();
-    let mut outcomes: Vec<Outcome> = work.par_iter_mut().map(apply_job).collect();
+    let mut outcomes: Vec<Outcome> = work.par_iter_mut().map(|w| apply_job(w, members)).collect();
     // The file digest after: unchanged tensors keep theirs, changed ones move.
     let mut file_after = file_before;
     let mut failure: Option<Error> = None;
@@ -203,10 +268,11 @@ fn apply_jobs(
             .for_each(|(w, o)| undo_job(w, o));
         return Err(e);
     }
-    Ok((changed, new_digests))
+    let members = outcomes.into_iter().map(|o| o.members).collect();
+    Ok((changed, new_digests, members))
 }
 
-fn apply_job(w: &mut Work<'_, '_, '_>) -> Outcome {
+fn apply_job(w: &mut Work<'_, '_, '_>, members: bool) -> Outcome {
     match &w.job.payload {
         Payload::Trl { indices, values } => {
             let wb = word_bytes(w.dtype);
@@ -219,14 +285,21 @@ fn apply_job(w: &mut Work<'_, '_, '_>) -> Outcome {
         Payload::Compact { blocks, .. } => {
             let per_block = w.blocks(|_, block, ctx, blk| {
                 let mut undo = BlockUndo::default();
-                let r = compact::apply_block(block, ctx, blk, &mut undo);
-                (r, undo)
+                let mut m = Vec::new();
+                let r = if members {
+                    compact::apply_block_members(block, ctx, blk, &mut undo, &mut m)
+                } else {
+                    compact::apply_block(block, ctx, blk, &mut undo)
+                };
+                (r, (undo, m))
             });
-            let (tally, block_undo) = Tally::blocks(per_block, blocks);
+            let (tally, rest) = Tally::blocks(per_block, blocks);
+            let (block_undo, members) = rest.into_iter().unzip();
             Outcome {
                 tally,
                 undo: Vec::new(),
                 block_undo,
+                members,
             }
         }
     }

@@ -99,3 +99,220 @@ fn all_deltas_of_a_version_are_verified_before_any_is_written() {
         assert_eq!(&b[..], v1.data(i), "tensor {}", v1.tensors()[i].name);
     }
 }
+
+/// A publisher's chain of `compact2` deltas (an anchor every `every`
+/// versions: the delta after it is made without context), with the
+/// contexts the publisher kept.
+struct Chain {
+    states: Vec<TensorSet>,
+    deltas: Vec<Vec<u8>>,
+    contexts: Vec<Option<crate::codec::Context>>,
+}
+
+fn chain(steps: usize, every: usize, lr: f32) -> Chain {
+    use crate::codec::{DeltaOptions, encode_delta_ctx};
+    use crate::generator::{Generator, GeneratorConfig};
+    let mut cfg = GeneratorConfig::tiny(11);
+    cfg.lr = lr;
+    let mut g = Generator::new(cfg);
+    let mut states = vec![g.snapshot()];
+    let (mut deltas, mut contexts) = (vec![Vec::new()], vec![None]);
+    for v in 1..=steps {
+        g.step();
+        let mut new = g.snapshot_without_digests();
+        let opts = DeltaOptions::new(Encoding::Compact2, v as u64, v as u64 - 1);
+        // After an anchor (version 0, every `every`), no context.
+        let ctx = if (v - 1).is_multiple_of(every) {
+            None
+        } else {
+            contexts[v - 1].as_ref()
+        };
+        let (bytes, _, next) = encode_delta_ctx(&states[v - 1], &mut new, &opts, ctx).unwrap();
+        assert!(new.has_digests());
+        states.push(new);
+        deltas.push(bytes);
+        contexts.push(next);
+    }
+    Chain {
+        states,
+        deltas,
+        contexts,
+    }
+}
+
+/// Whether the subscriber uses its context for delta `v` (the publisher
+/// made it with one).
+fn with_ctx(v: usize, every: usize) -> bool {
+    !(v - 1).is_multiple_of(every)
+}
+
+#[test]
+fn compact2_chains_round_trip_bit_identically_with_the_publishers_contexts() {
+    let every = 5;
+    let c = chain(12, every, 2e-5);
+    let mut state = c.states[0].clone();
+    let mut ctx: Option<crate::codec::Context> = None;
+    for v in 1..c.deltas.len() {
+        let use_ctx = if with_ctx(v, every) {
+            ctx.as_ref()
+        } else {
+            None
+        };
+        let (r, next) = apply_delta_ctx(&mut state, &c.deltas[v], use_ctx).unwrap();
+        assert_eq!(r.encoding, Encoding::Compact2);
+        assert!(r.changed > 0);
+        for i in 0..state.len() {
+            assert!(state.data(i) == c.states[v].data(i), "v{v} tensor {i}");
+        }
+        assert_eq!(state.digest(), c.states[v].digest());
+        // The subscriber's context is the publisher's, member for member.
+        let next = next.expect("compact2 deltas make a context");
+        assert_eq!(Some(&next), c.contexts[v].as_ref(), "v{v}");
+        // And what the delta alone rebuilds.
+        let rebuilt = crate::codec::Context::of_delta(&c.deltas[v], use_ctx).unwrap();
+        assert_eq!(rebuilt.as_ref(), Some(&next));
+        ctx = Some(next);
+    }
+    // The deltas made with context are smaller than without.
+    let plain = {
+        use crate::codec::{DeltaOptions, encode_delta};
+        let mut new = c.states[3].clone();
+        let opts = DeltaOptions::new(Encoding::Compact2, 3, 2);
+        encode_delta(&c.states[2], &mut new, &opts).unwrap().0.len()
+    };
+    assert!(
+        c.deltas[3].len() < plain,
+        "{} vs {plain}",
+        c.deltas[3].len()
+    );
+}
+
+#[test]
+fn a_restart_mid_chain_rebuilds_the_context_from_the_anchor_on() {
+    // A subscriber applied up to version 7 (anchor at 5), then restarted
+    // with its weights but no context: it rebuilds the context from the
+    // deltas after the anchor alone (no weights read), and goes on.
+    let every = 5;
+    let c = chain(10, every, 2e-5);
+    let mut state = c.states[7].clone();
+    let mut ctx = None;
+    for v in 6..=7 {
+        let use_ctx = if with_ctx(v, every) {
+            ctx.as_ref()
+        } else {
+            None
+        };
+        ctx = crate::codec::Context::of_delta(&c.deltas[v], use_ctx).unwrap();
+    }
+    for v in 8..=10 {
+        let (_, next) = apply_delta_ctx(&mut state, &c.deltas[v], ctx.as_ref()).unwrap();
+        assert_eq!(state.digest(), c.states[v].digest());
+        for i in 0..state.len() {
+            assert!(state.data(i) == c.states[v].data(i));
+        }
+        ctx = next;
+    }
+    // Without rebuilding, it refuses (and writes nothing).
+    let mut state = c.states[7].clone();
+    let err = apply_delta_ctx(&mut state, &c.deltas[8], None).unwrap_err();
+    assert!(matches!(err, Error::WrongContext { .. }), "{err}");
+    assert!(err.needs_repair());
+    assert_eq!(state.digest(), c.states[7].digest());
+}
+
+#[test]
+fn a_wrong_context_is_refused_before_anything_is_decoded() {
+    let every = 10;
+    let c = chain(4, every, 2e-5);
+    let mut state = c.states[2].clone();
+    let right = c.contexts[2].clone().unwrap();
+    // Another version's context.
+    let other = c.contexts[1].clone().unwrap();
+    let e = apply_delta_ctx(&mut state, &c.deltas[3], Some(&other)).unwrap_err();
+    assert!(matches!(e, Error::WrongContext { .. }), "{e}");
+    // The right id but other members (a checksum that differs).
+    let mut tampered = right.clone();
+    let t = tampered
+        .tensors
+        .values_mut()
+        .find(|t| !t.is_empty())
+        .unwrap();
+    let b = t.blocks.iter_mut().find(|b| !b.is_empty()).unwrap();
+    b.pop();
+    tampered.id.checksum = tampered.recompute_checksum();
+    let e = apply_delta_ctx(&mut state, &c.deltas[3], Some(&tampered)).unwrap_err();
+    assert!(matches!(e, Error::WrongContext { .. }), "{e}");
+    // Members changed under an unchanged id: the decode or the digests refuse.
+    let mut lying = right.clone();
+    lying.tensors.values_mut().for_each(|t| {
+        for b in &mut t.blocks {
+            b.iter_mut().for_each(|m| *m ^= 1);
+        }
+    });
+    assert!(apply_delta_ctx(&mut state, &c.deltas[3], Some(&lying)).is_err());
+    assert_eq!(state.digest(), c.states[2].digest());
+    // Every strategy refuses a missing context the same way.
+    let mut bufs: Vec<Vec<u8>> = (0..state.len()).map(|i| state.data(i).to_vec()).collect();
+    let e = apply_in_place(&mut targets(&state, &mut bufs), &c.deltas[3]).unwrap_err();
+    assert!(matches!(e, Error::WrongContext { .. }), "{e}");
+    assert!(matches!(
+        Delta::parse(&c.deltas[3]).err(),
+        Some(Error::WrongContext { .. })
+    ));
+    // The right one applies.
+    apply_delta_ctx(&mut state, &c.deltas[3], Some(&right)).unwrap();
+    assert_eq!(state.digest(), c.states[3].digest());
+}
+
+#[test]
+fn compact2_through_every_strategy() {
+    let every = 10;
+    let c = chain(3, every, 2e-5);
+    let ctx = c.contexts[2].as_ref();
+    let base = &c.states[2];
+    let want = &c.states[3];
+    let delta = &c.deltas[3];
+    // Verify, then write.
+    let mut bufs: Vec<Vec<u8>> = (0..base.len()).map(|i| base.data(i).to_vec()).collect();
+    for keep in [0usize, 256 << 20] {
+        let mut b2 = bufs.clone();
+        let (_, next) = apply_in_place_all_ctx(
+            &mut targets(base, &mut b2),
+            &[delta],
+            &[ctx],
+            &InPlaceOptions { keep_bytes: keep },
+        )
+        .unwrap();
+        assert_eq!(next[0].as_ref(), c.contexts[3].as_ref());
+        for (i, b) in b2.iter().enumerate() {
+            assert!(b[..] == want.data(i)[..], "keep {keep}");
+        }
+    }
+    // Prepare, then commit.
+    let prepared =
+        prepare_in_place_all_ctx(&mut targets(base, &mut bufs), &[delta], &[ctx]).unwrap();
+    let (_, next) = prepared.commit_ctx(&mut targets(base, &mut bufs)).unwrap();
+    assert_eq!(next[0].as_ref(), c.contexts[3].as_ref());
+    for (i, b) in bufs.iter().enumerate() {
+        assert!(b[..] == want.data(i)[..]);
+    }
+    // Positions out, words in.
+    let d = Delta::parse_ctx(delta, ctx).unwrap();
+    for (i, t) in base.tensors().iter().enumerate() {
+        let Ok(pos) = d.changed_positions(&t.name) else {
+            continue;
+        };
+        let wb = crate::dtype::word_bytes(t.dtype);
+        let old: Vec<u8> = (0..pos.len())
+            .flat_map(|j| {
+                let p = pos.get(j).unwrap() as usize;
+                base.data(i)[p * wb..p * wb + wb].to_vec()
+            })
+            .collect();
+        let new = d.resolve(&t.name, &pos, &old).unwrap();
+        for j in 0..pos.len() {
+            let p = pos.get(j).unwrap() as usize;
+            assert_eq!(new[j * wb..j * wb + wb], want.data(i)[p * wb..p * wb + wb]);
+        }
+    }
+}

@@ -33,6 +33,7 @@ impl Work<'_, '_, '_> {
             block_words,
             blocks,
             streams,
+            context,
         } = &job.payload
         else {
             return Vec::new();
@@ -57,7 +58,7 @@ impl Work<'_, '_, '_> {
                     stream,
                     wb,
                     words: (blk.len() / wb) as u64,
-                    context: None,
+                    context: context.map(|c| c.block(b)),
                 };
                 let ctx = Ctx {
                     kind,

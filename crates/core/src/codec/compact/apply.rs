@@ -132,16 +132,53 @@ pub fn apply_block(
     blk: &mut [u8],
     undo: &mut BlockUndo,
 ) -> Result<u64> {
-    apply_block_on(Platform::detect(), block, ctx, blk, undo)
+    apply_block_on(Platform::detect(), block, ctx, blk, undo, None)
 }
 
-/// [`apply_block`] on `platform`.
+/// [`apply_block`], also filling `members` with the block's members for the
+/// next delta's context (see [`super::context`]): one per change, ascending.
+/// Left empty when the apply fails.
+pub fn apply_block_members(
+    block: &Block<'_>,
+    ctx: Ctx,
+    blk: &mut [u8],
+    undo: &mut BlockUndo,
+    members: &mut Vec<Member>,
+) -> Result<u64> {
+    members.clear();
+    let r = apply_block_on(Platform::detect(), block, ctx, blk, undo, Some(members));
+    if r.is_ok() && block.context.is_none() {
+        // A `compact` block: its entries again.
+        decode_block(block, None, |i, v| {
+            members.push(entry_member(i, v, block.wb));
+            Ok(())
+        })?;
+    }
+    if r.is_err() {
+        members.clear();
+    }
+    r
+}
+
+/// The context member of a decoded entry: its step's sign and size; a raw
+/// value counts as a large step up.
+#[inline(always)]
+pub(crate) fn entry_member(i: u64, v: Value, wb: usize) -> Member {
+    match v {
+        Value::Step(s) => super::context::member(i, s, wb),
+        Value::Raw(_) => ((i as u32) << 2) | super::context::BIG,
+    }
+}
+
+/// [`apply_block`] on `platform`; a `compact2` block also fills `record`
+/// with its members.
 fn apply_block_on(
     platform: Platform,
     block: &Block<'_>,
     ctx: Ctx,
     blk: &mut [u8],
     undo: &mut BlockUndo,
+    record: Option<&mut Vec<Member>>,
 ) -> Result<u64> {
     if let Some(members) = block.context {
         let run = Run {
@@ -150,9 +187,9 @@ fn apply_block_on(
             ctx,
         };
         return if block.entry.values == ValueCoding::Step {
-            run_v2(run, members, blk, &mut Write::<false> { undo })
+            run_v2(run, (members, record), blk, &mut Write::<false> { undo })
         } else {
-            run_v2(run, members, blk, &mut Write::<true> { undo })
+            run_v2(run, (members, record), blk, &mut Write::<true> { undo })
         };
     }
     if block.entry.values == ValueCoding::Step {
@@ -185,6 +222,7 @@ pub(crate) fn verify_block(
     ctx: Ctx,
     blk: &mut [u8],
     kept: Option<&mut Kept>,
+    record: Option<&mut Vec<Member>>,
 ) -> Result<u64> {
     debug_assert!(kept.is_none() || block.words <= 1 << 32);
     let run = Run {
@@ -193,7 +231,7 @@ pub(crate) fn verify_block(
         ctx,
     };
     if let Some(members) = block.context {
-        return run_v2(run, members, blk, &mut Check { kept });
+        return run_v2(run, (members, record), blk, &mut Check { kept });
     }
     run_block_on(run, blk, &mut Check { kept })
 }
@@ -203,7 +241,7 @@ pub(crate) fn verify_block(
 /// each change's line prefetched [`AHEAD`] changes before it is resolved.
 fn run_v2<S: Sink>(
     run: Run<'_, '_>,
-    members: &[Member],
+    (members, record): (&[Member], Option<&mut Vec<Member>>),
     blk: &mut [u8],
     sink: &mut S,
 ) -> Result<u64> {
@@ -219,6 +257,9 @@ fn run_v2<S: Sink>(
         let mut guard = cell.borrow_mut();
         let (scratch, dec) = &mut *guard;
         v2::decode(block, members, scratch, dec)?;
+        if let Some(out) = record {
+            v2::members_of_decoded(block, dec, out);
+        }
         #[cfg(target_arch = "x86_64")]
         if run.platform.has(Level::Avx2) {
             dispatched!(Apply, Level::Avx2);
@@ -693,7 +734,8 @@ mod tests {
                 assert!(applied == new);
                 let mut checked = base.clone();
                 let mut kept = Kept::with_capacity(block.entry.changes as usize, wb);
-                let got = verify_block(&block, ctx, &mut checked, Some(&mut kept)).expect("verify");
+                let got =
+                    verify_block(&block, ctx, &mut checked, Some(&mut kept), None).expect("verify");
                 assert_eq!(got, want, "{wb} B {:?}", block.entry.values);
                 assert!(checked == base, "verify wrote");
                 assert_eq!(kept.len() as u64, block.entry.changes);
@@ -727,7 +769,7 @@ mod tests {
             };
             let mut blk = base.clone();
             let mut undo = BlockUndo::default();
-            let r = apply_block_on(platform, &block, ctx, &mut blk, &mut undo);
+            let r = apply_block_on(platform, &block, ctx, &mut blk, &mut undo, None);
             (r.map_err(|e| e.to_string()), undo.applied, blk)
         };
         let want = [

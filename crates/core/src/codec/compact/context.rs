@@ -108,3 +108,70 @@ pub struct ContextId {
     /// Checksum of the members (see [`member_hash`]).
     pub checksum: u64,
 }
+
+/// The seed of a tensor's context checksum: the first 8 bytes of
+/// `BLAKE3("weightcast/context/v1\0" ‖ name)`.
+pub fn tensor_seed(name: &str) -> u64 {
+    let mut h = blake3::Hasher::new();
+    h.update(b"weightcast/context/v1\0");
+    h.update(name.as_bytes());
+    u64::from_le_bytes(h.finalize().as_bytes()[..8].try_into().expect("8 bytes"))
+}
+
+/// A file's context: what a `compact2` delta against this file's state is
+/// coded against (docs/format.md §6.3). Built by [`crate::codec::encode_delta_ctx`]
+/// (publisher) and [`crate::codec::apply_delta_ctx`] or
+/// [`Context::of_delta`](crate::codec::Context::of_delta) (subscriber), from
+/// the delta that produced the state; empty after an anchor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Context {
+    /// Where it stands in the version chain.
+    pub id: ContextId,
+    /// Per changed tensor (by name), its members. A tensor without an entry
+    /// has none.
+    pub tensors: std::collections::BTreeMap<String, TensorContext>,
+}
+
+impl Context {
+    /// A context from its tensors, its checksum computed.
+    pub fn new(
+        version: u64,
+        (from, to): (Digest, Digest),
+        tensors: std::collections::BTreeMap<String, TensorContext>,
+    ) -> Context {
+        let checksum = tensors
+            .iter()
+            .fold(0u64, |a, (n, t)| a.wrapping_add(t.checksum(tensor_seed(n))));
+        Context {
+            id: ContextId {
+                version,
+                from,
+                to,
+                checksum,
+            },
+            tensors,
+        }
+    }
+
+    /// Members held (one per element the context's delta changed).
+    pub fn len(&self) -> usize {
+        self.tensors.values().map(TensorContext::len).sum()
+    }
+
+    /// Whether it holds no member.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes its members take (4 per member, plus a little per block).
+    pub fn bytes(&self) -> usize {
+        self.tensors.values().map(TensorContext::bytes).sum()
+    }
+
+    /// The checksum recomputed from the members (what `id.checksum` must be).
+    pub fn recompute_checksum(&self) -> u64 {
+        self.tensors
+            .iter()
+            .fold(0u64, |a, (n, t)| a.wrapping_add(t.checksum(tensor_seed(n))))
+    }
+}

@@ -39,8 +39,9 @@ mod encode;
 pub mod v2;
 pub mod vector;
 
-pub use apply::{BlockUndo, apply_block, undo_block};
-pub(crate) use apply::{Kept, verify_block, write_kept};
+pub use apply::{BlockUndo, apply_block, apply_block_members, undo_block};
+pub(crate) use apply::{Kept, entry_member, verify_block, write_kept};
+pub use context::{Context, ContextId, TensorContext};
 pub use decode::{decode_block, split_blocks};
 pub use encode::encode_tensor;
 

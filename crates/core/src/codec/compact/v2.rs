@@ -852,16 +852,38 @@ pub(crate) fn encode(
     (e, out)
 }
 
+/// The members a decoded block's changes make (for the next delta's
+/// context): the steps' signs and sizes; raw values count as large steps up.
+pub(crate) fn members_of_decoded(block: &Block<'_>, dec: &Decoded, out: &mut Vec<Member>) {
+    out.clear();
+    if block.entry.values == ValueCoding::Raw {
+        out.extend(dec.index.iter().map(|&i| (i << 2) | BIG));
+    } else {
+        let wb = block.wb;
+        out.extend(
+            dec.index
+                .iter()
+                .zip(&dec.value)
+                .map(|(&i, &s)| member(i as u64, s, wb)),
+        );
+    }
+}
+
 /// The members a block's changes make (for the next delta's context): one
 /// per change, ascending.
 pub(crate) fn members_of(
     kind: crate::dtype::KeyKind,
     wb: usize,
-    s: &EncodeScratch,
+    (s, raw): (&EncodeScratch, bool),
     out: &mut Vec<Member>,
 ) {
     let mask = word_mask(wb);
     out.clear();
+    if raw {
+        // As a reader sees them: raw values count as large steps up.
+        out.extend(s.index.iter().map(|&i| (i << 2) | BIG));
+        return;
+    }
     out.extend(
         s.index
             .iter()
@@ -953,7 +975,7 @@ pub fn encode_tensor(
                 let dig = crate::with_word_width!(wb, W => stage::<W>(platform, ctx, old, new, s));
                 let (e, bytes) = encode(kind, wb, members, s);
                 let mut next = Vec::new();
-                members_of(kind, wb, s, &mut next);
+                members_of(kind, wb, (s, e.values == ValueCoding::Raw), &mut next);
                 (e, bytes, dig, next)
             })
         })
