@@ -7,7 +7,7 @@
 
 use super::context::Member;
 use super::decode::{Coding, clean_end, step_entry};
-use super::v2::{self, Decoded};
+use super::v2;
 use super::vector;
 use super::{BATCH, Block, Ctx, Group, Value, decode_block, step_word};
 use crate::digest::ChangeBatch;
@@ -236,9 +236,11 @@ pub(crate) fn verify_block(
     run_block_on(run, blk, &mut Check { kept })
 }
 
-/// A `compact2` block through `sink`: decoded whole (its classes merged into
-/// ascending order, see `v2`), then resolved against `blk` a group at a time,
-/// each change's line prefetched [`AHEAD`] changes before it is resolved.
+/// A `compact2` block through `sink`, a group of [`BATCH`] entries at a
+/// time, class after class (see `v2`): each group's lines are prefetched as
+/// it is decoded and it is resolved `SLOTS − 1` groups later, as for
+/// `compact` blocks. Then the check that no word changed twice and (with
+/// `record`) the block's members for the next context.
 fn run_v2<S: Sink>(
     run: Run<'_, '_>,
     (members, record): (&[Member], Option<&mut Vec<Member>>),
@@ -255,73 +257,130 @@ fn run_v2<S: Sink>(
     }
     v2::DECODE.with(|cell| {
         let mut guard = cell.borrow_mut();
-        let (scratch, dec) = &mut *guard;
-        v2::decode(block, members, scratch, dec)?;
-        if let Some(out) = record {
-            v2::members_of_decoded(block, dec, out);
-        }
+        let scratch = &mut guard.0;
+        let plan = v2::Plan::new(block, members, scratch)?;
+        let mut rec = std::mem::take(&mut scratch.record);
+        rec.reset(members.len(), block.entry.changes);
         #[cfg(target_arch = "x86_64")]
-        if run.platform.has(Level::Avx2) {
+        let r = if run.platform.has(Level::Avx2) {
             dispatched!(Apply, Level::Avx2);
             // SAFETY: `platform.has(Level::Avx2)`: detection found every
-            // feature `run_list_avx2` is compiled with; it is otherwise safe
+            // feature `run_v2_avx2` is compiled with; it is otherwise safe
             // code.
-            return unsafe { run_list_avx2(run, blk, dec, sink) };
-        }
-        dispatched!(Apply, Level::Portable);
-        crate::with_word_width!(block.wb, W => run_list::<W, S>(run, blk, dec, sink))
+            unsafe { run_v2_avx2(run, (&plan, members, scratch, &mut rec), blk, sink) }
+        } else {
+            dispatched!(Apply, Level::Portable);
+            crate::with_word_width!(block.wb, W => {
+                run_v2_w::<W, S>(run, (&plan, members, scratch, &mut rec), blk, sink)
+            })
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let r = crate::with_word_width!(block.wb, W => {
+            run_v2_w::<W, S>(run, (&plan, members, scratch, &mut rec), blk, sink)
+        });
+        let r = r.and_then(|dig| {
+            v2::finish(members, &rec, record)
+                .map(|()| dig)
+                .map_err(|what| block.error(what))
+        });
+        scratch.record = rec;
+        r
     })
 }
 
-/// [`run_list`] compiled for [`Level::Avx2`].
+/// What [`run_v2_w`] decodes with: the block's plan, its context members,
+/// the decoder's scratch and the record of what the entries did.
+type V2Parts<'p> = (
+    &'p v2::Plan,
+    &'p [Member],
+    &'p mut v2::Scratch,
+    &'p mut v2::Record,
+);
+
+/// [`run_v2_w`] compiled for [`Level::Avx2`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,bmi1,bmi2,lzcnt,popcnt")]
-fn run_list_avx2<S: Sink>(
+fn run_v2_avx2<S: Sink>(
     run: Run<'_, '_>,
+    parts: V2Parts<'_>,
     blk: &mut [u8],
-    dec: &Decoded,
     sink: &mut S,
 ) -> Result<u64> {
-    crate::with_word_width!(run.block.wb, W => run_list::<W, S>(run, blk, dec, sink))
+    crate::with_word_width!(run.block.wb, W => run_v2_w::<W, S>(run, parts, blk, sink))
 }
 
-/// Resolves decoded changes (ascending block indices; steps, or new words
-/// for a raw-coded block) against `blk` and hands them to `sink`, a group
-/// of [`BATCH`] at a time; returns the digest change.
 #[inline(always)]
-fn run_list<const W: usize, S: Sink>(
+fn run_v2_w<const W: usize, S: Sink>(
     Run {
         platform,
         block,
         ctx,
     }: Run<'_, '_>,
+    (plan, members, scratch, rec): V2Parts<'_>,
     blk: &mut [u8],
-    dec: &Decoded,
     sink: &mut S,
 ) -> Result<u64> {
-    let raw = block.entry.values == ValueCoding::Raw;
-    let n = dec.index.len();
-    for &i in dec.index.iter().take(AHEAD) {
-        prefetch_l2(blk, i as usize * W);
-    }
+    let raw = plan.raw;
+    let mut slots = [Group::default(); SLOTS];
     let mut batch = ChangeBatch::default();
-    let mut g = Group::default();
     let mut dig = 0u64;
-    let mut j = 0usize;
-    while j < n {
-        g.count = (n - j).min(BATCH);
-        for l in 0..g.count {
-            (g.index[l], g.step[l]) = (dec.index[j + l] as u64, dec.value[j + l]);
-            if let Some(&a) = dec.index.get(j + l + AHEAD) {
-                prefetch_l2(blk, a as usize * W);
-            }
-        }
-        dig = dig.wrapping_add(if raw {
-            resolve_raw::<W, S>(platform, block, ctx, blk, &g, sink)?
+    let mut n = 0usize; // groups decoded
+    let mut result: std::result::Result<(), &'static str> = Ok(());
+    // Resolves the group decoded SLOTS − 1 groups before group `n`.
+    let mut resolve = |g: &Group, blk: &mut [u8], dig: &mut u64| -> Result<()> {
+        let d = if raw {
+            resolve_raw::<W, S>(platform, block, ctx, blk, g, sink)?
         } else {
-            resolve_group::<W, S>(platform, ctx, blk, &g, (&mut batch, sink))
-        });
-        j += g.count;
+            resolve_group::<W, S>(platform, ctx, blk, g, (&mut batch, sink))
+        };
+        *dig = dig.wrapping_add(d);
+        Ok(())
+    };
+    'classes: for c in 0..v2::CLASSES {
+        if plan.count(c) == 0 {
+            continue;
+        }
+        let mut rd = match plan.reader(c, block, members, scratch) {
+            Ok(rd) => rd,
+            Err(what) => {
+                result = Err(what);
+                break;
+            }
+        };
+        while rd.remaining() > 0 {
+            let g = &mut slots[n % SLOTS];
+            g.count = rd.remaining().min(BATCH as u64) as usize;
+            for j in 0..g.count {
+                let e = match rd.next_entry() {
+                    Ok(e) => e,
+                    Err(what) => {
+                        g.count = j;
+                        result = Err(what);
+                        break 'classes;
+                    }
+                };
+                prefetch_l2(blk, e.0 as usize * W);
+                (g.index[j], g.step[j]) = (e.0 as u64, e.1);
+                rec.note(c, e, raw, W);
+            }
+            if n >= SLOTS - 1 {
+                let g = slots[(n + 1) % SLOTS];
+                resolve(&g, blk, &mut dig)?;
+            }
+            n += 1;
+        }
+        if let Err(what) = rd.end() {
+            result = Err(what);
+            break;
+        }
+    }
+    if let Err(what) = result {
+        return Err(block.error(what));
+    }
+    // Drain the pipeline in entry order.
+    for m in n.saturating_sub(SLOTS - 1)..n {
+        let g = slots[m % SLOTS];
+        resolve(&g, blk, &mut dig)?;
     }
     Ok(dig)
 }
@@ -617,6 +676,21 @@ pub fn undo_block(block: &Block<'_>, kind: KeyKind, blk: &mut [u8], undo: &Block
     let wb = block.wb;
     let mask = word_mask(wb);
     let mut j = 0usize;
+    if let Some(members) = block.context {
+        // A `compact2` block: its entries in the order they were written.
+        let raw = block.entry.values == ValueCoding::Raw;
+        v2::for_each_applied(block, members, undo.applied, |i, v| {
+            let old = if raw {
+                read_word(&undo.old_words, wb, j)
+            } else {
+                let cur = read_word(blk, wb, i as usize);
+                from_key(kind, wb, to_key(kind, wb, cur).wrapping_sub(v) & mask)
+            };
+            write_word(blk, wb, i as usize, old);
+            j += 1;
+        });
+        return;
+    }
     // These entries decoded successfully once, so decoding them again cannot fail.
     let _ = decode_block(block, Some(undo.applied), |i, v| {
         let old = match v {

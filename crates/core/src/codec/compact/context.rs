@@ -9,7 +9,7 @@
 //! from the changes it encodes, a subscriber from the changes it applies (or,
 //! after a restart, by decoding the last delta again, [`crate::codec::Context::of_delta`]).
 
-use crate::digest::{Digest, fmix64};
+use crate::digest::Digest;
 use crate::dtype::word_mask;
 
 /// One member of a block's context: `index << 2 | neg << 1 | big`, where
@@ -43,13 +43,17 @@ pub fn index(m: Member) -> u32 {
     m >> 2
 }
 
-/// The checksum of a tensor's context: `Σ fmix64(seed ^ fmix64(block ‖ member))`
-/// over its members (wrapping); a file's is the sum of its tensors'. Both
-/// sides compute it as they build the context; a delta records the
-/// publisher's, and a reader refuses a context whose checksum differs.
-#[inline]
+/// The checksum of a tensor's context: `Σ g(seed ^ (block << 32 | member))`
+/// over its members (wrapping), `g(x) = h ^ (h >> 29)` with
+/// `h = x · 0x9E3779B97F4A7C15 mod 2^64`; a file's is the sum of its
+/// tensors'. Both sides compute it as they build the context; a delta
+/// records the publisher's, and a reader refuses a context whose checksum
+/// differs. (It guards against a reader holding the wrong members, not
+/// against an adversary.)
+#[inline(always)]
 pub fn member_hash(seed: u64, block: u64, m: Member) -> u64 {
-    fmix64(seed ^ fmix64((block << 32) | m as u64))
+    let h = (seed ^ (block << 32) ^ m as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    h ^ (h >> 29)
 }
 
 /// One tensor's context: its block length and, per block, its members

@@ -25,7 +25,7 @@
 
 use super::context::{BIG, Member, NEG, index, member};
 use super::{Block, MAX_POS_K, MAX_VAL_K};
-use crate::codec::bits::BitReader;
+use crate::codec::bits::{BitReader, FastWriter};
 use crate::dtype::{to_key, word_mask};
 use crate::error::Result;
 use crate::format::{BlockEntry, ValueCoding};
@@ -68,24 +68,6 @@ pub struct Decoded {
     pub index: Vec<u32>,
     /// Masked steps, or new words.
     pub value: Vec<u64>,
-}
-
-/// Scratch the decoder reuses across blocks: each class's entries before the
-/// merge, and the members of classes 1 and 2.
-#[derive(Default)]
-pub(crate) struct Scratch {
-    class_index: [Vec<u32>; CLASSES],
-    class_value: [Vec<u64>; CLASSES],
-    members: [Vec<Member>; 2],
-    esc_rank: Vec<u64>,
-    esc_mag: Vec<u64>,
-    list_rank: Vec<u64>,
-}
-
-thread_local! {
-    /// Per-thread decode scratch and output, reused across blocks.
-    pub(crate) static DECODE: std::cell::RefCell<(Scratch, Decoded)> =
-        std::cell::RefCell::new((Scratch::default(), Decoded::default()));
 }
 
 // ---------------------------------------------------------------------------
@@ -370,233 +352,511 @@ fn read_ranks(
 // ---------------------------------------------------------------------------
 // Decoding
 
-/// Decodes a `compact2` block into `out` (ascending indices), given the
-/// block's context members (`members`, ascending; empty without context).
-/// Every malformed case is an error naming the block.
+/// A block's decoding plan: its prologue, checked against the block and its
+/// context, where each class's region starts, and the members of classes 1
+/// and 2 (indices into the context's members, ascending).
+pub(crate) struct Plan {
+    pub(crate) p: Prologue,
+    start: [usize; CLASSES],
+    pub(crate) raw: bool,
+}
+
+/// Scratch the decoder reuses across blocks.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    /// Indices into the context's members of classes 1 and 2.
+    class_members: [Vec<u32>; 2],
+    /// The class being read: its escapes' ranks and magnitudes, its listed
+    /// signs' ranks.
+    esc_rank: Vec<u64>,
+    esc_mag: Vec<u64>,
+    list_rank: Vec<u64>,
+    /// What the block's entries did (see [`Record`]).
+    pub(crate) record: Record,
+    /// [`decode`]'s per-class entries before the merge.
+    class_index: [Vec<u32>; CLASSES],
+    class_value: [Vec<u64>; CLASSES],
+}
+
+/// What a block's entries did, as far as the next context and the check of
+/// [`finish`] need: class 0's changes as members (ascending), and per
+/// context member, whether it changed again (`0`: no; else its new code
+/// `| 4`).
+#[derive(Default)]
+pub(crate) struct Record {
+    pub(crate) c0: Vec<Member>,
+    pub(crate) again: Vec<u8>,
+}
+
+thread_local! {
+    /// Per-thread decode scratch and output, reused across blocks.
+    pub(crate) static DECODE: std::cell::RefCell<(Scratch, Decoded)> =
+        std::cell::RefCell::new((Scratch::default(), Decoded::default()));
+}
+
+impl Plan {
+    /// Checks `block`'s prologue against the block and `members` (its
+    /// context), and sorts the members of classes 1 and 2 into `s`.
+    pub(crate) fn new(block: &Block<'_>, members: &[Member], s: &mut Scratch) -> Result<Plan> {
+        Self::new_raw(block, members, s).map_err(|what| block.error(what))
+    }
+
+    fn new_raw(
+        block: &Block<'_>,
+        members: &[Member],
+        s: &mut Scratch,
+    ) -> std::result::Result<Plan, &'static str> {
+        if block.words > 1 << 32 {
+            return Err("compact2 blocks have at most 2^32 words");
+        }
+        // Classes 1 and 2: the members without and with the `big` bit.
+        let [small, big] = &mut s.class_members;
+        small.clear();
+        big.clear();
+        if block.entry.changes > 0 && !members.is_empty() {
+            // Both lists written at every member, each count moved by its bit.
+            small.resize(members.len() + 1, 0);
+            big.resize(members.len() + 1, 0);
+            let (mut a, mut b) = (0usize, 0usize);
+            for (j, &m) in members.iter().enumerate() {
+                let bit = (m & BIG) as usize;
+                small[a] = j as u32;
+                big[b] = j as u32;
+                a += 1 - bit;
+                b += bit;
+            }
+            small.truncate(a);
+            big.truncate(b);
+        }
+        let space = [block.words, small.len() as u64, big.len() as u64];
+        let p = Prologue::parse_raw(block.stream, block.entry, block.wb, space)?;
+        let mut start = [0usize; CLASSES];
+        let mut at = p.body;
+        for (c, h) in p.class.iter().enumerate() {
+            start[c] = at;
+            at += h.len;
+        }
+        Ok(Plan {
+            p,
+            start,
+            raw: block.entry.values == ValueCoding::Raw,
+        })
+    }
+
+    /// Entries of class `c`.
+    pub(crate) fn count(&self, c: usize) -> u64 {
+        self.p.class[c].n
+    }
+
+    /// A reader of class `c`'s entries: reads its escapes and listed signs
+    /// into `s`, then hands out the entries one by one.
+    pub(crate) fn reader<'r>(
+        &self,
+        c: usize,
+        block: &Block<'r>,
+        members: &'r [Member],
+        s: &'r mut Scratch,
+    ) -> std::result::Result<ClassReader<'r>, &'static str> {
+        let h = self.p.class[c];
+        let region = &block.stream[self.start[c]..self.start[c] + h.len];
+        let mut cur = Cursor { s: region, at: 0 };
+        let class_members: &[u32] = if c == 0 {
+            &[]
+        } else {
+            &s.class_members[c - 1]
+        };
+        let space = if c == 0 {
+            block.words
+        } else {
+            class_members.len() as u64
+        };
+        let top = block.wb as u32 * 8 - 1;
+        if h.n > 0 && !self.raw {
+            let (ranks, mags) = (&mut s.esc_rank, &mut s.esc_mag);
+            mags.clear();
+            read_ranks(&mut cur, (h.esc, h.ke, h.n), ranks, |cur| {
+                let x = cur.eg(h.ve)?;
+                let m = x.checked_add(2).ok_or("step larger than the word")?;
+                if m > 1u64 << top {
+                    return Err("step larger than the word");
+                }
+                mags.push(m);
+                Ok(())
+            })?;
+            s.list_rank.clear();
+            if let Some(t) = h.list {
+                read_ranks(&mut cur, (t, h.ko, h.n), &mut s.list_rank, |_| Ok(()))?;
+            }
+        } else {
+            s.esc_rank.clear();
+            s.esc_mag.clear();
+            s.list_rank.clear();
+        }
+        let at = |v: &[u64], i: usize| v.get(i).copied().unwrap_or(u64::MAX);
+        Ok(ClassReader {
+            next_esc: at(&s.esc_rank, 0),
+            next_list: at(&s.list_rank, 0),
+            cur,
+            c,
+            h,
+            q_limit: space >> h.k,
+            space,
+            raw: self.raw,
+            bits: 8 * block.wb as u32,
+            mask: word_mask(block.wb),
+            r: 0,
+            next: 0,
+            e: 0,
+            l: 0,
+            esc_rank: &s.esc_rank,
+            esc_mag: &s.esc_mag,
+            listed: &s.list_rank,
+            class_members,
+            members,
+        })
+    }
+}
+
+/// Hands out one class's entries in order (see [`Plan::reader`]).
+pub(crate) struct ClassReader<'r> {
+    cur: Cursor<'r>,
+    c: usize,
+    h: ClassHead,
+    q_limit: u64,
+    space: u64,
+    raw: bool,
+    bits: u32,
+    mask: u64,
+    /// Entries read, and the position (class 0) or rank the next gap
+    /// counts from.
+    r: u64,
+    next: u64,
+    /// Escapes and listed signs consumed, and the rank of the next one.
+    e: usize,
+    l: usize,
+    next_esc: u64,
+    next_list: u64,
+    esc_rank: &'r [u64],
+    esc_mag: &'r [u64],
+    listed: &'r [u64],
+    class_members: &'r [u32],
+    members: &'r [Member],
+}
+
+/// One decoded entry: block index, value (masked step or new word) and,
+/// for classes 1 and 2, the index of its context member.
+pub(crate) type Entry = (u32, u64, u32);
+
+impl ClassReader<'_> {
+    /// Entries not yet read.
+    #[inline(always)]
+    pub(crate) fn remaining(&self) -> u64 {
+        self.h.n - self.r
+    }
+
+    /// The next entry.
+    #[inline(always)]
+    pub(crate) fn next_entry(&mut self) -> std::result::Result<Entry, &'static str> {
+        let k = self.h.k;
+        let bit_per_entry = !self.raw && self.h.list.is_none();
+        // Gap and sign bit from one window where they fit.
+        let (g, mut neg) = match self.cur.window() {
+            Some(w) if (w.trailing_zeros() as u64) <= self.q_limit && w.trailing_zeros() + k <= 54 => {
+                let tz = w.trailing_zeros();
+                let g = ((tz as u64) << k) | ((w >> (tz + 1)) & ((1u64 << k) - 1));
+                let used = tz + 1 + k;
+                let sign = u64::from(bit_per_entry);
+                self.cur.at += used as u64 + sign;
+                (g, (w >> used) & sign)
+            }
+            _ => {
+                let g = self.cur.rice(k, self.q_limit)?;
+                (g, if bit_per_entry { self.cur.bits(1)? } else { 0 })
+            }
+        };
+        let p = self.next + g;
+        if p >= self.space {
+            return Err(if self.c == 0 {
+                "position beyond the block"
+            } else {
+                "rank beyond the class's members"
+            });
+        }
+        self.next = p + 1;
+        let r = self.r;
+        self.r += 1;
+        let (i, j, last_neg) = if self.c == 0 {
+            (p as u32, 0, 0)
+        } else {
+            let j = self.class_members[p as usize];
+            let m = self.members[j as usize];
+            (index(m), j, ((m & NEG) >> 1) as u64)
+        };
+        if self.raw {
+            return Ok((i, self.cur.bits(self.bits)?, j));
+        }
+        if r == self.next_list {
+            neg = 1;
+            self.l += 1;
+            self.next_list = self.listed.get(self.l).copied().unwrap_or(u64::MAX);
+        }
+        let mut m = 1u64;
+        if r == self.next_esc {
+            m = self.esc_mag[self.e];
+            self.e += 1;
+            self.next_esc = self.esc_rank.get(self.e).copied().unwrap_or(u64::MAX);
+        }
+        neg ^= last_neg;
+        Ok((i, ((m ^ neg.wrapping_neg()).wrapping_add(neg)) & self.mask, j))
+    }
+
+    /// After the last entry: whether the region ends cleanly.
+    pub(crate) fn end(&self) -> std::result::Result<(), &'static str> {
+        if self.cur.clean_end() {
+            Ok(())
+        } else {
+            Err("trailing bytes after the last change")
+        }
+    }
+}
+
+/// The context code of an entry's change: its step's sign and size; a raw
+/// value counts as a large step up.
+#[inline(always)]
+pub(crate) fn code(value: u64, raw: bool, wb: usize) -> u32 {
+    if raw {
+        BIG
+    } else {
+        member(0, value, wb)
+    }
+}
+
+impl Record {
+    /// Ready for a block against `members` members.
+    pub(crate) fn reset(&mut self, members: usize, changes: u64) {
+        self.c0.clear();
+        self.c0.reserve(changes.min(1 << 24) as usize);
+        self.again.clear();
+        self.again.resize(members, 0);
+    }
+
+    /// Notes entry `(i, value, j)` of class `c`.
+    #[inline(always)]
+    pub(crate) fn note(&mut self, c: usize, (i, v, j): Entry, raw: bool, wb: usize) {
+        let code = code(v, raw, wb);
+        if c == 0 {
+            self.c0.push((i << 2) | code);
+        } else {
+            self.again[j as usize] = (code | 4) as u8;
+        }
+    }
+}
+
+/// After a block's entries (noted in `rec`): checks that no class-0 change is
+/// a context member (a word changed twice), and with `out`, writes the
+/// block's members for the next context (class 0's changes and the members
+/// that changed again, ascending).
+pub(crate) fn finish(
+    members: &[Member],
+    rec: &Record,
+    out: Option<&mut Vec<Member>>,
+) -> std::result::Result<(), &'static str> {
+    let (a, b, again) = (&rec.c0[..], members, &rec.again[..]);
+    debug_assert_eq!(again.len(), b.len());
+    let (mut i, mut j) = (0usize, 0usize);
+    let mut dup = false;
+    match out {
+        None => {
+            // Only the check: every class-0 position against the members.
+            while i < a.len() && j < b.len() {
+                let (pa, pb) = (a[i] >> 2, b[j] >> 2);
+                dup |= pa == pb;
+                let take_a = pa < pb;
+                i += take_a as usize;
+                j += !take_a as usize;
+            }
+        }
+        Some(out) => {
+            let n = a.len() + again.iter().filter(|&&f| f != 0).count();
+            out.clear();
+            out.resize(n + 1, 0);
+            let mut o = 0usize;
+            // Both lists: one element per round, no branch on the data.
+            while i < a.len() && j < b.len() && o < n {
+                let (x, y, f) = (a[i], b[j], again[j] as u32);
+                let (pa, pb) = (x >> 2, y >> 2);
+                dup |= pa == pb;
+                let take_a = pa < pb;
+                out[o] = if take_a { x } else { (y & !3) | (f & 3) };
+                o += (take_a | (f != 0)) as usize;
+                i += take_a as usize;
+                j += !take_a as usize;
+            }
+            // The rest of one of them.
+            for &x in &a[i..] {
+                if o < n {
+                    out[o] = x;
+                    o += 1;
+                }
+            }
+            for (&y, &f) in b[j..].iter().zip(&again[j..]) {
+                if f != 0 && o < n {
+                    out[o] = (y & !3) | (f as u32 & 3);
+                    o += 1;
+                }
+            }
+            out.truncate(n);
+        }
+    }
+    if dup {
+        return Err("a word changed twice (a class-0 position is a context member)");
+    }
+    Ok(())
+}
+
+/// Decodes a `compact2` block into `out`, in ascending index order, given
+/// the block's context members (`members`, ascending; empty without
+/// context). Every malformed case is an error naming the block. (The apply
+/// decodes the classes one after the other instead, see `apply`.)
 pub(crate) fn decode(
     block: &Block<'_>,
     members: &[Member],
     scratch: &mut Scratch,
     out: &mut Decoded,
 ) -> Result<()> {
-    crate::with_word_width!(block.wb, W => decode_w::<W>(block, members, scratch, out))
-        .map_err(|what| block.error(what))
+    decode_raw(block, members, scratch, out).map_err(|what| block.error(what))
 }
 
-fn decode_w<const W: usize>(
+fn decode_raw(
     block: &Block<'_>,
     members: &[Member],
-    scratch: &mut Scratch,
+    s: &mut Scratch,
     out: &mut Decoded,
 ) -> std::result::Result<(), &'static str> {
     out.index.clear();
     out.value.clear();
-    let raw = block.entry.values == ValueCoding::Raw;
-    // The members of classes 1 and 2, when the prologue needs them.
-    let big = members.iter().filter(|&&m| m & BIG != 0).count() as u64;
-    let space = [block.words, members.len() as u64 - big, big];
-    let p = Prologue::parse_raw(block.stream, block.entry, block.wb, space)?;
-    if block.words > 1 << 32 {
-        return Err("compact2 blocks have at most 2^32 words");
-    }
-    if p.class[1].n + p.class[2].n > 0 {
-        for (c, list) in scratch.members.iter_mut().enumerate() {
-            list.clear();
-            let want = if c == 0 { 0 } else { BIG };
-            list.extend(members.iter().filter(|&&m| m & BIG == want));
-        }
-    }
-    let mut at = p.body;
+    let plan = Plan::new_raw(block, members, s)?;
+    let mut idx = std::mem::take(&mut s.class_index);
+    let mut val = std::mem::take(&mut s.class_value);
+    let mut rec = std::mem::take(&mut s.record);
+    rec.reset(members.len(), block.entry.changes);
+    let mut result = Ok(());
     for c in 0..CLASSES {
-        let h = p.class[c];
-        let region = &block.stream[at..at + h.len];
-        at += h.len;
-        let (idx, val) = (&mut scratch.class_index[c], &mut scratch.class_value[c]);
-        idx.clear();
-        val.clear();
-        if h.n == 0 {
-            continue;
-        }
-        idx.reserve(h.n as usize);
-        val.reserve(h.n as usize);
-        let mut cur = Cursor { s: region, at: 0 };
-        let list: &[Member] = if c == 0 { &[] } else { &scratch.members[c - 1] };
-        let space = space[c];
-        if raw {
-            let mut next = 0u64;
-            for _ in 0..h.n {
-                let g = cur.rice(h.k, space >> h.k)?;
-                let r = next + g;
-                if r >= space {
-                    return Err("position beyond the block");
-                }
-                next = r + 1;
-                let v = cur.bits(8 * W as u32)?;
-                idx.push(if c == 0 {
-                    r as u32
-                } else {
-                    index(list[r as usize])
-                });
-                val.push(v);
-            }
-        } else {
-            // Escapes, then listed signs, then the entries.
-            let (ranks, mags) = (&mut scratch.esc_rank, &mut scratch.esc_mag);
-            mags.clear();
-            read_ranks(&mut cur, (h.esc, h.ke, h.n), ranks, |cur| {
-                let x = cur.eg(h.ve)?;
-                let m = x.checked_add(2).ok_or("step larger than the word")?;
-                if m > 1u64 << (W * 8 - 1) {
-                    return Err("step larger than the word");
-                }
-                mags.push(m);
-                Ok(())
-            })?;
-            let listed = &mut scratch.list_rank;
-            listed.clear();
-            if let Some(t) = h.list {
-                read_ranks(&mut cur, (t, h.ko, h.n), listed, |_| Ok(()))?;
-            }
-            entries::<W>(
-                &mut cur,
-                (c, h, space),
-                list,
-                (ranks, mags, listed),
-                (idx, val),
-            )?;
-        }
-        if !cur.clean_end() {
-            return Err("trailing bytes after the last change");
-        }
-    }
-    merge(scratch, out)
-}
-
-/// The entries of one step-coded class: positions (class 0) or member ranks,
-/// sign bits (or the listed ranks), magnitudes from the escapes.
-#[inline(always)]
-fn entries<const W: usize>(
-    cur: &mut Cursor<'_>,
-    (c, h, space): (usize, ClassHead, u64),
-    list: &[Member],
-    (esc_rank, esc_mag, listed): (&[u64], &[u64], &[u64]),
-    (idx, val): (&mut Vec<u32>, &mut Vec<u64>),
-) -> std::result::Result<(), &'static str> {
-    let mask = word_mask(W);
-    let (k, q_limit) = (h.k, space >> h.k);
-    let bit_per_entry = h.list.is_none();
-    let (mut next, mut e, mut l) = (0u64, 0usize, 0usize);
-    // Sentinels past the last escape and listed rank.
-    let esc_at = |e: usize| esc_rank.get(e).copied().unwrap_or(u64::MAX);
-    let list_at = |l: usize| listed.get(l).copied().unwrap_or(u64::MAX);
-    let (mut next_esc, mut next_list) = (esc_at(0), list_at(0));
-    for r in 0..h.n {
-        // Gap and sign bit from one window where they fit.
-        let (g, mut neg) = match cur.window() {
-            Some(w) if (w.trailing_zeros() as u64) <= q_limit && w.trailing_zeros() + k <= 54 => {
-                let tz = w.trailing_zeros();
-                let g = ((tz as u64) << k) | ((w >> (tz + 1)) & ((1u64 << k) - 1));
-                let used = tz + 1 + k;
-                if bit_per_entry {
-                    cur.at += used as u64 + 1;
-                    (g, (w >> used) & 1)
-                } else {
-                    cur.at += used as u64;
-                    (g, 0)
-                }
-            }
-            _ => {
-                let g = cur.rice(k, q_limit)?;
-                (g, if bit_per_entry { cur.bits(1)? } else { 0 })
+        idx[c].clear();
+        val[c].clear();
+        let mut rd = match plan.reader(c, block, members, s) {
+            Ok(rd) => rd,
+            Err(e) => {
+                result = Err(e);
+                break;
             }
         };
-        let p = next + g;
-        if p >= space {
-            return Err(if c == 0 {
-                "position beyond the block"
-            } else {
-                "rank beyond the class's members"
-            });
+        idx[c].reserve(rd.remaining() as usize);
+        val[c].reserve(rd.remaining() as usize);
+        while rd.remaining() > 0 {
+            match rd.next_entry() {
+                Ok(e) => {
+                    idx[c].push(e.0);
+                    val[c].push(e.1);
+                    rec.note(c, e, plan.raw, block.wb);
+                }
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
         }
-        next = p + 1;
-        if r == next_list {
-            neg = 1;
-            l += 1;
-            next_list = list_at(l);
+        if result.is_ok() {
+            result = rd.end();
         }
-        let mut m = 1u64;
-        if r == next_esc {
-            m = esc_mag[e];
-            e += 1;
-            next_esc = esc_at(e);
+        if result.is_err() {
+            break;
         }
-        let i = if c == 0 {
-            p as u32
-        } else {
-            let mb = list[p as usize];
-            neg ^= ((mb & NEG) >> 1) as u64;
-            index(mb)
-        };
-        idx.push(i);
-        val.push(((m ^ neg.wrapping_neg()).wrapping_add(neg)) & mask);
     }
-    Ok(())
+    if result.is_ok() {
+        result = finish(members, &rec, None);
+    }
+    if result.is_ok() {
+        merge(&idx, &val, out);
+    }
+    s.class_index = idx;
+    s.class_value = val;
+    s.record = rec;
+    result
 }
 
-/// Merges the three classes' entries (each ascending) into `out`, refusing
-/// an index that appears twice.
-fn merge(scratch: &Scratch, out: &mut Decoded) -> std::result::Result<(), &'static str> {
-    let [a, b, c] = &scratch.class_index;
-    let [va, vb, vc] = &scratch.class_value;
-    let n = a.len() + b.len() + c.len();
+/// Calls `f(index, value)` for the first `limit` entries of a block in the
+/// order the apply writes them (class after class), stopping at the first
+/// malformed entry (the undo of an apply that failed after writing some).
+pub(crate) fn for_each_applied(
+    block: &Block<'_>,
+    members: &[Member],
+    limit: u64,
+    mut f: impl FnMut(u32, u64),
+) {
+    DECODE.with(|cell| {
+        let s = &mut cell.borrow_mut().0;
+        let Ok(plan) = Plan::new_raw(block, members, s) else {
+            return;
+        };
+        let mut left = limit;
+        for c in 0..CLASSES {
+            let Ok(mut rd) = plan.reader(c, block, members, s) else {
+                return;
+            };
+            while rd.remaining() > 0 && left > 0 {
+                let Ok((i, v, _)) = rd.next_entry() else {
+                    return;
+                };
+                f(i, v);
+                left -= 1;
+            }
+        }
+    })
+}
+
+/// Merges the three classes' entries (each ascending, all distinct) into
+/// `out`.
+fn merge(idx: &[Vec<u32>; CLASSES], val: &[Vec<u64>; CLASSES], out: &mut Decoded) {
+    let n = idx.iter().map(Vec::len).sum();
     out.index.reserve(n);
     out.value.reserve(n);
-    let (mut i, mut j, mut l) = (0usize, 0usize, 0usize);
-    let head = |v: &Vec<u32>, x: usize| v.get(x).map_or(u64::MAX, |&p| p as u64);
-    let mut last = None::<u64>;
+    let mut at = [0usize; CLASSES];
+    let head = |c: usize, at: &[usize; CLASSES]| idx[c].get(at[c]).map_or(u64::MAX, |&p| p as u64);
     for _ in 0..n {
-        let (ha, hb, hc) = (head(a, i), head(b, j), head(c, l));
-        let (p, v) = if ha <= hb && ha <= hc {
-            i += 1;
-            (ha, va[i - 1])
-        } else if hb <= hc {
-            j += 1;
-            (hb, vb[j - 1])
+        let (h0, h1, h2) = (head(0, &at), head(1, &at), head(2, &at));
+        let c = if h0 <= h1 && h0 <= h2 {
+            0
+        } else if h1 <= h2 {
+            1
         } else {
-            l += 1;
-            (hc, vc[l - 1])
+            2
         };
-        if last.is_some_and(|q| q >= p) {
-            return Err("a position is changed twice");
-        }
-        last = Some(p);
-        out.index.push(p as u32);
-        out.value.push(v);
+        out.index.push(idx[c][at[c]]);
+        out.value.push(val[c][at[c]]);
+        at[c] += 1;
     }
-    Ok(())
 }
 
 // ---------------------------------------------------------------------------
 // Encoding
 
-/// One class's staged entries: gaps (positions or member ranks), magnitudes
-/// and sign bits (relative to the member's last sign for classes 1 and 2).
+/// One class's staged entries: block indices, gaps (positions or member
+/// ranks) and steps with the sign relative to the member's last step
+/// (classes 1 and 2; class 0: the step itself).
 #[derive(Default)]
 pub(crate) struct Staged {
-    gaps: Vec<u64>,
-    mags: Vec<u64>,
-    signs: Vec<u8>,
-    /// Raw-coded blocks: the new words.
-    raws: Vec<u64>,
+    idx: Vec<u32>,
+    gap: Vec<u32>,
+    step: Vec<u64>,
 }
 
-/// Per-thread encoder scratch: the block's changes, then each class's.
+/// Per-thread encoder scratch: each class's entries, and the block's
+/// members for the next context.
 #[derive(Default)]
 pub(crate) struct EncodeScratch {
-    pub(crate) index: Vec<u32>,
-    pub(crate) old: Vec<u64>,
-    pub(crate) new: Vec<u64>,
     class: [Staged; CLASSES],
+    pub(crate) next: Vec<Member>,
 }
 
 thread_local! {
@@ -604,28 +864,45 @@ thread_local! {
         std::cell::RefCell::new(EncodeScratch::default());
 }
 
-/// Bits of the Rice code of `gaps` with parameter `k`.
-fn rice_cost(gaps: &[u64], k: u32) -> u64 {
-    gaps.iter().map(|&g| g >> k).sum::<u64>() + gaps.len() as u64 * (k as u64 + 1)
+/// Bits of the Rice codes of `gaps` with parameters `k − 1`, `k`, `k + 1`
+/// (one pass).
+fn rice_costs(gaps: &[u32], k: u32) -> [u64; 3] {
+    let km = k.saturating_sub(1);
+    let (mut a, mut b, mut c) = (0u64, 0u64, 0u64);
+    for &g in gaps {
+        a += (g >> km) as u64;
+        b += (g >> k) as u64;
+        c += (g >> (k + 1)) as u64;
+    }
+    let n = gaps.len() as u64;
+    [a + n * (km as u64 + 1), b + n * (k as u64 + 1), c + n * (k as u64 + 2)]
 }
 
-/// The best Rice parameter for `gaps` and its cost: the estimate from the
-/// gap sum, then its neighbours counted exactly.
-fn best_rice(gaps: &[u64]) -> (u32, u64) {
+/// The Rice parameter whose estimated length `n·(k+1) + S/2^k −
+/// n·(1 − 2^−k)/2` for `n` gaps summing to `sum` is smallest.
+fn rice_guess(n: u64, sum: u64) -> u32 {
+    if n == 0 {
+        return 0;
+    }
+    let est = |k: u32| {
+        let (n, p) = (n as f64, (1u64 << k) as f64);
+        n * (k as f64 + 1.0) + sum as f64 / p - n * (1.0 - 1.0 / p) / 2.0
+    };
+    (0..=MAX_POS_K as u32)
+        .min_by(|&a, &b| est(a).total_cmp(&est(b)))
+        .expect("non-empty range")
+}
+
+/// The best Rice parameter for `gaps` (summing to `sum`) and its cost: the
+/// estimate's choice and its neighbours, counted exactly.
+fn best_rice(gaps: &[u32], sum: u64) -> (u32, u64) {
     if gaps.is_empty() {
         return (0, 0);
     }
-    let n = gaps.len() as f64;
-    let mean = gaps.iter().sum::<u64>() as f64 / n;
-    let guess = if mean < 1.0 {
-        0
-    } else {
-        (mean.log2().floor() as i64).clamp(0, MAX_POS_K as i64) as u32
-    };
-    (guess.saturating_sub(1)..=(guess + 1).min(MAX_POS_K as u32))
-        .map(|k| (k, rice_cost(gaps, k)))
-        .min_by_key(|&(_, c)| c)
-        .expect("non-empty range")
+    let k = rice_guess(gaps.len() as u64, sum).min(MAX_POS_K as u32 - 1);
+    let costs = rice_costs(gaps, k);
+    let cands = [(k.saturating_sub(1), costs[0]), (k, costs[1]), (k + 1, costs[2])];
+    cands.into_iter().min_by_key(|&(_, c)| c).expect("three")
 }
 
 /// Bits of the order-`k` Exp-Golomb code of `x`.
@@ -636,17 +913,10 @@ fn eg_len(x: u64, k: u32) -> u64 {
     2 * nb - 1 - k as u64
 }
 
-/// The best Exp-Golomb order for the values `xs` and its cost: values below
-/// 64 counted exactly, larger ones at their bit length's upper bound.
-fn best_eg(xs: impl Iterator<Item = u64>) -> (u32, u64) {
-    let (mut small, mut large) = ([0u64; 64], [0u64; 65]);
-    for x in xs {
-        if x < 64 {
-            small[x as usize] += 1;
-        } else {
-            large[64 - x.leading_zeros() as usize] += 1;
-        }
-    }
+/// The best Exp-Golomb order for the values counted in `small` (values
+/// below 64) and `large` (by bit length) and its cost; large values are
+/// counted at their bit length's upper bound.
+fn best_eg(small: &[u64; 64], large: &[u64; 65]) -> (u32, u64) {
     (0..=20u32)
         .map(|k| {
             let s: u64 = (0..64)
@@ -663,7 +933,8 @@ fn best_eg(xs: impl Iterator<Item = u64>) -> (u32, u64) {
         .expect("non-empty range")
 }
 
-fn put_eg(w: &mut crate::codec::bits::BitWriter, x: u64, k: u32) {
+/// Writes `x` in order-`k` Exp-Golomb code.
+fn put_eg(w: &mut FastWriter, x: u64, k: u32) {
     let y = x as u128 + (1u128 << k);
     let nb = 128 - y.leading_zeros();
     w.put_unary((nb - 1 - k) as u64);
@@ -671,175 +942,188 @@ fn put_eg(w: &mut crate::codec::bits::BitWriter, x: u64, k: u32) {
     w.put(rest, nb - 1);
 }
 
-fn put_rice(w: &mut crate::codec::bits::BitWriter, g: u64, k: u32) {
-    w.put_unary(g >> k);
-    w.put(g & ((1u64 << k) - 1), k);
-}
-
-/// Gaps between the ascending `ranks`.
-fn rank_gaps(ranks: impl Iterator<Item = u64>) -> Vec<u64> {
-    let mut next = 0u64;
-    ranks
-        .map(|r| {
-            let g = r - next;
-            next = r + 1;
-            g
-        })
-        .collect()
-}
-
-/// Encodes a block's changes (`s.index`, `s.old`, `s.new`: ascending block
-/// indices, old and new words) against the block's context `members`;
-/// returns the entry (`bytes` and `values` set) and the stream.
-pub(crate) fn encode(
-    kind: crate::dtype::KeyKind,
-    wb: usize,
-    members: &[Member],
-    s: &mut EncodeScratch,
-) -> (BlockEntry, Vec<u8>) {
-    let mask = word_mask(wb);
-    let n = s.index.len();
-    for st in &mut s.class {
-        st.gaps.clear();
-        st.mags.clear();
-        st.signs.clear();
-        st.raws.clear();
+/// Writes `g` in Rice code with parameter `k`, then the low `extra` bits of
+/// `tail` (`extra` ≤ 8); one append when it fits.
+#[inline(always)]
+fn put_rice(w: &mut FastWriter, g: u64, k: u32, (tail, extra): (u64, u32)) {
+    let q = g >> k;
+    if q + 1 + k as u64 + extra as u64 <= 56 {
+        let len = q as u32 + 1 + k;
+        let code = (1u64 << q) | ((g & ((1u64 << k) - 1)) << (q + 1)) | (tail << len);
+        w.reserve(8);
+        w.put56(code, len + extra);
+    } else {
+        w.put_unary(q);
+        w.put(g & ((1u64 << k) - 1), k);
+        w.put(tail, extra);
     }
-    // Classify each change against the members (both ascending): class 0
-    // gaps count block indices, classes 1 and 2 gaps count their members.
-    let (mut p, mut rank) = (0usize, [0u64; 2]);
-    let mut next = [0u64; CLASSES];
+}
+
+/// A class's coding choices beyond its prologue head: the escapes' rank
+/// gaps and the listed signs' rank gaps.
+struct Choice {
+    head: ClassHead,
+    /// Bits of the class's step-coded region, and of its raw-coded one.
+    step_bits: u64,
+    raw_bits: u64,
+}
+
+/// Chooses a class's parameters from its staged entries (`wb`-byte words).
+fn choose(st: &Staged, wb: usize) -> Choice {
+    let n = st.gap.len() as u64;
+    let mut h = ClassHead {
+        n,
+        ..ClassHead::default()
+    };
+    if n == 0 {
+        return Choice {
+            head: h,
+            step_bits: 0,
+            raw_bits: 0,
+        };
+    }
+    let sum: u64 = st.gap.iter().map(|&g| g as u64).sum();
+    let (k, pos_bits) = best_rice(&st.gap, sum);
+    h.k = k;
+    // Escapes, signs: counts, rank-gap sums, magnitudes.
     let top = wb as u32 * 8 - 1;
-    let mut raw_bits_extra = 0u64;
-    for j in 0..n {
-        let i = s.index[j];
-        while p < members.len() && index(members[p]) < i {
-            rank[(members[p] & BIG) as usize] += 1;
-            p += 1;
+    let (mut esc, mut esc_sum, mut esc_next) = (0u64, 0u64, 0u64);
+    let (mut set, mut set_sum, mut set_next) = (0u64, 0u64, 0u64);
+    let (mut small, mut large) = ([0u64; 64], [0u64; 65]);
+    for (r, &s) in st.step.iter().enumerate() {
+        let r = r as u64;
+        let m = crate::dtype::step_magnitude(wb, s);
+        if m >= 2 {
+            esc += 1;
+            esc_sum += r - esc_next;
+            esc_next = r + 1;
+            let x = m - 2;
+            if x < 64 {
+                small[x as usize] += 1;
+            } else {
+                large[64 - x.leading_zeros() as usize] += 1;
+            }
         }
-        let (c, pos, last_neg) = if p < members.len() && index(members[p]) == i {
-            let m = members[p];
-            let c = 1 + (m & BIG) as usize;
-            let r = rank[c - 1];
-            rank[c - 1] += 1;
-            p += 1;
-            (c, r, ((m & NEG) >> 1) as u64)
-        } else {
-            (0, i as u64, 0)
-        };
-        let st = &mut s.class[c];
-        st.gaps.push(pos - next[c]);
-        next[c] = pos + 1;
-        let step = to_key(kind, wb, s.new[j]).wrapping_sub(to_key(kind, wb, s.old[j])) & mask;
-        let neg = (step >> top) & 1;
-        let m = crate::dtype::step_magnitude(wb, step);
-        st.mags.push(m);
-        st.signs.push((neg ^ last_neg) as u8);
-        st.raws.push(s.new[j]);
-        raw_bits_extra += 8 * wb as u64;
-    }
-    // Parameters per class, and the step coding's cost against raw words.
-    let mut heads = [ClassHead::default(); CLASSES];
-    let (mut step_bits, mut raw_bits) = (0u64, raw_bits_extra);
-    let mut esc_params: [(Vec<u64>, u32, u32); CLASSES] = Default::default();
-    let mut sign_params: [(Vec<u64>, u32); CLASSES] = Default::default();
-    for c in 0..CLASSES {
-        let st = &s.class[c];
-        let h = &mut heads[c];
-        h.n = st.gaps.len() as u64;
-        if h.n == 0 {
-            continue;
+        if (s >> top) & 1 != 0 {
+            set += 1;
+            set_sum += r - set_next;
+            set_next = r + 1;
         }
-        let (k, pos_bits) = best_rice(&st.gaps);
-        h.k = k;
-        raw_bits += pos_bits;
-        // Escapes.
-        let esc_ranks: Vec<u64> = (0..st.mags.len() as u64)
-            .filter(|&r| st.mags[r as usize] >= 2)
-            .collect();
-        let esc_gaps = rank_gaps(esc_ranks.iter().copied());
-        let (ke, esc_pos_bits) = best_rice(&esc_gaps);
-        let (ve, esc_val_bits) = best_eg(esc_ranks.iter().map(|&r| st.mags[r as usize] - 2));
-        h.esc = esc_ranks.len() as u64;
-        (h.ke, h.ve) = (ke, ve);
-        // Signs: a bit each, or the list of the set ones.
-        let set: Vec<u64> = (0..h.n).filter(|&r| st.signs[r as usize] != 0).collect();
-        let set_gaps = rank_gaps(set.iter().copied());
-        let (ko, list_bits) = best_rice(&set_gaps);
-        // The list costs its prologue bytes too.
-        let list_total = list_bits + 16;
-        let sign_bits = if list_total < h.n {
-            h.list = Some(set.len() as u64);
-            h.ko = ko;
-            list_total
-        } else {
-            h.list = None;
-            h.n
-        };
-        step_bits += pos_bits + esc_pos_bits + esc_val_bits + sign_bits;
-        esc_params[c] = (esc_gaps, ke, ve);
-        sign_params[c] = (set_gaps, ko);
     }
+    h.esc = esc;
+    let mut step_bits = pos_bits;
+    if esc > 0 {
+        h.ke = rice_guess(esc, esc_sum);
+        let (ve, val_bits) = best_eg(&small, &large);
+        h.ve = ve;
+        step_bits += esc * (h.ke as u64 + 1) + (esc_sum >> h.ke) + val_bits;
+    }
+    // The list costs two prologue bytes more than a bit per entry.
+    let ko = rice_guess(set, set_sum);
+    let list_bits = set * (ko as u64 + 1) + (set_sum >> ko) + 16;
+    if list_bits < n {
+        h.list = Some(set);
+        h.ko = ko;
+        step_bits += list_bits;
+    } else {
+        step_bits += n;
+    }
+    Choice {
+        head: h,
+        step_bits,
+        raw_bits: pos_bits + n * 8 * wb as u64,
+    }
+}
+
+/// Writes a class's region.
+fn write_class(st: &Staged, h: &ClassHead, raw: bool, (wb, new): (usize, &[u8])) -> Vec<u8> {
+    let mut w = FastWriter::default();
+    w.reserve(st.gap.len() * 4 + 64);
+    if raw {
+        let bits = 8 * wb as u32;
+        for (&g, &i) in st.gap.iter().zip(&st.idx) {
+            put_rice(&mut w, g as u64, h.k, (0, 0));
+            w.put(crate::dtype::read_word(new, wb, i as usize), bits);
+        }
+        return w.finish();
+    }
+    let top = wb as u32 * 8 - 1;
+    if h.esc > 0 {
+        let mut next = 0u64;
+        for (r, &s) in st.step.iter().enumerate() {
+            let m = crate::dtype::step_magnitude(wb, s);
+            if m >= 2 {
+                put_rice(&mut w, r as u64 - next, h.ke, (0, 0));
+                put_eg(&mut w, m - 2, h.ve);
+                next = r as u64 + 1;
+            }
+        }
+    }
+    if h.list.is_some() {
+        let mut next = 0u64;
+        for (r, &s) in st.step.iter().enumerate() {
+            if (s >> top) & 1 != 0 {
+                put_rice(&mut w, r as u64 - next, h.ko, (0, 0));
+                next = r as u64 + 1;
+            }
+        }
+        for &g in &st.gap {
+            put_rice(&mut w, g as u64, h.k, (0, 0));
+        }
+    } else {
+        for (&g, &s) in st.gap.iter().zip(&st.step) {
+            put_rice(&mut w, g as u64, h.k, ((s >> top) & 1, 1));
+        }
+    }
+    w.finish()
+}
+
+/// Encodes a block's staged changes (see [`stage`]); returns the entry
+/// (`bytes` and `values` set) and the stream. For a raw-coded block, the
+/// next context's members are rewritten (raw values count as large steps
+/// up).
+pub(crate) fn encode(wb: usize, new: &[u8], s: &mut EncodeScratch) -> (BlockEntry, Vec<u8>) {
+    let choices = [0, 1, 2].map(|c| choose(&s.class[c], wb));
+    let n: u64 = choices.iter().map(|c| c.head.n).sum();
+    let step_bits: u64 = choices.iter().map(|c| c.step_bits).sum();
+    let raw_bits: u64 = choices.iter().map(|c| c.raw_bits).sum();
     let raw = raw_bits < step_bits;
-    // The regions.
-    let mut regions = Vec::with_capacity(CLASSES);
-    for c in 0..CLASSES {
-        let st = &s.class[c];
-        let h = &mut heads[c];
-        if h.n == 0 {
-            regions.push(Vec::new());
-            continue;
-        }
-        let mut w = crate::codec::bits::BitWriter::with_capacity(
-            (if raw { raw_bits } else { step_bits } / 8) as usize / CLASSES + 16,
-        );
-        if raw {
-            h.esc = 0;
-            h.list = None;
-            for (&g, &v) in st.gaps.iter().zip(&st.raws) {
-                put_rice(&mut w, g, h.k);
-                w.put(v, 8 * wb as u32);
-            }
-        } else {
-            let (esc_gaps, ke, ve) = &esc_params[c];
-            let mut e = 0usize;
-            for &m in &st.mags {
-                if m >= 2 {
-                    put_rice(&mut w, esc_gaps[e], *ke);
-                    put_eg(&mut w, m - 2, *ve);
-                    e += 1;
-                }
-            }
-            if h.list.is_some() {
-                let (set_gaps, ko) = &sign_params[c];
-                for &g in set_gaps {
-                    put_rice(&mut w, g, *ko);
-                }
-            }
-            for (&g, &sg) in st.gaps.iter().zip(&st.signs) {
-                put_rice(&mut w, g, h.k);
-                if h.list.is_none() {
-                    w.put(sg as u64, 1);
-                }
-            }
-        }
-        let bytes = w.finish();
-        h.len = bytes.len();
-        regions.push(bytes);
-    }
+    let mut heads = choices.map(|c| c.head);
     let mut out = Vec::new();
     if n > 0 {
+        let regions: Vec<Vec<u8>> = (0..CLASSES)
+            .map(|c| {
+                if raw {
+                    heads[c].esc = 0;
+                    heads[c].list = None;
+                }
+                if heads[c].n == 0 {
+                    Vec::new()
+                } else {
+                    write_class(&s.class[c], &heads[c], raw, (wb, new))
+                }
+            })
+            .collect();
+        for (h, r) in heads.iter_mut().zip(&regions) {
+            h.len = r.len();
+        }
         let p = Prologue {
             class: heads,
             body: 0,
         };
+        out.reserve(32 + regions.iter().map(Vec::len).sum::<usize>());
         p.write(raw, &mut out);
         for r in regions {
             out.extend_from_slice(&r);
         }
     }
+    if raw {
+        for m in &mut s.next {
+            *m = (*m & !3) | BIG;
+        }
+    }
     let e = BlockEntry {
-        changes: n as u64,
+        changes: n,
         pos_k: 0,
         values: if raw {
             ValueCoding::Raw
@@ -852,65 +1136,35 @@ pub(crate) fn encode(
     (e, out)
 }
 
-/// The members a decoded block's changes make (for the next delta's
-/// context): the steps' signs and sizes; raw values count as large steps up.
-pub(crate) fn members_of_decoded(block: &Block<'_>, dec: &Decoded, out: &mut Vec<Member>) {
-    out.clear();
-    if block.entry.values == ValueCoding::Raw {
-        out.extend(dec.index.iter().map(|&i| (i << 2) | BIG));
-    } else {
-        let wb = block.wb;
-        out.extend(
-            dec.index
-                .iter()
-                .zip(&dec.value)
-                .map(|(&i, &s)| member(i as u64, s, wb)),
-        );
-    }
-}
-
-/// The members a block's changes make (for the next delta's context): one
-/// per change, ascending.
-pub(crate) fn members_of(
-    kind: crate::dtype::KeyKind,
-    wb: usize,
-    (s, raw): (&EncodeScratch, bool),
-    out: &mut Vec<Member>,
-) {
-    let mask = word_mask(wb);
-    out.clear();
-    if raw {
-        // As a reader sees them: raw values count as large steps up.
-        out.extend(s.index.iter().map(|&i| (i << 2) | BIG));
-        return;
-    }
-    out.extend(
-        s.index
-            .iter()
-            .zip(s.old.iter().zip(&s.new))
-            .map(|(&i, (&a, &b))| {
-                let step = to_key(kind, wb, b).wrapping_sub(to_key(kind, wb, a)) & mask;
-                member(i as u64, step, wb)
-            }),
-    );
-}
-
-/// Diffs one block (`base` → `new`, `W`-byte words) into `s`: the changed
-/// block indices, old and new words, ascending; returns the digest change
+/// Diffs one block (`base` → `new`, `W`-byte words) against its context
+/// `members` into `s`: each change classified and staged in its class, and
+/// the block's members for the next context; returns the digest change
 /// (`ctx.first`: the block's first word in the tensor).
 fn stage<const W: usize>(
     platform: crate::platform::Platform,
     ctx: super::Ctx,
-    base: &[u8],
-    new: &[u8],
+    (base, new): (&[u8], &[u8]),
+    members: &[Member],
     s: &mut EncodeScratch,
 ) -> u64 {
     use crate::digest::{ChangeBatch, LANES};
     use crate::dtype::load;
-    s.index.clear();
-    s.old.clear();
-    s.new.clear();
+    for st in &mut s.class {
+        st.idx.clear();
+        st.gap.clear();
+        st.step.clear();
+    }
+    s.next.clear();
+    let mask = word_mask(W);
+    let top = W as u32 * 8 - 1;
     let mut dig = 0u64;
+    // Where the members stand: the next one not below the change, and how
+    // many of each class came before it.
+    let (mut p, mut rank) = (0usize, [0u32; 2]);
+    let mut next = [0u32; CLASSES];
+    let [s0, s1, s2] = &mut s.class;
+    let class = [s0, s1, s2];
+    let out = &mut s.next;
     crate::codec::scan::for_each_change_piece_on(
         platform,
         W,
@@ -921,11 +1175,36 @@ fn stage<const W: usize>(
                 let mut batch = ChangeBatch::default();
                 for (j, &c) in chunk.iter().enumerate() {
                     let (a, b) = (load::<W>(pa, c as usize), load::<W>(pb, c as usize));
-                    let i = (first + c as usize) as u64;
-                    s.index.push(i as u32);
-                    s.old.push(a);
-                    s.new.push(b);
-                    (batch.index[j], batch.old[j], batch.new[j]) = (ctx.first + i, a, b);
+                    let i = (first + c as usize) as u32;
+                    (batch.index[j], batch.old[j], batch.new[j]) = (ctx.first + i as u64, a, b);
+                    let step = to_key(ctx.kind, W, b).wrapping_sub(to_key(ctx.kind, W, a)) & mask;
+                    out.push(member(i as u64, step, W));
+                    while p < members.len() && index(members[p]) < i {
+                        rank[(members[p] & BIG) as usize] += 1;
+                        p += 1;
+                    }
+                    let (cl, at, flip) = match members.get(p) {
+                        Some(&m) if index(m) == i => {
+                            let c = (m & BIG) as usize;
+                            let r = rank[c];
+                            rank[c] += 1;
+                            p += 1;
+                            (1 + c, r, ((m & NEG) >> 1) as u64)
+                        }
+                        _ => (0, i, 0),
+                    };
+                    // The step with the sign relative to the member's last.
+                    let rel = ((step ^ flip.wrapping_neg()).wrapping_add(flip)) & mask;
+                    debug_assert_eq!(
+                        crate::dtype::step_magnitude(W, rel),
+                        crate::dtype::step_magnitude(W, step)
+                    );
+                    let _ = top;
+                    let st = &mut *class[cl];
+                    st.idx.push(i);
+                    st.gap.push(at - next[cl]);
+                    st.step.push(rel);
+                    next[cl] = at + 1;
                 }
                 dig = dig.wrapping_add(ctx.seed.change_sum_on(platform, &batch));
             }
@@ -972,11 +1251,11 @@ pub fn encode_tensor(
                 .map_or(&[][..], |c| c.block(b));
             ENCODE.with(|cell| {
                 let s = &mut *cell.borrow_mut();
-                let dig = crate::with_word_width!(wb, W => stage::<W>(platform, ctx, old, new, s));
-                let (e, bytes) = encode(kind, wb, members, s);
-                let mut next = Vec::new();
-                members_of(kind, wb, (s, e.values == ValueCoding::Raw), &mut next);
-                (e, bytes, dig, next)
+                let dig = crate::with_word_width!(wb, W => {
+                    stage::<W>(platform, ctx, (old, new), members, s)
+                });
+                let (e, bytes) = encode(wb, new, s);
+                (e, bytes, dig, std::mem::take(&mut s.next))
             })
         })
         .collect();

@@ -1,0 +1,218 @@
+//! `compact2` against `compact`: encode and apply throughput, each as a ratio
+//! to a plain compare of the same two buffers timed just before it (as
+//! `weightcast bench codec` does), and the sizes.
+//!
+//! ```sh
+//! cargo build --release --example compact2_bench
+//! # a real trace (scripts/make_traces.py): steps N-1 → N → N+1
+//! target/release/examples/compact2_bench --trace /work/traces/tune/minilm-1e-5 --step 30 --reps 21
+//! # the generator (118M elements at 1e8)
+//! target/release/examples/compact2_bench --elements 100000000 --lr 1.5e-6 --reps 15
+//! ```
+//!
+//! The context of the measured delta (N → N+1) is the changes of N-1 → N.
+//! Applies run forth (N → N+1) and back (N+1 → N, against the forth
+//! delta's context) alternately, so the state never needs copying. Ratios
+//! are compare time / operation time (above 1: faster than the compare);
+//! printed as medians over the repetitions, with the range.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use weightcast_core::bench::plain_compare;
+use weightcast_core::codec::{
+    Context, DeltaOptions, apply_delta, apply_delta_ctx, encode_delta, encode_delta_ctx,
+};
+use weightcast_core::dtype::Dtype;
+use weightcast_core::format::Encoding;
+use weightcast_core::generator::{Generator, GeneratorConfig};
+use weightcast_core::tensors::TensorSet;
+
+/// Three consecutive states of a trace (`step - 1`, `step`, `step + 1`).
+fn trace_states(dir: &PathBuf, step: usize) -> [TensorSet; 3] {
+    let bytes = std::fs::read(dir.join("step_00000.safetensors")).expect("step 0");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    let mut params: Vec<(String, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.shape().to_vec(), v.data().to_vec()))
+        .collect();
+    params.sort_by(|a, b| a.0.cmp(&b.0));
+    let set = |params: &[(String, Vec<usize>, Vec<u8>)]| {
+        TensorSet::from_tensors(
+            params
+                .iter()
+                .map(|(n, s, d)| (n.clone(), Dtype::BF16, s.clone(), d.clone())),
+        )
+        .expect("tensor set")
+    };
+    let mut out = Vec::new();
+    for t in 1..=step + 1 {
+        let z = std::fs::read(dir.join(format!("step_{t:05}.delta.zst"))).expect("step");
+        let blob = zstd::decode_all(&z[..]).expect("zstd");
+        if !blob.is_empty() {
+            let st = safetensors::SafeTensors::deserialize(&blob).expect("step");
+            for (name, _, data) in &mut params {
+                let Ok(g) = st.tensor(&format!("{name}.gap")) else {
+                    continue;
+                };
+                let v = st.tensor(&format!("{name}.val")).expect("values");
+                let mut at = 0usize;
+                for (j, (gc, vc)) in g.data().chunks_exact(4).zip(v.data().chunks_exact(2)).enumerate() {
+                    at += u32::from_le_bytes(gc.try_into().unwrap()) as usize + usize::from(j > 0);
+                    data[2 * at..2 * at + 2].copy_from_slice(vc);
+                }
+            }
+        }
+        if t + 1 >= step {
+            out.push(set(&params));
+        }
+    }
+    out.try_into().unwrap_or_else(|_| panic!("three states"))
+}
+
+fn generator_states(elements: u64, lr: f32) -> [TensorSet; 3] {
+    let mut cfg = GeneratorConfig::with_elements(7, elements);
+    cfg.lr = lr;
+    let mut g = Generator::new(cfg);
+    g.step();
+    let a = g.snapshot();
+    g.step();
+    let b = g.snapshot();
+    g.step();
+    [a, b, g.snapshot()]
+}
+
+fn median(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v[0], v[v.len() - 1])
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let (mut trace, mut step, mut elements, mut lr, mut reps) =
+        (None, 30usize, 100_000_000u64, 1.5e-6f32, 15usize);
+    while let Some(a) = args.next() {
+        let mut val = || args.next().expect("a value");
+        match a.as_str() {
+            "--trace" => trace = Some(PathBuf::from(val())),
+            "--step" => step = val().parse().expect("step"),
+            "--elements" => elements = val().parse().expect("elements"),
+            "--lr" => lr = val().parse().expect("lr"),
+            "--reps" => reps = val().parse().expect("reps"),
+            other => panic!("unknown argument {other}"),
+        }
+    }
+    let [s0, s1, s2] = match &trace {
+        Some(d) => trace_states(d, step),
+        None => generator_states(elements, lr),
+    };
+    let opts = |e, v: u64| DeltaOptions::new(e, v, v - 1);
+    // The context of s1 (the changes s0 → s1), as the publisher keeps it.
+    let (_, _, ctx1) =
+        encode_delta_ctx(&s0, &mut s1.clone(), &opts(Encoding::Compact2, 1), None).unwrap();
+    let ctx1: Context = ctx1.unwrap();
+    // The measured deltas, forth and back.
+    let (v1_fwd, _) = encode_delta(&s1, &mut s2.clone(), &opts(Encoding::Compact, 2)).unwrap();
+    let (v1_back, _) = encode_delta(&s2, &mut s1.clone(), &opts(Encoding::Compact, 3)).unwrap();
+    let (v2_fwd, _, ctx2) =
+        encode_delta_ctx(&s1, &mut s2.clone(), &opts(Encoding::Compact2, 2), Some(&ctx1)).unwrap();
+    let ctx2 = ctx2.unwrap();
+    let (v2_back, _, _) =
+        encode_delta_ctx(&s2, &mut s1.clone(), &opts(Encoding::Compact2, 3), Some(&ctx2)).unwrap();
+    let changed = plain_compare(&s1, &s2);
+    let total = s1.total_elements();
+    println!(
+        "elements {total}, changed {changed} ({:.3}%), context {} members ({} bytes)",
+        100.0 * changed as f64 / total as f64,
+        ctx1.len(),
+        ctx1.bytes()
+    );
+    println!(
+        "delta bytes: compact {} ({:.4} B/changed), compact2 {} ({:.4} B/changed): {:.3}x smaller",
+        v1_fwd.len(),
+        v1_fwd.len() as f64 / changed as f64,
+        v2_fwd.len(),
+        v2_fwd.len() as f64 / changed as f64,
+        v1_fwd.len() as f64 / v2_fwd.len() as f64
+    );
+    let mut state = s1.clone();
+    let mut s2w = s2.clone();
+    // WEIGHTCAST_PHASE=encode1|encode2|apply1|apply2: only that, `reps` times (for perf).
+    if let Ok(phase) = std::env::var("WEIGHTCAST_PHASE") {
+        for _ in 0..reps {
+            match phase.as_str() {
+                "encode1" => drop(encode_delta(&s1, &mut s2w, &opts(Encoding::Compact, 2)).unwrap()),
+                "encode2" => drop(
+                    encode_delta_ctx(&s1, &mut s2w, &opts(Encoding::Compact2, 2), Some(&ctx1))
+                        .unwrap(),
+                ),
+                "apply1" => {
+                    apply_delta(&mut state, &v1_fwd).unwrap();
+                    apply_delta(&mut state, &v1_back).unwrap();
+                }
+                _ => {
+                    apply_delta_ctx(&mut state, &v2_fwd, Some(&ctx1)).unwrap();
+                    apply_delta_ctx(&mut state, &v2_back, Some(&ctx2)).unwrap();
+                }
+            }
+        }
+        return;
+    }
+    let (mut e1, mut e2, mut a1, mut a2) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let time = |f: &mut dyn FnMut()| {
+        let t = Instant::now();
+        f();
+        t.elapsed().as_secs_f64()
+    };
+    let mut compare_secs = Vec::new();
+    for _ in 0..reps {
+        let mut cmp = || {
+            let c = time(&mut || {
+                std::hint::black_box(plain_compare(&s1, &s2));
+            });
+            compare_secs.push(c);
+            c
+        };
+        let c = cmp();
+        e1.push(c / time(&mut || drop(encode_delta(&s1, &mut s2w, &opts(Encoding::Compact, 2)).unwrap())));
+        let c = cmp();
+        e2.push(
+            c / time(&mut || {
+                drop(
+                    encode_delta_ctx(&s1, &mut s2w, &opts(Encoding::Compact2, 2), Some(&ctx1))
+                        .unwrap(),
+                )
+            }),
+        );
+        let c = cmp();
+        a1.push(c / time(&mut || drop(apply_delta(&mut state, &v1_fwd).unwrap())));
+        drop(apply_delta(&mut state, &v1_back).unwrap());
+        let c = cmp();
+        a2.push(
+            c / time(&mut || drop(apply_delta_ctx(&mut state, &v2_fwd, Some(&ctx1)).unwrap())),
+        );
+        drop(apply_delta_ctx(&mut state, &v2_back, Some(&ctx2)).unwrap());
+    }
+    assert_eq!(state.digest(), s1.digest());
+    let show = |name: &str, v: &[f64]| {
+        let (m, lo, hi) = median(v.to_vec());
+        println!("{name:<16} {m:.3}x the compare ({lo:.3}–{hi:.3})");
+        m
+    };
+    let (cm, ..) = median(compare_secs);
+    println!("compare          {:.2} ms (median)", cm * 1e3);
+    let (x1, x2) = (show("encode compact", &e1), show("encode compact2", &e2));
+    let (y1, y2) = (show("apply compact", &a1), show("apply compact2", &a2));
+    // Per-repetition ratios of compact2 to compact (same repetition).
+    let per = |a: &[f64], b: &[f64]| median(a.iter().zip(b).map(|(x, y)| y / x).collect());
+    let (pe, pel, peh) = per(&e1, &e2);
+    let (pa, pal, pah) = per(&a1, &a2);
+    println!(
+        "compact2 / compact throughput: encode {:.3} (medians' ratio {:.3}; per rep {pel:.3}–{peh:.3}), apply {:.3} (medians' ratio {:.3}; per rep {pal:.3}–{pah:.3})",
+        pe,
+        x2 / x1,
+        pa,
+        y2 / y1
+    );
+}
