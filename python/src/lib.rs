@@ -729,7 +729,7 @@ impl NativeUpdate {
         py.detach(|| -> Result<String> {
             let lent = lend(tensors, true)?;
             let mut st = self.staged()?;
-            st.sub.commit_into(lent, single_pass)?;
+            st.sub.commit_into(lent, single_pass).1?;
             Ok(Self::report(&st))
         })
         .py()
@@ -757,7 +757,7 @@ impl NativeUpdate {
         py.detach(|| -> Result<String> {
             let lent = lend(tensors, true)?;
             let mut st = self.staged()?;
-            st.sub.commit_into(lent, false)?;
+            st.sub.commit_into(lent, false).1?;
             Ok(Self::report(&st))
         })
         .py()

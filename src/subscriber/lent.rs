@@ -533,7 +533,7 @@ impl LentSink {
         Ok((checked, unknown, missing))
     }
 
-    fn commit_replay(&mut self, r: &mut Replay, hand: Hand) -> Result<LentReport> {
+    fn commit_replay(&mut self, r: &mut Replay, hand: &mut Hand) -> Result<LentReport> {
         let mut report = LentReport {
             version: r.version,
             kind: "delta",
@@ -543,6 +543,7 @@ impl LentSink {
         match hand {
             Hand::None => return Err(not_lent(r.version)),
             Hand::Written(memory) => {
+                let memory = std::mem::take(memory);
                 if !r.resolved {
                     return Err(Error::BadRequest(format!(
                         "version {} was not resolved: resolve the delta, write it, then commit",
@@ -573,15 +574,16 @@ impl LentSink {
                 }
             }
             Hand::Tensors {
-                mut tensors,
+                tensors,
                 single_pass,
             } => {
-                check_structure(&r.deltas, &tensors)?;
+                let single_pass = *single_pass;
+                check_structure(&r.deltas, tensors)?;
                 let memory: HashMap<&str, (usize, usize)> = tensors
                     .iter()
                     .map(|l| (l.name.as_str(), l.memory()))
                     .collect();
-                let info = structure(&tensors);
+                let info = structure(tensors);
                 let mem: Vec<(String, (usize, usize))> = tensors
                     .iter()
                     .map(|l| (l.name.clone(), l.memory()))
@@ -599,29 +601,43 @@ impl LentSink {
                     self.check_bound(&names, &memory)?;
                     let p = r.prepared.take().expect("checked above");
                     report.prepared = true;
-                    let reports = p.prepared.commit(&mut targets(&mut tensors)?)?;
+                    let reports = p.prepared.commit(&mut targets(tensors)?)?;
                     Some((reports, p.info))
                 } else if let Err(e) = self.check_bound(&names, &memory) {
                     return Err(e);
                 } else if single_pass
-                    && let Some(digests) = self.single_pass_digests(&r.deltas, &tensors)
+                    && let Some(digests) = self.single_pass_digests(&r.deltas, tensors)
                 {
                     let (file, object) = &r.deltas[0];
-                    let set = TensorSet::from_external(
-                        tensors
-                            .into_iter()
-                            .map(|l| (l.name, l.dtype, l.shape, l.buf)),
-                    );
+                    let items = std::mem::take(tensors)
+                        .into_iter()
+                        .map(|l| (l.name, l.dtype, l.shape, l.buf));
+                    let set = TensorSet::from_external(items);
                     let mut set = set.map_err(|e| e.in_input(format!("tensor file `{file}`")))?;
                     set.assume_digests(&digests)?;
                     // The payload is BLAKE3-checked first, so a tensor whose
                     // digest does not come out is the local base's fault.
-                    let a = crate::codec::apply_delta(&mut set, object).map_err(base_mismatch)?;
+                    let applied =
+                        crate::codec::apply_delta(&mut set, object).map_err(base_mismatch);
                     let changes: Vec<_> = set
                         .tensors()
                         .iter()
-                        .filter(|t| a.changed_tensors.contains(&t.name))
                         .map(|t| (t.name.clone(), t.dtype, t.shape.clone(), t.digest))
+                        .collect();
+                    *tensors = set
+                        .into_external()
+                        .into_iter()
+                        .map(|(name, dtype, shape, buf)| LentTensor {
+                            name,
+                            dtype,
+                            shape,
+                            buf,
+                        })
+                        .collect();
+                    let a = applied?;
+                    let changes: Vec<_> = changes
+                        .into_iter()
+                        .filter(|c| a.changed_tensors.contains(&c.0))
                         .collect();
                     report.single_pass = true;
                     report.changed = a.changed;
@@ -631,7 +647,7 @@ impl LentSink {
                 } else {
                     let objects: Vec<&[u8]> = r.deltas.iter().map(|d| &d.1[..]).collect();
                     let reports = apply_in_place_all(
-                        &mut targets(&mut tensors)?,
+                        &mut targets(tensors)?,
                         &objects,
                         &InPlaceOptions::default(),
                     )
@@ -681,7 +697,7 @@ impl LentSink {
         Ok(())
     }
 
-    fn commit_anchor(&mut self, m: &MemorySink, hand: Hand) -> Result<LentReport> {
+    fn commit_anchor(&mut self, m: &MemorySink, hand: &mut Hand) -> Result<LentReport> {
         let (sets, files) = (m.tensors(), m.files());
         let version = m.held().ok_or_else(|| {
             Error::BadRequest("the staged anchor update did not finish a version".into())
@@ -700,8 +716,8 @@ impl LentSink {
         let mut memory = BTreeMap::new();
         match hand {
             Hand::None => return Err(not_lent(version)),
-            Hand::Written(m) => memory = m,
-            Hand::Tensors { mut tensors, .. } => {
+            Hand::Written(m) => memory = std::mem::take(m),
+            Hand::Tensors { tensors, .. } => {
                 let by_name: HashMap<&str, usize> = tensors
                     .iter()
                     .enumerate()
@@ -725,7 +741,7 @@ impl LentSink {
                     }
                     pairs.push((k, *set, *i));
                 }
-                for l in &tensors {
+                for l in tensors.iter() {
                     if index.contains_key(l.name.as_str()) {
                         memory.insert(l.name.clone(), l.memory());
                     }
@@ -815,20 +831,29 @@ impl LentSink {
 }
 
 impl Subscriber<LentSink> {
-    /// Commits the staged update into `tensors`, lent for this call only
-    /// (they are dropped before it returns, whatever the outcome). With
+    /// Commits the staged update into `tensors`, lent for this call, and
+    /// gives them back, whatever the outcome (nothing keeps them). With
     /// `single_pass`, a delta onto one whole tensor file with recorded
     /// digests applies in one pass, undoing on failure, instead of
     /// verifying first.
-    pub fn commit_into(&mut self, tensors: Vec<LentTensor>, single_pass: bool) -> Result<CaughtUp> {
-        check_disjoint(&tensors)?;
+    pub fn commit_into(
+        &mut self,
+        tensors: Vec<LentTensor>,
+        single_pass: bool,
+    ) -> (Vec<LentTensor>, Result<CaughtUp>) {
+        if let Err(e) = check_disjoint(&tensors) {
+            return (tensors, Err(e));
+        }
         self.sink.hand = Hand::Tensors {
             tensors,
             single_pass,
         };
         let r = self.commit();
-        self.sink.hand = Hand::None;
-        r
+        let back = match std::mem::take(&mut self.sink.hand) {
+            Hand::Tensors { tensors, .. } => tensors,
+            _ => Vec::new(),
+        };
+        (back, r)
     }
 
     /// Commits the staged update, which the caller wrote into its tensors
@@ -1029,7 +1054,13 @@ impl Sink for LentSink {
     fn version_done(&mut self, m: &Manifest) -> Result<()> {
         let held = &self.held;
         match &mut self.work {
-            Some(Work::Bootstrap(s)) => s.version_done(m),
+            // The staging is private: each version it finishes is committed
+            // there at once (its tensors are what the caller copies from).
+            Some(Work::Bootstrap(s)) => {
+                s.version_done(m)?;
+                s.commit()?;
+                s.begin(Some(m.version))
+            }
             Some(Work::Replay(r)) => {
                 r.version = m.version;
                 let got: BTreeSet<String> = r.deltas.iter().map(|d| d.0.clone()).collect();
@@ -1072,7 +1103,7 @@ impl Sink for LentSink {
     }
 
     fn commit(&mut self) -> Result<Produced> {
-        let hand = std::mem::take(&mut self.hand);
+        let mut hand = std::mem::take(&mut self.hand);
         let work = self
             .work
             .take()
@@ -1083,23 +1114,31 @@ impl Sink for LentSink {
             // commit keeps the update staged, for a retry with the right
             // tensors (the loop makes the next update an anchor when the
             // tensors failed verification).
-            Work::Replay(mut r) if r.done => match self.commit_replay(&mut r, hand) {
-                Ok(rep) => rep,
-                Err(e) => {
-                    self.work = Some(Work::Replay(r));
-                    return Err(e);
+            Work::Replay(mut r) if r.done => {
+                let done = self.commit_replay(&mut r, &mut hand);
+                self.hand = hand;
+                match done {
+                    Ok(rep) => rep,
+                    Err(e) => {
+                        self.work = Some(Work::Replay(r));
+                        return Err(e);
+                    }
                 }
-            },
+            }
             Work::Replay(_) => {
                 return Err(Error::BadRequest("the staged version is incomplete".into()));
             }
-            Work::Bootstrap(m) => match self.commit_anchor(&m, hand) {
-                Ok(rep) => rep,
-                Err(e) => {
-                    self.work = Some(Work::Bootstrap(m));
-                    return Err(e);
+            Work::Bootstrap(m) => {
+                let done = self.commit_anchor(&m, &mut hand);
+                self.hand = hand;
+                match done {
+                    Ok(rep) => rep,
+                    Err(e) => {
+                        self.work = Some(Work::Bootstrap(m));
+                        return Err(e);
+                    }
                 }
-            },
+            }
         };
         tracing::info!(
             version = report.version,

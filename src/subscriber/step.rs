@@ -403,8 +403,21 @@ impl<S: Sink> Subscriber<S> {
                     };
                     plan::complete(&self.fetcher, &plan, &mut chain).await?;
                 }
+                // A replay through a quarantined version would fail again:
+                // from the target's anchor instead.
+                if let Plan::Replay(vs) = &plan
+                    && vs.iter().any(|v| self.quarantine.contains_key(v))
+                {
+                    let a = chain[&target].anchor_version;
+                    plan = Plan::Bootstrap {
+                        anchor: a,
+                        replay: (a + 1..=target).collect(),
+                    };
+                    plan::complete(&self.fetcher, &plan, &mut chain).await?;
+                }
                 Update {
                     version: target,
+                    target,
                     base: matches!(plan, Plan::Replay(_)).then_some(held).flatten(),
                     plan,
                     chain,
@@ -446,10 +459,12 @@ impl<S: Sink> Subscriber<S> {
             structural_only: update.structural_only,
             ..CaughtUp::default()
         };
+        let target = update.target;
         match self.stage_repairing(update, &mut out).await {
-            Ok(()) => {
+            Ok(reached) => {
+                out.version = reached;
                 self.staged = Some(Staged {
-                    version,
+                    version: reached,
                     out,
                     started,
                     requests,
@@ -460,14 +475,21 @@ impl<S: Sink> Subscriber<S> {
                 self.sink.abort();
                 self.repairs_found += out.repairs;
                 if repairable(&e) {
-                    self.quarantine_version(version, &e);
+                    // The repair aimed at the target: it is what cannot be
+                    // verified (the version too, when the step was shorter).
+                    self.quarantine_version(target, &e);
+                    if version != target {
+                        self.quarantine_version(version, &e);
+                    }
                 }
                 Err(e)
             }
         }
     }
 
-    async fn stage_repairing(&mut self, mut update: Update, out: &mut CaughtUp) -> Result<()> {
+    /// Stages the update, repairing a failed replay from the anchor of its
+    /// target; returns the version reached.
+    async fn stage_repairing(&mut self, mut update: Update, out: &mut CaughtUp) -> Result<u64> {
         if let Plan::Replay(versions) = &update.plan {
             let versions = versions.clone();
             match self
@@ -481,7 +503,7 @@ impl<S: Sink> Subscriber<S> {
                 )
                 .await
             {
-                Ok(()) => return Ok(()),
+                Ok(()) => return Ok(update.version),
                 Err(e) if repairable(&e) && self.log == Log::Weightcast => {
                     tracing::warn!(error = %e, "replay failed; repairing from the anchor");
                     self.sink.abort();
@@ -496,13 +518,15 @@ impl<S: Sink> Subscriber<S> {
         let (anchor, replay) = match &update.plan {
             Plan::Bootstrap { anchor, replay } => (*anchor, replay.clone()),
             _ => {
-                let anchor = update.chain[&update.version].anchor_version;
+                let t = update.target;
+                let anchor = update.chain[&t].anchor_version;
                 let boot = Plan::Bootstrap {
                     anchor,
-                    replay: (anchor + 1..=update.version).collect(),
+                    replay: (anchor + 1..=t).collect(),
                 };
                 plan::complete(&self.fetcher, &boot, &mut update.chain).await?;
-                (anchor, (anchor + 1..=update.version).collect())
+                update.version = t;
+                (anchor, (anchor + 1..=t).collect())
             }
         };
         out.from_anchor = true;
@@ -516,7 +540,7 @@ impl<S: Sink> Subscriber<S> {
         )
         .await?;
         out.changed_tensors.clear();
-        Ok(())
+        Ok(update.version)
     }
 
     async fn feed(

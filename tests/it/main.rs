@@ -28,6 +28,7 @@ mod real_model;
 mod relay;
 mod resources;
 mod roundtrip;
+mod sinks;
 mod store;
 mod subscriber;
 mod subscriber_crash;

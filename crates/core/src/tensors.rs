@@ -71,6 +71,20 @@ pub trait ExternalBuffer: Send + Sync {
     fn bytes_mut(&mut self) -> Option<&mut [u8]>;
 }
 
+/// A tensor over memory the caller lends: name, dtype, shape, memory (what
+/// [`TensorSet::from_external`] takes and [`TensorSet::into_external`] gives
+/// back).
+pub type ExternalTensor = (String, Dtype, Vec<usize>, Box<dyn ExternalBuffer>);
+
+impl ExternalBuffer for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+    fn bytes_mut(&mut self) -> Option<&mut [u8]> {
+        Some(self)
+    }
+}
+
 impl ExternalBuffer for bytes::Bytes {
     fn bytes(&self) -> &[u8] {
         self
@@ -301,6 +315,20 @@ impl TensorSet {
         };
         set.reindex();
         Ok(set)
+    }
+
+    /// The buffers lent with [`TensorSet::from_external`], given back with
+    /// each tensor's name, dtype and shape (sorted by name); a tensor over
+    /// any other kind of buffer is dropped.
+    pub fn into_external(self) -> Vec<ExternalTensor> {
+        let mut bufs: Vec<Option<Buffer>> = self.bufs.into_iter().map(Some).collect();
+        self.tensors
+            .into_iter()
+            .filter_map(|t| match bufs.get_mut(t.buf)?.take()? {
+                Buffer::External(b) => Some((t.name, t.dtype, t.shape, b)),
+                _ => None,
+            })
+            .collect()
     }
 
     /// One set holding every tensor of `sets` (no copy: each keeps its
