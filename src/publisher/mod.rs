@@ -703,7 +703,7 @@ impl Publisher {
                 blake3,
             });
         }
-        state::sync_dir(&next_dir)?;
+        crate::fsio::sync_dir(&next_dir)?;
         let bridged = !bridges.is_empty();
         let mut bridge_bytes = 0u64;
         for (name, d) in bridges {

@@ -226,7 +226,7 @@ impl Publisher {
         let _ = std::fs::remove_dir_all(&next_dir);
         let path = next_dir.join(FILE);
         let data_start = write_snapshot_file(&path, &set)?;
-        state::sync_dir(&next_dir)?;
+        crate::fsio::sync_dir(&next_dir)?;
         let prefix = crate::codec::trl::anchor_prefix(&set, next, &self.cfg.trl)?;
         let key = anchor_key(step);
         let sources = [

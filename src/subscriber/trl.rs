@@ -157,7 +157,7 @@ impl TrlFollower {
             step: held.step,
             digest: held.tensors.digest().to_string(),
         };
-        crate::publisher::state::write_atomic(
+        crate::fsio::write_atomic(
             &self.out.join(STATE),
             &serde_json::to_vec_pretty(&state).expect("state serializes"),
         )?;
