@@ -10,7 +10,7 @@ use std::path::Path;
 use crate::error::{Error, Result};
 
 /// A local I/O error naming what was being done and the path:
-/// `io_err("writing", p, e)` reads "writing /path: <cause>".
+/// `io_err("writing", p, e)` reads "writing /path: " and the cause.
 pub fn io_err(what: &str, p: &Path, e: std::io::Error) -> Error {
     Error::io(format!("{what} {}", p.display()), e)
 }
