@@ -24,71 +24,118 @@ pub fn error_response(e: &crate::Error) -> axum::response::Response {
         .into_response()
 }
 
-/// Prometheus text exposition (format 0.0.4), written by hand: a handful of
-/// series per daemon does not need a registry.
-#[derive(Default)]
-pub struct Prometheus {
-    out: String,
+/// A daemon's `/metrics`: Prometheus' text exposition (format 0.0.4),
+/// encoded by `prometheus-client` from a [`Collector`] that reads the
+/// daemon's state at each scrape (the counters live in that state, as the
+/// status endpoints report them too). Built once per router.
+///
+/// [`Collector`]: prometheus_client::collector::Collector
+pub struct Exposition {
+    registry: prometheus_client::registry::Registry,
 }
 
-impl Prometheus {
-    /// Starts a metric family.
-    pub fn family(&mut self, name: &str, kind: &str, help: &str) -> &mut Self {
-        use std::fmt::Write;
-        let help = help.replace('\\', "\\\\").replace('\n', "\\n");
-        let _ = writeln!(self.out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        self
+impl std::fmt::Debug for Exposition {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Exposition").finish_non_exhaustive()
+    }
+}
+
+impl Exposition {
+    /// The exposition of `collector`'s families.
+    pub fn new(collector: impl prometheus_client::collector::Collector) -> Exposition {
+        let mut registry = prometheus_client::registry::Registry::default();
+        registry.register_collector(Box::new(collector));
+        Exposition { registry }
     }
 
-    /// One sample of the current family, with labels (values escaped).
-    pub fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: f64) -> &mut Self {
-        use std::fmt::Write;
-        self.out.push_str(name);
-        if !labels.is_empty() {
-            self.out.push('{');
-            for (i, (k, v)) in labels.iter().enumerate() {
-                if i > 0 {
-                    self.out.push(',');
-                }
-                let v = v
-                    .replace('\\', "\\\\")
-                    .replace('"', "\\\"")
-                    .replace('\n', "\\n");
-                let _ = write!(self.out, "{k}=\"{v}\"");
-            }
-            self.out.push('}');
+    /// The text of one scrape.
+    pub fn text(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail; a collector that fails leaves
+        // what it wrote so far.
+        if let Err(e) =
+            prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry)
+        {
+            tracing::warn!(error = %e, "encoding the metrics failed");
         }
-        let value = if value.is_finite() {
-            format!("{value}")
-        } else if value.is_nan() {
-            "NaN".into()
-        } else if value > 0.0 {
-            "+Inf".into()
-        } else {
-            "-Inf".into()
-        };
-        let _ = writeln!(self.out, " {value}");
-        self
+        out
     }
 
-    /// A family with one unlabelled sample.
-    pub fn single(&mut self, name: &str, kind: &str, help: &str, value: f64) -> &mut Self {
-        self.family(name, kind, help).sample(name, &[], value)
-    }
-
-    /// The response: the text with its content type.
-    pub fn response(self) -> axum::response::Response {
+    /// The response to a scrape: the text with its content type.
+    pub fn response(&self) -> axum::response::Response {
         (
-            [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
-            self.out,
+            [(
+                "content-type",
+                prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
+            )],
+            self.text(),
         )
             .into_response()
     }
+}
 
-    /// The text.
-    pub fn text(&self) -> &str {
-        &self.out
+/// Writes metric families into a collector's encoder: each family's name as
+/// exposed without the `_total` a counter's samples get, its HELP, its
+/// samples.
+pub struct Families<'a> {
+    encoder: prometheus_client::encoding::DescriptorEncoder<'a>,
+}
+
+impl<'a> Families<'a> {
+    /// Families written to `encoder`.
+    pub fn new(encoder: prometheus_client::encoding::DescriptorEncoder<'a>) -> Families<'a> {
+        Families { encoder }
     }
+
+    /// A gauge with one unlabelled sample.
+    pub fn gauge(
+        &mut self,
+        name: &str,
+        help: &str,
+        value: impl prometheus_client::encoding::EncodeGaugeValue + Send + Sync + std::fmt::Debug,
+    ) -> std::fmt::Result {
+        use prometheus_client::encoding::EncodeMetric;
+        let gauge = prometheus_client::metrics::gauge::ConstGauge::new(value);
+        let metric = self
+            .encoder
+            .encode_descriptor(name, help, None, gauge.metric_type())?;
+        gauge.encode(metric)
+    }
+
+    /// A counter (`name` without `_total`: its samples are `<name>_total`)
+    /// with one unlabelled sample.
+    pub fn counter(&mut self, name: &str, help: &str, value: u64) -> std::fmt::Result {
+        use prometheus_client::encoding::EncodeMetric;
+        let counter = prometheus_client::metrics::counter::ConstCounter::new(value);
+        let metric = self
+            .encoder
+            .encode_descriptor(name, help, None, counter.metric_type())?;
+        counter.encode(metric)
+    }
+
+    /// A counter with one sample per value of the label `label`.
+    pub fn counters(
+        &mut self,
+        name: &str,
+        help: &str,
+        label: &str,
+        samples: &[(&str, u64)],
+    ) -> std::fmt::Result {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::counter::ConstCounter;
+        let kind = ConstCounter::new(0u64).metric_type();
+        let mut metric = self.encoder.encode_descriptor(name, help, None, kind)?;
+        for (value_of_label, n) in samples {
+            ConstCounter::new(*n).encode(metric.encode_family(&[(label, *value_of_label)])?)?;
+        }
+        Ok(())
+    }
+}
+
+/// A version as a gauge value: −1 for none (saturating far beyond any real
+/// version).
+pub fn version_gauge(v: Option<u64>) -> i64 {
+    v.map_or(-1, |v| i64::try_from(v).unwrap_or(i64::MAX))
 }
 
 /// Whether `headers` carry `Authorization: Bearer <t>` with BLAKE3(t) = `hash`

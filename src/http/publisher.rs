@@ -149,6 +149,9 @@ pub fn router(shared: Arc<PublisherShared>) -> Router {
         .route("/metrics", get(metrics))
         .route("/v1/status", get(status))
         .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(axum::Extension(Arc::new(super::Exposition::new(Metrics(
+            shared.clone(),
+        )))))
         .with_state(shared)
 }
 
@@ -282,89 +285,87 @@ async fn status(
     }
 }
 
-async fn metrics(State(shared): State<Arc<PublisherShared>>) -> axum::response::Response {
-    let s = shared
-        .stats
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .clone();
-    let mut m = super::Prometheus::default();
-    m.single(
-        "weightcast_publisher_version",
-        "gauge",
-        "The last committed version (-1: none yet).",
-        s.version.map_or(-1.0, |v| v as f64),
-    );
-    m.single(
-        "weightcast_publisher_step",
-        "gauge",
-        "The trainer step of the last version (-1: unknown).",
-        s.step.map_or(-1.0, |v| v as f64),
-    );
-    m.family(
-        "weightcast_publisher_versions_total",
-        "counter",
-        "Versions committed, by kind (unchanged: identical content, nothing written).",
-    )
-    .sample(
-        "weightcast_publisher_versions_total",
-        &[("kind", "anchor")],
-        s.anchors as f64,
-    )
-    .sample(
-        "weightcast_publisher_versions_total",
-        &[("kind", "delta")],
-        s.deltas as f64,
-    )
-    .sample(
-        "weightcast_publisher_versions_total",
-        &[("kind", "unchanged")],
-        s.unchanged as f64,
-    );
-    m.single(
-        "weightcast_publisher_bytes_total",
-        "counter",
-        "Bytes written to the bucket.",
-        s.bytes as f64,
-    );
-    m.single(
-        "weightcast_publisher_changed_elements_total",
-        "counter",
-        "Changed elements published.",
-        s.changed_elements as f64,
-    );
-    m.single(
-        "weightcast_publisher_publish_seconds",
-        "gauge",
-        "Duration of the last successful publish.",
-        s.last_publish_seconds,
-    );
-    m.family(
-        "weightcast_publisher_errors_total",
-        "counter",
-        "Failed publishes, by error kind.",
-    );
-    for kind in [
-        ErrorKind::NotFound,
-        ErrorKind::Precondition,
-        ErrorKind::Corrupt,
-        ErrorKind::BadRequest,
-        ErrorKind::Unavailable,
-        ErrorKind::Config,
-        ErrorKind::Io,
-    ] {
-        let n = s.errors.get(kind.as_str()).copied().unwrap_or(0);
-        m.sample(
-            "weightcast_publisher_errors_total",
-            &[("kind", kind.as_str())],
-            n as f64,
-        );
+async fn metrics(
+    axum::Extension(exposition): axum::Extension<Arc<super::Exposition>>,
+) -> axum::response::Response {
+    exposition.response()
+}
+
+/// The publisher daemon's families, read from its stats at each scrape.
+struct Metrics(Arc<PublisherShared>);
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("publisher metrics")
     }
-    m.single(
-        "weightcast_publisher_healthy",
-        "gauge",
-        "1 when healthy, 0 when /healthz answers 503.",
-        if s.unhealthy.is_none() { 1.0 } else { 0.0 },
-    );
-    m.response()
+}
+
+impl prometheus_client::collector::Collector for Metrics {
+    fn encode(&self, encoder: prometheus_client::encoding::DescriptorEncoder) -> std::fmt::Result {
+        let s = self
+            .0
+            .stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let mut m = super::Families::new(encoder);
+        m.gauge(
+            "weightcast_publisher_version",
+            "The last committed version (-1: none yet).",
+            super::version_gauge(s.version),
+        )?;
+        m.gauge(
+            "weightcast_publisher_step",
+            "The trainer step of the last version (-1: unknown).",
+            super::version_gauge(s.step),
+        )?;
+        m.counters(
+            "weightcast_publisher_versions",
+            "Versions committed, by kind (unchanged: identical content, nothing written).",
+            "kind",
+            &[
+                ("anchor", s.anchors),
+                ("delta", s.deltas),
+                ("unchanged", s.unchanged),
+            ],
+        )?;
+        m.counter(
+            "weightcast_publisher_bytes",
+            "Bytes written to the bucket.",
+            s.bytes,
+        )?;
+        m.counter(
+            "weightcast_publisher_changed_elements",
+            "Changed elements published.",
+            s.changed_elements,
+        )?;
+        m.gauge(
+            "weightcast_publisher_publish_seconds",
+            "Duration of the last successful publish.",
+            s.last_publish_seconds,
+        )?;
+        let errors: Vec<(&str, u64)> = [
+            ErrorKind::NotFound,
+            ErrorKind::Precondition,
+            ErrorKind::Corrupt,
+            ErrorKind::BadRequest,
+            ErrorKind::Unavailable,
+            ErrorKind::Config,
+            ErrorKind::Io,
+        ]
+        .into_iter()
+        .map(|k| (k.as_str(), s.errors.get(k.as_str()).copied().unwrap_or(0)))
+        .collect();
+        m.counters(
+            "weightcast_publisher_errors",
+            "Failed publishes, by error kind.",
+            "kind",
+            &errors,
+        )?;
+        m.gauge(
+            "weightcast_publisher_healthy",
+            "1 when healthy, 0 when /healthz answers 503.",
+            u64::from(s.unhealthy.is_none()),
+        )
+    }
 }

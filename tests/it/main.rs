@@ -17,6 +17,7 @@ mod gcs;
 mod hooks;
 mod hostile;
 mod malformed;
+mod metrics;
 mod notify;
 mod protocol;
 mod publisher;
