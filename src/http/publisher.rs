@@ -69,6 +69,8 @@ pub struct PublisherShared {
     pub root: std::path::PathBuf,
     /// How checkpoint directories are read (links must stay under `root`).
     pub checkpoint: crate::publisher::CheckpointOptions,
+    /// The graceful shutdown as the publish handler sees it.
+    pub drain: super::Drain,
 }
 
 impl PublisherShared {
@@ -102,6 +104,7 @@ impl PublisherShared {
             token_hash: blake3::hash(token.as_bytes()),
             root,
             checkpoint,
+            drain: super::Drain::default(),
         }))
     }
 }
@@ -155,12 +158,33 @@ pub fn router(shared: Arc<PublisherShared>) -> Router {
         .with_state(shared)
 }
 
-/// Serves the publisher daemon until `shutdown` completes.
+/// How long a publish in flight may go on after a shutdown signal, by
+/// default (`weightcast publisher --shutdown-grace`).
+pub const DEFAULT_SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Serves the publisher daemon until `shutdown` completes, then shuts down
+/// gracefully with [`DEFAULT_SHUTDOWN_GRACE`] (see [`serve_with_grace`]).
 pub async fn serve(
     listener: TcpListener,
     shared: Arc<PublisherShared>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    serve_with_grace(listener, shared, shutdown, DEFAULT_SHUTDOWN_GRACE).await
+}
+
+/// Serves the publisher daemon until `shutdown` completes, then shuts down
+/// gracefully: requests arriving from then on are answered 503
+/// `unavailable`; a publish in flight may finish within `grace`; after it, a
+/// publish whose commit has not begun is stopped (nothing of it is
+/// committed; its caller gets 503 `unavailable`) and one whose commit has
+/// begun runs to its end, so that its caller learns the version.
+pub async fn serve_with_grace(
+    listener: TcpListener,
+    shared: Arc<PublisherShared>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    grace: std::time::Duration,
+) -> std::io::Result<()> {
+    let drain = shared.drain.clone();
     // A publish of an anchor can take many minutes: only the headers are
     // timed (slowloris), the request may take up to a day.
     super::serve_hardened(
@@ -168,6 +192,8 @@ pub async fn serve(
         router(shared),
         std::time::Duration::from_secs(24 * 3600),
         shutdown,
+        drain,
+        grace,
     )
     .await
 }
@@ -199,12 +225,50 @@ async fn publish(
         Ok(p) => p,
         Err(why) => return error(StatusCode::FORBIDDEN, why),
     };
-    let mut p = shared.publisher.lock().await;
+    // Publishes are serialized; one queued behind another when the daemon
+    // starts shutting down never starts.
+    let mut p = tokio::select! {
+        p = shared.publisher.lock() => p,
+        () = shared.drain.expired() => return super::shutting_down(),
+    };
+    if shared.drain.is_draining() {
+        return super::shutting_down();
+    }
     let opts = crate::publisher::PublishOptions { step: req.step };
     let started = std::time::Instant::now();
-    let published = match crate::publisher::Checkpoint::open(&path, &shared.checkpoint) {
-        Ok(cp) => p.publish(cp, &opts).await,
-        Err(e) => Err(e),
+    let gate = p.commit_gate();
+    let publish = async {
+        match crate::publisher::Checkpoint::open(&path, &shared.checkpoint) {
+            Ok(cp) => p.publish(cp, &opts).await,
+            Err(e) => Err(e),
+        }
+    };
+    tokio::pin!(publish);
+    let published = tokio::select! {
+        r = &mut publish => r,
+        () = shared.drain.expired() => {
+            if gate.stop() {
+                // No commit has begun: what was uploaded is never
+                // referenced, and the state directory is as it was.
+                tracing::warn!(
+                    checkpoint = %path.display(),
+                    "shutdown: publish stopped before its commit; nothing was committed"
+                );
+                Err(crate::Error::Unavailable(format!(
+                    "the publisher shut down before `{}` was committed: nothing of it is \
+                     visible; publish it again once the publisher is back",
+                    req.checkpoint.display()
+                )))
+            } else {
+                let _hold = shared.drain.hold();
+                tracing::warn!(
+                    checkpoint = %path.display(),
+                    "shutdown: the grace period is over but this publish is committing; \
+                     waiting for it"
+                );
+                publish.await
+            }
+        }
     };
     let mut stats = shared.stats.lock().unwrap_or_else(|e| e.into_inner());
     match published {

@@ -62,7 +62,16 @@ pub async fn serve(
     shared: Arc<Shared>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    super::serve_hardened(listener, router(shared), REQUEST_TIMEOUT, shutdown).await
+    // Nothing here takes long: in-flight requests get a few seconds.
+    super::serve_hardened(
+        listener,
+        router(shared),
+        REQUEST_TIMEOUT,
+        shutdown,
+        super::Drain::default(),
+        std::time::Duration::from_secs(5),
+    )
+    .await
 }
 
 async fn notify(

@@ -144,6 +144,9 @@ impl Publisher {
         total: u64,
         opts: &PublishOptions,
     ) -> Result<Published> {
+        // TRL's layout commits by writing the step's object: from here the
+        // publish runs to its end.
+        self.gate.begin_commit()?;
         let step = next + 1;
         let snap = self.snapshot.as_mut().expect("a delta implies a snapshot");
         let base = snap.state.clone();
@@ -217,6 +220,8 @@ impl Publisher {
         total: u64,
         opts: &PublishOptions,
     ) -> Result<Published> {
+        // The anchor object's upload is the commit (see the delta's).
+        self.gate.begin_commit()?;
         let dir = self.cfg.state_dir.clone();
         let step = next + 1;
         if !set.has_digests() {

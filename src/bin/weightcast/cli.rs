@@ -129,6 +129,12 @@ pub enum Command {
         /// Only checkpoints under this directory may be published.
         #[arg(long)]
         checkpoint_root: PathBuf,
+        /// On SIGTERM/SIGINT: seconds a publish in flight may go on (new
+        /// requests are answered 503 meanwhile); after it, a publish that has
+        /// not begun its commit is stopped (503, nothing committed) and one
+        /// committing is finished.
+        #[arg(long, default_value_t = 30.0)]
+        shutdown_grace: f64,
         #[command(flatten)]
         ranks: RankOpts,
         #[command(flatten)]

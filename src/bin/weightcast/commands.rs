@@ -135,9 +135,14 @@ pub async fn run(command: Command) -> Result<()> {
             listen,
             token,
             checkpoint_root,
+            shutdown_grace,
             ranks,
             opts,
         } => {
+            if !(shutdown_grace >= 0.0 && shutdown_grace.is_finite()) {
+                bail!("--shutdown-grace must be a number of seconds, 0 or more");
+            }
+            let grace = std::time::Duration::from_secs_f64(shutdown_grace);
             // First, so a signal during start-up is honoured once it is up
             // instead of killing the process half-way through opening.
             let stop = shutdown()?;
@@ -153,7 +158,23 @@ pub async fn run(command: Command) -> Result<()> {
                 .await
                 .with_context(|| format!("binding {listen}"))?;
             tracing::info!(addr = %listener.local_addr()?, "serving POST /v1/publish");
-            weightcast::http::publisher::serve(listener, shared, stop).await?;
+            weightcast::http::publisher::serve_with_grace(listener, shared.clone(), stop, grace)
+                .await?;
+            // Notifications of the last versions may still be on their way.
+            let mut p = shared.publisher.lock().await;
+            let pending = p.notifications_in_flight();
+            if pending > 0 {
+                let wait = grace.max(std::time::Duration::from_secs(1));
+                match tokio::time::timeout(wait, p.notifications_settled()).await {
+                    Ok(acknowledged) => tracing::info!(acknowledged, "notifications sent"),
+                    Err(_) => tracing::warn!(
+                        abandoned = p.notifications_in_flight(),
+                        "shutdown: abandoning notifications still being sent; those \
+                         subscribers find the version at their next poll"
+                    ),
+                }
+            }
+            tracing::info!("stopped");
             Ok(())
         }
         Command::Relay {
