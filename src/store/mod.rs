@@ -28,6 +28,7 @@
 //! (verified copies between stores).
 
 mod copy;
+mod local;
 mod open;
 mod read;
 mod write;
@@ -40,6 +41,7 @@ use object_store::path::Path;
 
 use crate::error::{Error, ErrorKind, Result};
 
+pub use local::LOCAL_OPEN_TIMEOUT;
 pub use open::{HF_S3_ENDPOINT, RETRY_BUDGET, install_crypto_provider};
 
 /// Objects at least this large are uploaded in parts.
@@ -159,6 +161,9 @@ fn store_kind(e: &object_store::Error) -> ErrorKind {
         | E::NotSupported { .. }
         | E::NotImplemented { .. }
         | E::InvalidPath { .. } => ErrorKind::Config,
+        // A file:// key that is a FIFO, device or socket: damaged bucket
+        // content, like a corrupt object.
+        E::Generic { source, .. } if source.is::<local::NotRegularFile>() => ErrorKind::Corrupt,
         _ => ErrorKind::Unavailable,
     }
 }

@@ -214,7 +214,9 @@ impl Store {
                 std::fs::create_dir_all(&dir)
                     .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
                 (
-                    Arc::new(LocalFileSystem::new_with_prefix(&dir).map_err(bad)?),
+                    Arc::new(super::local::RegularFiles::new(
+                        LocalFileSystem::new_with_prefix(&dir).map_err(bad)?,
+                    )),
                     String::new(),
                 )
             }

@@ -16,6 +16,7 @@ mod gc;
 mod gcs;
 mod hooks;
 mod hostile;
+mod hostile_files;
 mod malformed;
 mod metrics;
 mod notify;
