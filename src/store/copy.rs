@@ -28,6 +28,13 @@ impl Store {
             actual,
         };
         let missing = || Error::NotFound(format!("object `{key}` is missing from `{}`", self.url));
+        if size > self.max_object_size {
+            return Err(Error::TooLarge {
+                key: key.to_string(),
+                size,
+                max: self.max_object_size,
+            });
+        }
         let found = self.head(key).await?.ok_or_else(missing)?;
         if found != size {
             return Err(mismatch(format!("{size} bytes"), format!("{found} bytes")));

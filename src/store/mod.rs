@@ -145,7 +145,14 @@ pub struct Store {
     url: String,
     progress: Option<Arc<dyn Progress>>,
     download: Option<Arc<dyn Progress>>,
+    max_object_size: u64,
 }
+
+/// The largest object a reader accepts by default
+/// ([`Store::with_max_object_size`]): 64 GiB, above any checkpoint shard
+/// (Hugging Face writes 5–10 GB shards; a 30B-parameter model in one bf16
+/// file is 60 GB).
+pub const DEFAULT_MAX_OBJECT_SIZE: u64 = 64 << 30;
 
 /// What the caller should do about a backend error.
 fn store_kind(e: &object_store::Error) -> ErrorKind {
@@ -243,6 +250,20 @@ impl Store {
         self
     }
 
+    /// This store, refusing to read an object declared (by a manifest) or
+    /// found larger than `bytes` ([`DEFAULT_MAX_OBJECT_SIZE`] otherwise):
+    /// what a subscriber holds in memory or writes to disk for one object,
+    /// and what a relay copies.
+    pub fn with_max_object_size(mut self, bytes: u64) -> Store {
+        self.max_object_size = bytes;
+        self
+    }
+
+    /// The largest object this store's readers accept.
+    pub fn max_object_size(&self) -> u64 {
+        self.max_object_size
+    }
+
     /// Where object downloads are reported, if anywhere.
     pub fn download_progress(&self) -> Option<&Arc<dyn Progress>> {
         self.download.as_ref()
@@ -255,6 +276,7 @@ impl Store {
             url: url.into(),
             progress: None,
             download: None,
+            max_object_size: DEFAULT_MAX_OBJECT_SIZE,
         }
     }
 

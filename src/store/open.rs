@@ -312,6 +312,7 @@ impl Store {
             url: url.to_string(),
             progress: None,
             download: None,
+            max_object_size: super::DEFAULT_MAX_OBJECT_SIZE,
         })
     }
 }

@@ -118,15 +118,18 @@ impl Store {
         }
     }
 
-    /// Downloads the first `size` bytes of an object as concurrent ranged
-    /// GETs of `part` bytes, at most `concurrency` in flight, handing the
-    /// bytes to `sink(offset, bytes)` as they arrive — in pieces, in any
-    /// order, each byte of `0..size` exactly once — typically a write at
-    /// that offset in a file. Each part is streamed, not buffered: memory
-    /// stays at a few network chunks (or a 1 MiB read buffer for local
-    /// files) per part in flight, whatever the object's size. Returns the
-    /// number of requests made. The caller checks what it assembled (size,
-    /// BLAKE3); an object shorter than `size` is an error naming the key.
+    /// Downloads an object of `size` bytes (as a manifest declares it) as
+    /// concurrent ranged GETs of `part` bytes, at most `concurrency` in
+    /// flight, handing the bytes to `sink(offset, bytes)` as they arrive —
+    /// in pieces, in any order, each byte of `0..size` exactly once —
+    /// typically a write at that offset in a file. Each part is streamed,
+    /// not buffered: memory stays at a few network chunks (or a 1 MiB read
+    /// buffer for local files) per part in flight, whatever the object's
+    /// size. Returns the number of requests made. An object the store
+    /// reports at another size is refused at the first answer, before any
+    /// byte reaches `sink` (an [`Error::Integrity`] naming the key), as is
+    /// a `size` over [`Store::max_object_size`]; the caller checks what it
+    /// assembled (BLAKE3).
     pub async fn download_ranges<F>(
         &self,
         key: &str,
@@ -140,6 +143,13 @@ impl Store {
     {
         use futures::StreamExt;
         let path = Self::path(key)?;
+        if size > self.max_object_size {
+            return Err(Error::TooLarge {
+                key: key.to_string(),
+                size,
+                max: self.max_object_size,
+            });
+        }
         let part = part.max(1);
         let parts = size.div_ceil(part);
         if let Some(p) = &self.download {
@@ -154,12 +164,14 @@ impl Store {
             Ok(())
         };
         let (path, sink) = (&path, &sink);
-        let mut fetched = futures::stream::iter(0..parts)
-            .map(|i| {
-                let start = i * part;
-                let end = (start + part).min(size);
-                self.stream_range(key, path, start..end, sink)
-            })
+        let range = |i: u64| i * part..((i + 1) * part).min(size);
+        // The first part alone: its answer says whether the object is the
+        // declared size before the other parts are asked for.
+        if parts > 0 {
+            self.stream_range(key, path, size, range(0), sink).await?;
+        }
+        let mut fetched = futures::stream::iter(1..parts)
+            .map(|i| self.stream_range(key, path, size, range(i), sink))
             .buffer_unordered(concurrency.max(1));
         while let Some(r) = fetched.next().await {
             r?;
@@ -189,6 +201,7 @@ impl Store {
         &self,
         key: &str,
         path: &Path,
+        size: u64,
         range: std::ops::Range<u64>,
         sink: &F,
     ) -> Result<()>
@@ -218,6 +231,15 @@ impl Store {
             expected: format!("{} bytes", range.end - range.start),
             actual: format!("{got} bytes"),
         };
+        // The object must be the size the caller was told (a manifest's
+        // entry): refused at its first answer, before any byte is taken.
+        if r.meta.size != size {
+            return Err(Error::Integrity {
+                scope: format!("object {key} at `{}`", self.url),
+                expected: format!("{size} bytes (as declared)"),
+                actual: format!("{} bytes (as stored)", r.meta.size),
+            });
+        }
         if r.range != range {
             return Err(short(r.range.end.saturating_sub(r.range.start)));
         }

@@ -16,9 +16,9 @@ use crate::common;
 
 const KEY: &str = "hostile-files-notify-key-0123";
 
-/// A bucket directory with versions 0 (an anchor) and, with `delta`, 1 (a
-/// delta), of a small model; returns the bucket's URL.
-fn bucket(work: &Path, delta: bool) -> String {
+/// Publishes `versions` of a small model (seeded, one training step per
+/// version) into the bucket directory `work/bucket`; returns its URL.
+fn publish(work: &Path, versions: std::ops::Range<u64>) -> String {
     let dir = work.join("bucket");
     std::fs::create_dir_all(&dir).unwrap();
     let url = url::Url::from_directory_path(&dir).unwrap().to_string();
@@ -31,10 +31,13 @@ fn bucket(work: &Path, delta: bool) -> String {
         )
         .await
         .unwrap();
-        let mut g = Generator::new(GeneratorConfig::with_elements(5, 1 << 20));
-        for v in 0..if delta { 2 } else { 1 } {
+        let mut g = Generator::new(GeneratorConfig::with_elements(5, 1 << 18));
+        for v in 0..versions.end {
             if v > 0 {
                 g.step();
+            }
+            if v < versions.start {
+                continue;
             }
             let cp = weightcast::publisher::Checkpoint::from_sets(
                 [("model.safetensors".to_string(), g.snapshot())].into(),
@@ -133,7 +136,7 @@ fn fifo_in_place_of(path: &Path, work: &Path) -> PathBuf {
 #[test]
 fn a_fifo_in_a_file_bucket_is_refused_promptly_and_sigterm_is_honoured() {
     let work = tempfile::tempdir().unwrap();
-    let url = bucket(work.path(), false);
+    let url = publish(work.path(), 0..1);
     let key = object_key(&url, 0, ObjectRole::Anchor);
     fifo_in_place_of(&work.path().join("bucket").join(&key), work.path());
 
@@ -228,4 +231,104 @@ fn a_fifo_in_a_file_bucket_is_refused_promptly_and_sigterm_is_honoured() {
     );
     assert!(exit.success(), "{exit}: {}", log.lock().unwrap());
     assert!(took < Duration::from_secs(5), "stopped after {took:?}");
+}
+
+/// Peak resident memory of a running process (`VmHWM`), in bytes.
+fn peak_rss(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
+}
+
+/// Where `DIR/current` points and the BLAKE3 of its model file.
+fn replica(out: &Path) -> (PathBuf, String) {
+    let current = out.join("current");
+    let target = std::fs::read_link(&current).unwrap();
+    let bytes = std::fs::read(current.join("model.safetensors")).unwrap();
+    (target, blake3::hash(&bytes).to_hex().to_string())
+}
+
+/// The size a forged manifest declares for a small delta.
+const FORGED: u64 = 10 << 30;
+
+#[test]
+fn a_forged_declared_size_allocates_nothing_and_leaves_the_replica_unchanged() {
+    let work = tempfile::tempdir().unwrap();
+    let url = publish(work.path(), 0..1);
+    let out = work.path().join("out");
+    let once = || {
+        weightcast()
+            .args(["subscribe", "--quiet", "--once", "--store", &url, "--out"])
+            .arg(&out)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let mut first = once();
+    let (status, _) = wait(&mut first, Duration::from_secs(60), "the first subscribe");
+    assert!(status.success(), "the follower reaches version 0");
+    let before = replica(&out);
+
+    // Version 1 is a real delta of a few MB; its manifest is rewritten to
+    // declare 10 GiB for it (the bucket's writer can).
+    publish(work.path(), 1..2);
+    let key = object_key(&url, 1, ObjectRole::Delta);
+    let manifest = work
+        .path()
+        .join("bucket/versions/00000000000000000001.json");
+    let mut m: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&manifest).unwrap()).unwrap();
+    for o in m["objects"].as_array_mut().unwrap() {
+        if o["key"] == key.as_str() {
+            o["size"] = FORGED.into();
+        }
+    }
+    std::fs::write(&manifest, serde_json::to_vec(&m).unwrap()).unwrap();
+
+    let mut child = once();
+    let (stdout, stderr) = (
+        drain(child.stdout.take().unwrap()),
+        drain(child.stderr.take().unwrap()),
+    );
+    let started = Instant::now();
+    let mut peak = 0;
+    let status = loop {
+        if let Some(p) = peak_rss(child.id()) {
+            peak = peak.max(p);
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(120) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("subscribe --once still running after 120 s (peak RSS {peak} bytes)");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let (stdout, stderr) = (stdout.join().unwrap(), stderr.join().unwrap());
+    assert!(
+        peak < 1 << 30,
+        "peak RSS {peak} bytes for a delta declared at {FORGED} bytes\n{stderr}"
+    );
+    // The version is refused, naming the object: a failure exit, or (a
+    // follower holding a verified version) the version quarantined.
+    assert!(
+        stderr.contains(&key) || stdout.contains(&key),
+        "the refusal does not name {key}:\n{stdout}\n{stderr}"
+    );
+    if status.success() {
+        let line: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+        assert_eq!(line["version"], 0, "{line}");
+        assert_eq!(line["quarantined"][0]["version"], 1, "{line}");
+    }
+    assert_eq!(replica(&out), before, "the replica changed");
+    eprintln!("peak RSS {peak} bytes for a delta declared at {FORGED} bytes ({status})");
 }

@@ -91,6 +91,7 @@ pub async fn run(command: Command) -> Result<()> {
             hook_timeout,
             hook_budget,
             sglang_pause_mode,
+            max_object_size,
             quiet,
         } => {
             let seconds = |v: f64, flag: &str| -> Result<std::time::Duration> {
@@ -119,7 +120,8 @@ pub async fn run(command: Command) -> Result<()> {
                 ..Default::default()
             };
             cfg.notify_url = advertise;
-            let mut store = weightcast::store::Store::open(&store)?;
+            let mut store =
+                weightcast::store::Store::open(&store)?.with_max_object_size(max_object_size);
             if !quiet {
                 store = store.with_download_progress(std::sync::Arc::new(crate::cli::Bars::new(
                     "downloading",
@@ -189,6 +191,7 @@ pub async fn run(command: Command) -> Result<()> {
             listen,
             keep_anchors,
             registration_max_age,
+            max_object_size,
         } => {
             if !(interval > 0.0 && interval.is_finite()) {
                 bail!("--interval must be a positive number of seconds");
@@ -213,7 +216,7 @@ pub async fn run(command: Command) -> Result<()> {
                     .collect();
                 weightcast::store::Store::open_with(url, &o)
             };
-            let from = open(&from, &from_option)?;
+            let from = open(&from, &from_option)?.with_max_object_size(max_object_size);
             let to = open(&to, &to_option)?;
             relay(
                 weightcast::relay::Relay::new(from, to, cfg),
