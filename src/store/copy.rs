@@ -139,6 +139,18 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(e, Error::NotFound(_)), "{e}");
+        // Over the reader's limit: refused before any read, naming the key.
+        let e = from
+            .clone()
+            .with_max_object_size(4)
+            .copy_verified(&to, "deltas/d", (5, &small), 2)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::TooLarge { key, size: 5, max: 4 } if key == "deltas/d"),
+            "{e}"
+        );
+        assert_eq!(to.head("deltas/d").await.unwrap(), None);
 
         from.copy_verified(&to, "anchors/a", (len as u64, &hash), 2)
             .await

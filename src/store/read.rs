@@ -330,3 +330,51 @@ impl Store {
         Ok(Some((size, hasher.finalize().to_hex().to_string())))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+
+    use crate::error::Error;
+    use crate::store::Store;
+
+    #[tokio::test]
+    async fn ranged_downloads_trust_no_declared_size() {
+        let store = Store::open("memory://").unwrap();
+        let body: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+        store.put("k", Bytes::from(body.clone())).await.unwrap();
+        let got = std::sync::Mutex::new(vec![0u8; body.len()]);
+        let sink = |at: u64, b: &[u8]| {
+            got.lock().unwrap()[at as usize..at as usize + b.len()].copy_from_slice(b);
+            Ok(())
+        };
+        let n = store
+            .download_ranges("k", body.len() as u64, 30_000, 3, sink)
+            .await
+            .unwrap();
+        assert_eq!(n, 4);
+        assert_eq!(*got.lock().unwrap(), body);
+        // Declared larger or smaller than stored: refused at the first
+        // answer, before any byte reaches the sink.
+        for declared in [10 << 30, body.len() as u64 - 1] {
+            let e = store
+                .download_ranges("k", declared, 30_000, 3, |_, _| {
+                    panic!("bytes of a mis-declared object were taken")
+                })
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(&e, Error::Integrity { scope, .. } if scope.contains("object k")),
+                "{e}"
+            );
+            assert!(e.to_string().contains("100000 bytes (as stored)"), "{e}");
+        }
+        // Over the reader's limit: refused before any request.
+        let small = store.clone().with_max_object_size(1000);
+        let e = small
+            .download_ranges("k", body.len() as u64, 30_000, 3, |_, _| Ok(()))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, Error::TooLarge { .. }), "{e}");
+    }
+}
