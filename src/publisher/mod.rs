@@ -367,6 +367,8 @@ impl Publisher {
                 // Another writer took the version: resync and try once more,
                 // as an anchor after the bucket's newest version.
                 tracing::warn!(version = next, "lost the commit race; resyncing");
+                // Nothing was committed: the retry may be stopped again.
+                self.gate.begin_publish()?;
                 self.snapshot = None;
                 let pos = self.position().await?;
                 let next = pos.next()?;
