@@ -1,8 +1,12 @@
-//! Crash points for fault-injection tests: `WEIGHTCAST_FAILPOINT=<name>` in
-//! the environment makes the process abort (as a `kill -9` would stop it: no
-//! unwinding, no flushing) when it reaches the point of that name. Unset, a
-//! point costs one cached lookup. The reliability suite drives the real
-//! binary through every point and checks that a restart recovers.
+//! Crash points for fault-injection tests: with the cargo feature
+//! `failpoints`, `WEIGHTCAST_FAILPOINT=<name>` in the environment makes the
+//! process abort (as a `kill -9` would stop it: no unwinding, no flushing)
+//! when it reaches the point of that name; unset, a point costs one cached
+//! lookup. Without the feature (the default: release binaries, the Python
+//! binding) [`hit`] is an empty function and the process reads no such
+//! variable. The reliability suite (`scripts/test.sh` builds it with
+//! `--features failpoints`) drives the real binary through every point and
+//! checks that a restart recovers.
 //!
 //! Points: `publisher.mid_upload` (the first object of a version uploaded,
 //! the rest not), `publisher.after_part` (a distributed rank's part written,
@@ -18,10 +22,10 @@
 //! recorded clean, `current` not switched), `subscriber.after_switch`
 //! (`current` switched, the journal not pruned).
 
-use std::sync::OnceLock;
-
 /// Aborts the process if `WEIGHTCAST_FAILPOINT` names `point`.
+#[cfg(feature = "failpoints")]
 pub fn hit(point: &str) {
+    use std::sync::OnceLock;
     static ARMED: OnceLock<Option<String>> = OnceLock::new();
     let armed = ARMED.get_or_init(|| std::env::var("WEIGHTCAST_FAILPOINT").ok());
     if armed.as_deref() == Some(point) {
@@ -29,3 +33,9 @@ pub fn hit(point: &str) {
         std::process::abort();
     }
 }
+
+/// Does nothing: this build has no crash points (enable the cargo feature
+/// `failpoints`).
+#[cfg(not(feature = "failpoints"))]
+#[inline(always)]
+pub fn hit(_point: &str) {}

@@ -22,6 +22,7 @@
 
 pub mod checkpoint;
 pub mod dist;
+mod gate;
 pub mod state;
 mod trl;
 
@@ -42,6 +43,7 @@ use crate::store::{ConditionalWrites, Source, Store};
 
 pub use checkpoint::{Checkpoint, CheckpointOptions, DEFAULT_EXCLUDES, FileSource};
 pub use dist::{DEFAULT_RANK_TIMEOUT, Distributed};
+pub use gate::CommitGate;
 use state::{Committed, FileDigests, Snapshot, State};
 
 /// When to write an anchor instead of a delta.
@@ -242,6 +244,8 @@ pub struct Publisher {
     /// Notifications being sent in the background (each: how many
     /// subscribers acknowledged).
     notifications: tokio::task::JoinSet<usize>,
+    /// Stops publishes before their commit (graceful shutdown).
+    gate: std::sync::Arc<CommitGate>,
 }
 
 impl Publisher {
@@ -277,7 +281,9 @@ impl Publisher {
                 crate::protocol::Layout::Weightcast => read_manifest(&s, version)
                     .await?
                     .is_some_and(|m| m.writer == writer),
-                crate::protocol::Layout::Trl => trl::token_present(&s, &writer).await?,
+                crate::protocol::Layout::Trl => {
+                    crate::protocol::trl::token_present(&s, &writer).await?
+                }
             };
             Ok(if ours {
                 Committed::Ours
@@ -292,6 +298,7 @@ impl Publisher {
             snapshot,
             state,
             notifications: tokio::task::JoinSet::new(),
+            gate: Default::default(),
         })
     }
 
@@ -317,8 +324,19 @@ impl Publisher {
         self.publish(cp, opts).await
     }
 
+    /// The gate that stops this publisher's publishes before their commit.
+    pub fn commit_gate(&self) -> std::sync::Arc<CommitGate> {
+        self.gate.clone()
+    }
+
+    /// Notifications still being sent in the background.
+    pub fn notifications_in_flight(&self) -> usize {
+        self.notifications.len()
+    }
+
     /// Publishes `cp` as the next version.
     pub async fn publish(&mut self, cp: Checkpoint, opts: &PublishOptions) -> Result<Published> {
+        self.gate.begin_publish()?;
         if self.cfg.layout == crate::protocol::Layout::Trl {
             return self.publish_trl(cp, opts).await;
         }
@@ -351,6 +369,8 @@ impl Publisher {
                 // Another writer took the version: resync and try once more,
                 // as an anchor after the bucket's newest version.
                 tracing::warn!(version = next, "lost the commit race; resyncing");
+                // Nothing was committed: the retry may be stopped again.
+                self.gate.begin_publish()?;
                 self.snapshot = None;
                 let pos = self.position().await?;
                 let next = pos.next()?;
@@ -848,7 +868,7 @@ impl Publisher {
                 blake3,
             });
         }
-        state::sync_dir(&next_dir)?;
+        crate::fsio::sync_dir(&next_dir)?;
         let bridged = !bridges.is_empty();
         let mut bridge_bytes = 0u64;
         for (name, d) in bridges {
@@ -972,6 +992,7 @@ impl Publisher {
     /// Commits a manifest and updates the hint. A distributed rank commits
     /// its share of the version with the other ranks' (see [`dist::commit`]).
     async fn commit(&self, manifest: &Manifest, cp: &Checkpoint) -> Result<()> {
+        self.gate.begin_commit()?;
         if let Some(d) = &self.cfg.distributed {
             let tensors = cp
                 .tensors

@@ -36,6 +36,7 @@ use serde::{Deserialize, Serialize};
 use crate::codec::apply_delta;
 use crate::digest::Digest;
 use crate::error::{Error, Result};
+use crate::fsio::{io_err, sync_dir, write_atomic};
 use crate::protocol::VersionKind;
 use crate::tensors::{Digests, TensorSet};
 
@@ -124,32 +125,6 @@ pub struct Snapshot {
     pub state: State,
     /// The snapshot's tensor files, mapped for writing, digests set.
     pub sets: BTreeMap<String, TensorSet>,
-}
-
-fn io_err(what: &str, p: &Path, e: std::io::Error) -> Error {
-    Error::io(format!("{what} {}", p.display()), e)
-}
-
-/// Writes `bytes` to `path` durably and atomically (temporary file, fsync,
-/// rename, fsync of the directory).
-pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    use std::io::Write;
-    let tmp = path.with_extension("tmp");
-    let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::File::create(&tmp)
-        .and_then(|mut f| {
-            f.write_all(bytes)?;
-            f.sync_all()
-        })
-        .map_err(|e| io_err("writing", &tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| io_err("renaming", &tmp, e))?;
-    sync_dir(dir)
-}
-
-pub(crate) fn sync_dir(p: &Path) -> Result<()> {
-    std::fs::File::open(p)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| io_err("syncing directory", p, e))
 }
 
 impl Snapshot {

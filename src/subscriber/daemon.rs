@@ -270,6 +270,10 @@ pub async fn run(
         };
         match done {
             None => {
+                tracing::warn!(
+                    "stopping mid-iteration: the update or hook in progress is abandoned; the \
+                     next start continues from the verified version"
+                );
                 d.sub.sink.abort();
                 return Ok(());
             }

@@ -44,6 +44,10 @@ fn checkpoint(g: &Generator, dir: &Path) -> std::path::PathBuf {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "failpoints"),
+    ignore = "needs --features failpoints (scripts/test.sh enables it)"
+)]
 fn a_publisher_killed_at_any_commit_phase_recovers() {
     for point in [
         "publisher.before_commit",

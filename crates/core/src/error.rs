@@ -216,6 +216,12 @@ pub enum Error {
         source: Box<dyn std::error::Error + Send + Sync>,
     },
 
+    /// The operation cannot be done now and was not done (the daemon is
+    /// shutting down, a bounded wait ran out); retrying later can succeed.
+    /// The message says what was not done.
+    #[error("unavailable: {0}")]
+    Unavailable(String),
+
     /// A bucket object is larger than the reader accepts for it.
     #[error("object `{key}` is {size} bytes, more than the {max} accepted for it")]
     TooLarge {
@@ -256,6 +262,7 @@ impl Error {
             Error::NotFound(_) => ErrorKind::NotFound,
             Error::Conflict(_) => ErrorKind::Precondition,
             Error::Store { kind, .. } => *kind,
+            Error::Unavailable(_) => ErrorKind::Unavailable,
             Error::Io { source, .. } => match source.kind() {
                 std::io::ErrorKind::NotFound => ErrorKind::NotFound,
                 _ => ErrorKind::Io,

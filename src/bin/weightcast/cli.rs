@@ -129,6 +129,12 @@ pub enum Command {
         /// Only checkpoints under this directory may be published.
         #[arg(long)]
         checkpoint_root: PathBuf,
+        /// On SIGTERM/SIGINT: seconds a publish in flight may go on (new
+        /// requests are answered 503 meanwhile); after it, a publish that has
+        /// not begun its commit is stopped (503, nothing committed) and one
+        /// committing is finished.
+        #[arg(long, default_value_t = 30.0)]
+        shutdown_grace: f64,
         #[command(flatten)]
         ranks: RankOpts,
         #[command(flatten)]
@@ -189,6 +195,11 @@ pub enum Command {
         /// kept, their KV cache recomputed with the new weights) or in_place.
         #[arg(long, default_value = "retract")]
         sglang_pause_mode: weightcast::hooks::SglangPause,
+        /// The largest object read from the bucket, in memory or into a file
+        /// (e.g. 64G, 512M, or bytes): an object a manifest declares larger
+        /// is refused before any request, naming it.
+        #[arg(long, default_value = "64G", value_parser = byte_size)]
+        max_object_size: u64,
         /// No download progress bar (it is drawn only when stderr is a
         /// terminal).
         #[arg(long, short)]
@@ -240,6 +251,10 @@ pub enum Command {
         /// nothing (0: ignore registrations).
         #[arg(long, default_value_t = 86400)]
         registration_max_age: u64,
+        /// The largest object copied (e.g. 64G, 512M, or bytes): an origin
+        /// object its manifest declares larger is refused before any read.
+        #[arg(long, default_value = "64G", value_parser = byte_size)]
+        max_object_size: u64,
     },
     /// Retention: keep the newest K anchors and every version after the oldest
     /// of them, plus the deltas registered lagging subscribers still replay;
@@ -554,5 +569,41 @@ fn key_value(s: &str) -> Result<(String, String), String> {
         _ => Err(format!(
             "`{s}` is not KEY=VALUE (e.g. aws_endpoint=http://127.0.0.1:9000)"
         )),
+    }
+}
+
+/// A size in bytes: a number, optionally with a binary suffix `K`, `M`, `G`
+/// or `T` (KiB, MiB, GiB, TiB; `KiB`… and `KB`… read the same).
+pub fn byte_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (n, unit) = t.split_at(digits);
+    let shift = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 0,
+        "K" | "KB" | "KIB" => 10,
+        "M" | "MB" | "MIB" => 20,
+        "G" | "GB" | "GIB" => 30,
+        "T" | "TB" | "TIB" => 40,
+        _ => return Err(format!("`{s}` is not a size (e.g. 64G, 512M, 1073741824)")),
+    };
+    n.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(1 << shift))
+        .filter(|n| *n > 0)
+        .ok_or_else(|| format!("`{s}` is not a size above 0 (e.g. 64G, 512M, 1073741824)"))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn sizes_parse_with_binary_suffixes() {
+        use super::byte_size;
+        assert_eq!(byte_size("1024"), Ok(1024));
+        assert_eq!(byte_size("64G"), Ok(64 << 30));
+        assert_eq!(byte_size("512MiB"), Ok(512 << 20));
+        assert_eq!(byte_size("2t"), Ok(2 << 40));
+        for bad in ["", "0", "G", "1.5G", "12X", "99999999999T"] {
+            assert!(byte_size(bad).is_err(), "{bad}");
+        }
     }
 }

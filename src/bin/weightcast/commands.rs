@@ -4,6 +4,10 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+/// The allocator, counted, so `bench` can report peak heap use.
+#[global_allocator]
+static ALLOC: peak_alloc::PeakAlloc = peak_alloc::PeakAlloc;
+
 use anyhow::{Context, Result, bail};
 use weightcast::bench::{BenchConfig, MemProbe};
 use weightcast::codec::{self, DeltaOptions};
@@ -91,6 +95,7 @@ pub async fn run(command: Command) -> Result<()> {
             hook_timeout,
             hook_budget,
             sglang_pause_mode,
+            max_object_size,
             quiet,
         } => {
             let seconds = |v: f64, flag: &str| -> Result<std::time::Duration> {
@@ -119,7 +124,8 @@ pub async fn run(command: Command) -> Result<()> {
                 ..Default::default()
             };
             cfg.notify_url = advertise;
-            let mut store = weightcast::store::Store::open(&store)?;
+            let mut store =
+                weightcast::store::Store::open(&store)?.with_max_object_size(max_object_size);
             if !quiet {
                 store = store.with_download_progress(std::sync::Arc::new(crate::cli::Bars::new(
                     "downloading",
@@ -135,9 +141,14 @@ pub async fn run(command: Command) -> Result<()> {
             listen,
             token,
             checkpoint_root,
+            shutdown_grace,
             ranks,
             opts,
         } => {
+            if !(shutdown_grace >= 0.0 && shutdown_grace.is_finite()) {
+                bail!("--shutdown-grace must be a number of seconds, 0 or more");
+            }
+            let grace = std::time::Duration::from_secs_f64(shutdown_grace);
             // First, so a signal during start-up is honoured once it is up
             // instead of killing the process half-way through opening.
             let stop = shutdown()?;
@@ -153,7 +164,23 @@ pub async fn run(command: Command) -> Result<()> {
                 .await
                 .with_context(|| format!("binding {listen}"))?;
             tracing::info!(addr = %listener.local_addr()?, "serving POST /v1/publish");
-            weightcast::http::publisher::serve(listener, shared, stop).await?;
+            weightcast::http::publisher::serve_with_grace(listener, shared.clone(), stop, grace)
+                .await?;
+            // Notifications of the last versions may still be on their way.
+            let mut p = shared.publisher.lock().await;
+            let pending = p.notifications_in_flight();
+            if pending > 0 {
+                let wait = grace.max(std::time::Duration::from_secs(1));
+                match tokio::time::timeout(wait, p.notifications_settled()).await {
+                    Ok(acknowledged) => tracing::info!(acknowledged, "notifications sent"),
+                    Err(_) => tracing::warn!(
+                        abandoned = p.notifications_in_flight(),
+                        "shutdown: abandoning notifications still being sent; those \
+                         subscribers find the version at their next poll"
+                    ),
+                }
+            }
+            tracing::info!("stopped");
             Ok(())
         }
         Command::Relay {
@@ -168,6 +195,7 @@ pub async fn run(command: Command) -> Result<()> {
             listen,
             keep_anchors,
             registration_max_age,
+            max_object_size,
         } => {
             if !(interval > 0.0 && interval.is_finite()) {
                 bail!("--interval must be a positive number of seconds");
@@ -192,7 +220,7 @@ pub async fn run(command: Command) -> Result<()> {
                     .collect();
                 weightcast::store::Store::open_with(url, &o)
             };
-            let from = open(&from, &from_option)?;
+            let from = open(&from, &from_option)?.with_max_object_size(max_object_size);
             let to = open(&to, &to_option)?;
             relay(
                 weightcast::relay::Relay::new(from, to, cfg),
@@ -358,13 +386,13 @@ struct AllocProbe;
 
 impl MemProbe for AllocProbe {
     fn current(&self) -> u64 {
-        crate::ALLOC.current_usage() as u64
+        ALLOC.current_usage() as u64
     }
     fn peak(&self) -> u64 {
-        crate::ALLOC.peak_usage() as u64
+        ALLOC.peak_usage() as u64
     }
     fn reset_peak(&self) {
-        crate::ALLOC.reset_peak_usage();
+        ALLOC.reset_peak_usage();
     }
 }
 

@@ -9,13 +9,8 @@ mod cli;
 mod commands;
 
 use clap::Parser;
-use peak_alloc::PeakAlloc;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
-
-/// The allocator, counted, so `bench` can report peak heap use.
-#[global_allocator]
-static ALLOC: PeakAlloc = PeakAlloc;
 
 /// The exit code for a failure: the library's error kind decides, 1 for
 /// anything else (bad flags, the binary's own checks).
@@ -112,6 +107,9 @@ fn release_freed_memory() -> bool {
     }
 }
 
+/// How long the runtime waits for its blocking tasks once a command is done.
+const RUNTIME_SHUTDOWN: std::time::Duration = std::time::Duration::from_secs(2);
+
 fn main() {
     release_freed_memory();
     let cli = cli::Cli::parse();
@@ -138,7 +136,13 @@ fn main() {
         .enable_all()
         .build()
         .map_err(anyhow::Error::from)
-        .and_then(|rt| rt.block_on(commands::run(cli.command)));
+        .and_then(|rt| {
+            let result = rt.block_on(commands::run(cli.command));
+            // A blocking task that never returns (a read stuck on a file
+            // system) must not keep a stopped daemon alive: it is abandoned.
+            rt.shutdown_timeout(RUNTIME_SHUTDOWN);
+            result
+        });
     if let Err(e) = result {
         eprintln!("Error: {e:#}");
         std::process::exit(exit_code(&e));
