@@ -40,7 +40,9 @@ from ._errors import (
     NotFound,
     Unavailable,
 )
-from ._tensors import Raw, from_bytes, group_files, is_torch, lend, lend_all, on_cpu, word_view
+from ._tensors import (
+    Raw, from_bytes, group_files, is_torch, lend, lend_all, on_cpu, untie, word_view,
+)
 
 __all__ = [
     "Publisher",
@@ -122,6 +124,7 @@ class Publisher:
         )
         # Pinned host buffers reused for CUDA tensors, by (file, name).
         self._staging: Dict[Tuple[str, str], Any] = {}
+        self._tied: Dict[str, Dict[str, str]] = {}
 
     @property
     def version(self) -> Optional[int]:
@@ -174,6 +177,13 @@ class Publisher:
         synced = False
         for file, group in groups.items():
             lst = []
+            group, tied = untie(group)
+            if tied and tied != self._tied.get(file):
+                # Published once, under the first name: writing it in an
+                # engine whose names share the storage writes them all.
+                logger.info("%s: tied tensors published once: %s", file,
+                            ", ".join(f"{a} -> {k}" for a, k in sorted(tied.items())))
+                self._tied[file] = tied
             for name, t in group.items():
                 if not on_cpu(t):
                     t = self._host(file, str(name), t)
@@ -274,7 +284,7 @@ class Update:
         ``changed_tensors``, ``seconds``). The subscriber's version advances
         only when this succeeds.
         """
-        params = _as_mapping(params)
+        params = self._untied(params)
         started = time.perf_counter()
         via = self._via(params, via)
         if via == "buffers":
@@ -299,7 +309,7 @@ class Update:
         Holds about 6 bytes per changed bf16 element until the commit.
         Returns False when there was nothing to do ahead (an anchor, a
         TRL-encoded delta): :meth:`commit` then applies it whole."""
-        params = _as_mapping(params)
+        params = self._untied(params)
         via = self._via(params, via)
         ready, staged = False, None
         if self.kind == "delta" and via == "buffers":
@@ -334,6 +344,12 @@ class Update:
             report = self._write_staged(*staged)
         self._prepared = None  # a refused commit can be retried
         return self._applied_report(report, via, params, started)
+
+    def _untied(self, params: Union[Tensors, Any]) -> Tensors:
+        """``params`` with one name per storage (tied weights): the name this
+        update writes is kept, so writing it writes every name of its
+        storage."""
+        return untie(_as_mapping(params), set(self.tensor_names()))[0]
 
     def _via(self, params: Tensors, via: str) -> str:
         if via not in ("auto", "buffers", "scatter"):

@@ -49,6 +49,7 @@ use crate::tensors::{ExternalBuffer, TensorSet};
 
 use super::sink::{AnchorDest, AnchorObject, MemorySink, Produced, Sink, check_version};
 use super::step::{CaughtUp, Subscriber};
+use super::update::StepOptions;
 
 /// A tensor the caller lends for one call: name, dtype, shape and memory.
 pub struct LentTensor {
@@ -292,6 +293,15 @@ impl LentSink {
             Some(Work::Replay(r)) => &r.deltas,
             _ => &[],
         }
+    }
+
+    /// The bytes of tensor `name` of the staged anchor.
+    pub fn staged_tensor(&self, name: &str) -> Result<&[u8]> {
+        self.staged_tensors()
+            .into_iter()
+            .flat_map(|m| m.values())
+            .find_map(|set| set.position(name).map(|i| set.data(i)))
+            .ok_or_else(|| Error::NotFound(format!("tensor `{name}` is not in the staged anchor")))
     }
 
     /// The staged anchor's tensor files (empty for a delta).
@@ -727,11 +737,24 @@ impl LentSink {
                 let mut pairs = Vec::with_capacity(index.len());
                 for (name, (set, i)) in &index {
                     let t = &set.tensors()[*i];
-                    let k = *by_name.get(name).ok_or_else(|| {
-                        Error::BadRequest(format!(
+                    let Some(&k) = by_name.get(name) else {
+                        // A tied copy (the same bytes under another name
+                        // given: one storage in the engine) is written
+                        // with it.
+                        let tied = index.iter().any(|(other, (s, j))| {
+                            let o = &s.tensors()[*j];
+                            other != name
+                                && by_name.contains_key(other)
+                                && (o.dtype, &o.shape, o.digest) == (t.dtype, &t.shape, t.digest)
+                                && s.data(*j) == set.data(*i)
+                        });
+                        if tied {
+                            continue;
+                        }
+                        return Err(Error::BadRequest(format!(
                             "tensor `{name}` of version {version} is not among the tensors given"
-                        ))
-                    })?;
+                        )));
+                    };
                     let l = &tensors[k];
                     if (l.dtype, &l.shape) != (t.dtype, &t.shape) {
                         return Err(Error::BaseMismatch(format!(
@@ -830,7 +853,118 @@ impl LentSink {
     }
 }
 
+/// An update staged for the caller's tensors, described.
+#[derive(Clone, Debug)]
+pub struct StagedUpdate {
+    /// The version it produces.
+    pub version: u64,
+    /// The version a delta applies to (`None`: an anchor).
+    pub base: Option<u64>,
+    /// `delta` or `anchor`.
+    pub kind: &'static str,
+    /// Bytes it holds: a delta's objects, an anchor's decoded tensors.
+    pub nbytes: u64,
+    /// (name, dtype, shape) of every tensor it writes.
+    pub writes: Vec<(String, Dtype, Vec<usize>)>,
+    /// The non-tensor files: every one for an anchor, the changed ones for a
+    /// delta.
+    pub files: Vec<(String, Bytes)>,
+}
+
+/// What [`LentSink::verify`] found, as a report.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Verified {
+    /// The version checked against.
+    pub version: Option<u64>,
+    /// Tensors whose full digest matched.
+    pub checked: usize,
+    /// Tensors given that the version does not record.
+    pub unknown: Vec<String>,
+    /// Tensors the version records that were not given.
+    pub not_given: Vec<String>,
+}
+
 impl Subscriber<LentSink> {
+    /// The next update, staged ([`Subscriber::next_update`] then
+    /// [`Subscriber::stage`]) and described; `None` when nothing is new.
+    pub async fn next_staged(&mut self, opts: &StepOptions) -> Result<Option<StagedUpdate>> {
+        let Some(u) = self.next_update(opts).await? else {
+            return Ok(None);
+        };
+        let base = u.base;
+        self.stage(u).await?;
+        let version = self.staged().expect("staged above");
+        let sink = &self.sink;
+        let nbytes = match sink.staged_tensors() {
+            Some(sets) => sets.values().map(|s| s.total_bytes()).sum(),
+            None => sink.staged_deltas().iter().map(|d| d.1.len() as u64).sum(),
+        };
+        Ok(Some(StagedUpdate {
+            version,
+            base: base.filter(|_| sink.staged_kind() == Some("delta")),
+            kind: sink.staged_kind().unwrap_or("delta"),
+            nbytes,
+            writes: sink.staged_writes()?,
+            files: sink
+                .staged_files()
+                .into_iter()
+                .map(|(n, b)| (n.to_string(), Bytes::copy_from_slice(b)))
+                .collect(),
+        }))
+    }
+
+    /// [`LentSink::prepare`]; tensors that fail verification make the next
+    /// update an anchor.
+    pub fn prepare(&mut self, tensors: &mut [LentTensor]) -> Result<bool> {
+        let r = self.sink.prepare(tensors);
+        if r.as_ref()
+            .is_err_and(|e| e.kind() == crate::error::ErrorKind::Corrupt)
+        {
+            self.distrust_held();
+        }
+        r
+    }
+
+    /// [`LentSink::resolve`]; old values that fail verification make the
+    /// next update an anchor.
+    pub fn resolve(&mut self, gather: &mut Gather<'_>) -> Result<Vec<Resolved>> {
+        let r = self.sink.resolve(gather);
+        if r.as_ref()
+            .is_err_and(|e| e.kind() == crate::error::ErrorKind::Corrupt)
+        {
+            self.distrust_held();
+        }
+        r
+    }
+
+    /// Records the held version in a subscriber endpoint's status
+    /// (`/v1/status`, `/metrics`).
+    pub fn report_to(&self, status: &super::status::Shared) {
+        if let Ok(mut s) = status.status.lock() {
+            let version = self.sink.held();
+            if s.version != version {
+                s.versions_applied += 1;
+            }
+            s.version = version;
+            s.newest = self.newest();
+            s.lag = s.newest.zip(s.version).map(|(n, v)| n.saturating_sub(v));
+            s.quarantined = self.quarantined();
+            s.store_requests = self.fetcher.requests();
+        }
+    }
+
+    /// Checks whole tensors against the digests recorded for the held
+    /// version ([`LentSink::verify`]).
+    pub fn verify(&self, tensors: &[LentTensor]) -> Result<Verified> {
+        let (checked, unknown, not_given) = self.sink.verify(tensors)?;
+        Ok(Verified {
+            version: self.sink.held(),
+            checked: checked.len(),
+            unknown,
+            not_given,
+        })
+    }
+
     /// Commits the staged update into `tensors`, lent for this call, and
     /// gives them back, whatever the outcome (nothing keeps them). With
     /// `single_pass`, a delta onto one whole tensor file with recorded

@@ -820,6 +820,25 @@ impl<S: Sink> Subscriber<S> {
         );
     }
 
+    /// Materializes `version` in the output directory `dir` (created) as
+    /// `weightcast subscribe --out DIR` does: a subscriber over the same
+    /// store, with a directory sink of `slots` slots, brought to exactly that
+    /// version ([`Subscriber::catch_up_to`]).
+    pub async fn save_to(
+        &self,
+        dir: &std::path::Path,
+        slots: usize,
+        version: u64,
+    ) -> Result<CaughtUp> {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+        let sink = super::dir::DirSink::open(dir, slots)?;
+        let source = VersionSource::new(Duration::from_secs(1), 0.0);
+        let mut sub = Subscriber::new(self.fetcher.clone(), source, sink);
+        sub.follow(self.log);
+        sub.catch_up_to(version).await
+    }
+
     /// Brings the sink to exactly version `target` (committed in the bucket),
     /// newer or older than what it holds: a replay when that is cheaper,
     /// otherwise from the anchor, verified and repaired as
