@@ -1,0 +1,131 @@
+"""A tensor-parallel engine follows a bucket in place (issue #26): 2 and 4
+worker processes (``torch.distributed`` with gloo) hold a Llama-like model
+with an MoE layer in vLLM's layout (fused ``qkv_proj`` and ``gate_up_proj``,
+column and row shards, KV heads replicated across ranks, padded vocabulary
+shards, stacked experts; ``vllm_standin.py``). They follow published
+versions of real AdamW steps through :class:`weightcast.node.TensorParallelFollower`:
+
+- at every version each rank's parameters are bit-identical to a fresh
+  load of that version through the engine's own loader, sharded the same
+  way;
+- only the node's rank reads the bucket, each version once;
+- a rank made to fail in prepare leaves every rank on the previous
+  version, reported; the hand-off removed under the followers is detected
+  and rebuilt; the version then goes through.
+"""
+
+import json
+import os
+import socket
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+VERSIONS = 6  # an anchor and five deltas
+
+
+def _worker(rank, world, url, state, root, init, out):
+    import torch.distributed as dist
+
+    import weightcast
+    from vllm_standin import Config, Engine, Trainer
+    from weightcast.node import TensorParallelFollower
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    c = Config()
+    engine = Engine(c, world, rank)
+    params = dict(engine.named_parameters())
+    injected = set()
+
+    def fail(h):
+        # Rank 1 fails version 3 once; at version 4 the hand-off is removed
+        # under every rank (the node's shared memory cleaned up).
+        if rank == 1 and h.version == 3 and "fail" not in injected:
+            injected.add("fail")
+            raise RuntimeError("injected failure in prepare")
+        if rank == 1 and h.version == 4 and h.op == "patch" and "gone" not in injected:
+            injected.add("gone")
+            import shutil
+
+            shutil.rmtree(h.patch)
+
+    follower = TensorParallelFollower(url if rank == 0 else None, params, engine.load_weights,
+                                      root=root, fail_prepare=fail)
+    trainer = Trainer(c) if rank == 0 else None
+    pub = weightcast.Publisher(url, state_dir=state, anchor_every=100) if rank == 0 else None
+    events = []
+    for v in range(VERSIONS):
+        if rank == 0:
+            if v:
+                trainer.step()
+            truth = trainer.state()
+            assert pub.publish(truth, step=v)["version"] == v
+            torch.save(truth, os.path.join(out, f"truth-{v}.pt"))
+        dist.barrier()
+        for _ in range(4):
+            r = follower.step()
+            events.append([r.op, r.version, r.committed, r.versions, r.failures])
+            assert r.consistent(), r
+            if r.committed and r.version == v:
+                break
+        else:
+            raise AssertionError(f"rank {rank}: version {v} never committed: {events}")
+        truth = torch.load(os.path.join(out, f"truth-{v}.pt"))
+        fresh = Engine(c, world, rank)
+        fresh.load_weights(iter(truth.items()))
+        for name, p in fresh.named_parameters():
+            got = params[name].data.view(-1).view(torch.int16)
+            assert torch.equal(got, p.data.view(-1).view(torch.int16)), f"{name} at version {v}"
+    report = {"events": events}
+    if rank == 0:
+        report["downloaded"] = follower.node.downloaded
+    else:
+        assert follower.node is None, "only the node's rank reads the bucket"
+    with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_follow_in_place_bit_identically_and_commit_together(bucket, tmp_path, world):
+    import torch.multiprocessing as mp
+
+    url, state = bucket
+    root = f"/dev/shm/weightcast-test-{os.getpid()}-{world}"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init = f"tcp://127.0.0.1:{port}"
+    try:
+        mp.spawn(_worker, args=(world, url, state, root, init, str(tmp_path)), nprocs=world,
+                 join=True)
+    finally:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+    reports = [json.load(open(tmp_path / f"rank-{r}.json")) for r in range(world)]
+    events = reports[0]["events"]
+    # Every rank saw the same steps.
+    assert all(r["events"] == events for r in reports), reports
+    # The injected failure: nobody committed version 3 at first, the
+    # failing rank is named, every rank stayed at 2; then 3 went through.
+    fail = [e for e in events if e[1] == 3 and not e[2]]
+    assert fail and fail[0][3] == [2] * world, events
+    assert "injected failure" in fail[0][4][1] and all(
+        f is None for i, f in enumerate(fail[0][4]) if i != 1), events
+    # The hand-off removed under the followers: refused, the ranks repaired
+    # from the node's host copy, version 4 then committed.
+    gone = [e for e in events if e[1] == 4 and not e[2]]
+    assert gone and "Corrupt" in gone[0][4][1], events
+    assert any(e[0] == "load" and e[1] == 3 and e[2] for e in events), events
+    # One download per version for the node: the failures retried the same
+    # downloaded update.
+    downloaded = reports[0]["downloaded"]
+    assert sorted(int(v) for v in downloaded) == list(range(VERSIONS)), downloaded
+    assert all(n == 1 for n, _ in downloaded.values()), downloaded
+    committed = [e[1] for e in events if e[2] and e[0] == "patch"]
+    assert committed == list(range(1, VERSIONS)), events
