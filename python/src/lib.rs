@@ -410,6 +410,22 @@ impl NativeSubscriber {
         .py()
     }
 
+    /// Records the version each rank of a tensor-parallel engine holds in
+    /// the endpoint's status and metrics (different versions are an error
+    /// there); nothing when not listening.
+    fn report_ranks(&self, py: Python<'_>, versions: Vec<Option<u64>>) -> PyResult<()> {
+        py.detach(|| {
+            let st = lock(&self.state)?;
+            if let Some(sh) = &st.shared
+                && let Ok(mut s) = sh.status.lock()
+            {
+                s.record_ranks(versions);
+            }
+            Ok(())
+        })
+        .py()
+    }
+
     /// Checks every tensor given against the digest recorded for the held
     /// version (a full pass over each); returns `{"version", "checked",
     /// "unknown", "not_given"}` as JSON, or raises `Corrupt` naming the first

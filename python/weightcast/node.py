@@ -507,6 +507,8 @@ class TensorParallelFollower:
                                prepared - started, time.perf_counter() - prepared)
         if not self.last.consistent():
             logger.error("ranks hold different versions: %s", versions)
+        if self.node is not None:
+            self.node.subscriber._native.report_ranks(versions)
         return self.last
 
     def _version(self) -> Optional[int]:

@@ -349,6 +349,16 @@ impl prometheus_client::collector::Collector for Metrics {
             "Versions that could not be verified and are skipped (retried with backoff).",
             s.quarantined.len() as u64,
         )?;
+        m.gauge(
+            "weightcast_ranks",
+            "Ranks of a tensor-parallel engine this node subscriber follows for (0: not one).",
+            s.rank_versions.len() as u64,
+        )?;
+        m.gauge(
+            "weightcast_ranks_inconsistent",
+            "1 when the engine's ranks hold different versions (an error), else 0.",
+            u64::from(s.ranks_differ()),
+        )?;
         let healthy = s.last_error.is_none() && s.last_hook_error.is_none();
         m.gauge(
             "weightcast_healthy",

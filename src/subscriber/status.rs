@@ -52,6 +52,35 @@ pub struct Status {
     /// Versions that could not be verified and are skipped (retried with
     /// backoff), newest first.
     pub quarantined: Vec<crate::subscriber::Quarantined>,
+    /// The version each rank of a tensor-parallel engine holds, by rank,
+    /// when one node subscriber follows for all of them (empty otherwise).
+    /// Ranks that differ are an error (`last_error`, `/healthz` 503).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub rank_versions: Vec<Option<u64>>,
+}
+
+impl Status {
+    /// Records the version each rank holds; ranks that differ are reported
+    /// as the last error (cleared when they agree again).
+    pub fn record_ranks(&mut self, versions: Vec<Option<u64>>) {
+        let differ = versions.windows(2).any(|w| w[0] != w[1]);
+        const PREFIX: &str = "ranks hold different versions";
+        if differ {
+            self.last_error = Some(format!("{PREFIX}: {versions:?}"));
+        } else if self
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.starts_with(PREFIX))
+        {
+            self.last_error = None;
+        }
+        self.rank_versions = versions;
+    }
+
+    /// Whether the ranks reported hold different versions.
+    pub fn ranks_differ(&self) -> bool {
+        self.rank_versions.windows(2).any(|w| w[0] != w[1])
+    }
 }
 
 /// State shared by the HTTP handlers and the catch-up loop.
@@ -80,5 +109,31 @@ impl Shared {
             store_url: store_url.into(),
             seen: Mutex::new(std::collections::VecDeque::new()),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_on_different_versions_are_an_error_until_they_agree() {
+        let mut s = Status::default();
+        s.record_ranks(vec![Some(3), Some(3)]);
+        assert!(!s.ranks_differ() && s.last_error.is_none());
+        s.record_ranks(vec![Some(3), Some(2), Some(3)]);
+        assert!(s.ranks_differ());
+        assert!(
+            s.last_error
+                .as_deref()
+                .unwrap()
+                .contains("[Some(3), Some(2), Some(3)]")
+        );
+        s.record_ranks(vec![Some(4), Some(4), Some(4)]);
+        assert!(!s.ranks_differ() && s.last_error.is_none());
+        // Another error stays.
+        s.last_error = Some("the store is unreachable".into());
+        s.record_ranks(vec![Some(4), Some(4)]);
+        assert_eq!(s.last_error.as_deref(), Some("the store is unreachable"));
     }
 }

@@ -152,6 +152,14 @@ const HELP: &[(&str, &str)] = &[
         "Versions that could not be verified and are skipped (retried with backoff).",
     ),
     (
+        "weightcast_ranks",
+        "Ranks of a tensor-parallel engine this node subscriber follows for (0: not one).",
+    ),
+    (
+        "weightcast_ranks_inconsistent",
+        "1 when the engine's ranks hold different versions (an error), else 0.",
+    ),
+    (
         "weightcast_healthy",
         "1 when healthy, 0 when /healthz answers 503.",
     ),
