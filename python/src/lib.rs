@@ -508,6 +508,18 @@ impl NativeUpdate {
         Ok(PyByteArray::new(py, &bytes))
     }
 
+    /// Where the staged anchor's tensor `name` is: (address, bytes). Valid
+    /// while this update is staged (until it is committed or replaced); the
+    /// package reads it in place to copy it onto device tensors.
+    fn tensor_address(&self, py: Python<'_>, name: &str) -> PyResult<(usize, usize)> {
+        py.detach(|| {
+            let st = self.staged()?;
+            let b = st.sub.sink.staged_tensor(name)?;
+            Ok((b.as_ptr() as usize, b.len()))
+        })
+        .py()
+    }
+
     /// Commits the update into CPU tensors in place (GIL released): a delta
     /// verified then written (nothing is written unless every changed
     /// element holds its base value), an anchor copied (every tensor present

@@ -452,13 +452,20 @@ class Update:
             if (dtype_of(name, t), shape_of(t)) != (dtype, list(shape)):
                 raise BaseMismatch(f"tensor `{name}` is {dtype_of(name, t)} {shape_of(t)}, "
                                    f"version {self.version} has {dtype} {list(shape)}")
+        import ctypes
+
         for name, dtype, shape in info:
             t = params[name]
-            src = from_bytes(self._native.tensor_bytes(name), dtype, list(shape), is_torch(t))
+            # The staged anchor's memory read in place (no copy on the host):
+            # valid until this update is committed, which follows.
+            at, n = self._native.tensor_address(name)
+            buf = (ctypes.c_uint8 * n).from_address(at) if n else bytearray()
+            src = from_bytes(buf, dtype, list(shape), is_torch(t))
             if is_torch(t):
                 t.detach().copy_(src)
             else:
                 word_view(name, t, 1)[:] = word_view(name, src, 1)
+            del src, buf
         self._native.commit_resolved()
         return {
             "version": self.version,

@@ -53,7 +53,7 @@ from . import Subscriber, Update
 from ._errors import BadRequest, BaseMismatch, Corrupt
 from ._tensors import _DTYPE_BYTES, _WORDS_NUMPY, Raw
 from .shard import Mapping as ShardMap
-from .shard import probe
+from .shard import copy_runs, probe
 
 logger = logging.getLogger("weightcast.node")
 
@@ -146,6 +146,7 @@ class NodeFollower:
         self.subscriber = Subscriber(store_url, **subscriber_options)
         self.update: Optional[Update] = None
         self._resolved: Optional[List[Any]] = None
+        self._old: Dict[str, np.ndarray] = {}
         # A hand-off some rank could not prepare: tried again, not downloaded again.
         self.pending: Optional[Handoff] = None
         # Per version: (downloads, bytes) — one download per version per node.
@@ -194,18 +195,21 @@ class NodeFollower:
         """Resolves a delta against the host copy (verified, O(changed)) and
         writes the node's one patch: per changed tensor, positions, old and
         new words."""
-        arrays = self.host.arrays(writable=False)
+        arrays = {k: np.asarray(v) for k, v in self.host.arrays(writable=False).items()}
+        self._old: Dict[str, np.ndarray] = {}
 
         def gather(name: str, positions: bytes, pw: int, wb: int) -> bytes:
             pos = np.frombuffer(positions, dtype=np.uint32 if pw == 4 else np.uint64)
-            return arrays[name][pos.astype(np.intp)].tobytes()
+            old = arrays[name][pos.astype(np.intp)]
+            self._old[name] = old
+            return old.tobytes()
 
         self._resolved = u._native.resolve_all(gather)
         self.pending = self._write_patch(u, self._resolved)
         return self.pending
 
     def _write_patch(self, u: Update, resolved: List[Any]) -> Handoff:
-        arrays = self.host.arrays(writable=False)
+        arrays = {k: np.asarray(v) for k, v in self.host.arrays(writable=False).items()}
         vdir = self.root / f"v{u.version}"
         shutil.rmtree(vdir, ignore_errors=True)
         vdir.mkdir(parents=True)
@@ -214,7 +218,9 @@ class NodeFollower:
         with open(blob, "wb") as f:
             for name, pos, pw, new, wb in resolved:
                 p = np.frombuffer(pos, dtype=np.uint32 if pw == 4 else np.uint64).astype(np.int64)
-                old = arrays[name][p.astype(np.intp)]
+                old = self._old.get(name)
+                if old is None or old.size != p.size:
+                    old = arrays[name][p.astype(np.intp)]
                 entry = {"n": int(p.size), "wb": wb}
                 for part, b in (("pos", p.tobytes()), ("old", old.tobytes()), ("new", new)):
                     entry[part] = off
@@ -232,7 +238,7 @@ class NodeFollower:
         if h.op == "patch":
             self.pending = None
             assert self.update is not None and self._resolved is not None
-            arrays = self.host.arrays(writable=True)
+            arrays = {k: np.asarray(v) for k, v in self.host.arrays(writable=True).items()}
             for name, pos, pw, new, wb in self._resolved:
                 p = np.frombuffer(pos, dtype=np.uint32 if pw == 4 else np.uint64).astype(np.intp)
                 arrays[name][p] = np.frombuffer(new, dtype=_WORDS_NUMPY[wb])
@@ -264,6 +270,7 @@ class RankFollower:
         self._memory = {n: (t.data_ptr(), t.numel()) for n, t in self.params.items()}
         self._fingerprint = mapping.fingerprint()
         self._staged: Optional[Tuple[Handoff, List[Tuple[Any, Any, Any]]]] = None
+        self.commit_seconds = 0.0
 
     def _words(self, name: str) -> Any:
         from ._tensors import word_view
@@ -296,26 +303,27 @@ class RankFollower:
         _ = torch
 
     def _stage_load(self) -> List[Tuple[Any, Any, Any]]:
-        torch = _torch()
-        arrays = self.host.arrays(writable=False)
-        staged = []
-        for cname, runs in self.mapping.tensors.items():
-            if cname not in arrays:
+        """A load stages nothing but the check that the host copy holds every
+        tensor this rank needs; the commit copies its shard in (the pause is
+        one copy of the shard, as a reload's)."""
+        index = self.host.index()
+        for cname in self.mapping.tensors:
+            if cname not in index:
                 raise BaseMismatch(f"checkpoint tensor `{cname}`, which this rank's parameters "
                                    "hold, is not in the node's version")
+        return []
+
+    def _load(self) -> None:
+        torch = _torch()
+        arrays = self.host.arrays(writable=False)
+        for cname, runs in self.mapping.tensors.items():
             arr = arrays[cname]
             with warnings.catch_warnings():  # read-only shared memory, only read
                 warnings.simplefilter("ignore", UserWarning)
                 src = torch.from_numpy(np.asarray(arr).view(_signed(arr.dtype.itemsize)))
             for r in runs:
-                lens = r.length
-                total = int(lens.sum())
-                rel = torch.arange(total) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-                cidx = torch.repeat_interleave(r.ckpt_start, lens) + rel
-                pidx = torch.repeat_interleave(r.param_start, lens) + rel
                 words = self._words(r.param)
-                staged.append((words, pidx.to(words.device), src[cidx].to(words.device).view(words.dtype)))
-        return staged
+                copy_runs(words, src, r)
 
     def _stage_patch(self, h: Handoff) -> List[Tuple[Any, Any, Any]]:
         torch = _torch()
@@ -361,8 +369,12 @@ class RankFollower:
         if self._staged is None:
             raise BadRequest("nothing is prepared")
         h, staged = self._staged
+        started = time.perf_counter()
+        if h.op == "load":
+            self._load()
         for words, pos, vals in staged:
             words.index_copy_(0, pos, vals)
+        self.commit_seconds = time.perf_counter() - started
         self._staged = None
         self.version = h.version
         return h.version
@@ -384,6 +396,9 @@ class StepReport:
     committed: bool
     versions: List[Optional[int]]
     failures: List[Optional[str]]
+    # The node's work (download, verification, the patch), the slowest
+    # rank's prepare, and the slowest rank's commit: the engine's pause.
+    node_seconds: float = 0.0
     prepare_seconds: float = 0.0
     pause_seconds: float = 0.0
 
@@ -450,6 +465,7 @@ class TensorParallelFollower:
         nowhere."""
         started = time.perf_counter()
         handoff = None
+        node_s = 0.0
         if self.node is not None:
             try:
                 behind = self._repair or (self.last is not None and not (
@@ -463,6 +479,7 @@ class TensorParallelFollower:
                 handoff = ("error", str(e))
             if isinstance(handoff, Handoff) and handoff.op == "load":
                 handoff = (handoff, self.node.host.specs())
+            node_s = time.perf_counter() - started
         msg = self._bcast(handoff)
         if msg is None or (isinstance(msg, tuple) and msg[0] == "error"):
             versions = self._all(self._version())
@@ -476,6 +493,7 @@ class TensorParallelFollower:
         else:
             h = msg
         error = None
+        t0 = time.perf_counter()
         try:
             if self.rank_follower is None:
                 raise BadRequest("this rank has no mapping yet (the node holds no anchor)")
@@ -485,12 +503,14 @@ class TensorParallelFollower:
         except Exception as e:  # any rank's failure stops every rank
             error = f"{type(e).__name__}: {e}"
             logger.warning("rank %d could not prepare version %s: %s", self.rank, h.version, error)
-        prepared = time.perf_counter()
+        prepare_s = time.perf_counter() - t0
         votes = self._all(error)
         everyone = all(v is None for v in votes)
+        commit_s = 0.0
         if everyone:
             assert self.rank_follower is not None
             self.rank_follower.commit()
+            commit_s = self.rank_follower.commit_seconds
             if self.node is not None:
                 self.node.commit(h)
         else:
@@ -498,13 +518,15 @@ class TensorParallelFollower:
                 self.rank_follower.abort()
             if self.node is not None:
                 self.node.abort(h)
-        versions = self._all(self._version())
+        gathered = self._all((self._version(), prepare_s, commit_s))
+        versions = [g[0] for g in gathered]
         # A rank whose parameters did not hold what the node holds is
         # repaired from the node's host copy at the next step.
         self._repair = not everyone and any(
             v is not None and ("BaseMismatch" in v or "Corrupt" in v) for v in votes)
         self.last = StepReport(h.op, h.version, everyone, versions, votes,
-                               prepared - started, time.perf_counter() - prepared)
+                               self._bcast(node_s), max(g[1] for g in gathered),
+                               max(g[2] for g in gathered))
         if not self.last.consistent():
             logger.error("ranks hold different versions: %s", versions)
         if self.node is not None:
