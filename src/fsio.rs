@@ -40,6 +40,13 @@ pub fn sync_dir(p: &Path) -> Result<()> {
         .map_err(|e| io_err("syncing directory", p, e))
 }
 
+/// Flushes a file written earlier (by another handle) to stable storage.
+pub fn sync_file(p: &Path) -> Result<()> {
+    std::fs::File::open(p)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| io_err("syncing", p, e))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
