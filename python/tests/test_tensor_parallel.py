@@ -129,3 +129,48 @@ def test_ranks_follow_in_place_bit_identically_and_commit_together(bucket, tmp_p
     assert all(n == 1 for n, _ in downloaded.values()), downloaded
     committed = [e[1] for e in events if e[2] and e[0] == "patch"]
     assert committed == list(range(1, VERSIONS)), events
+
+
+def _unmappable_worker(rank, world, url, state, root, init, out):
+    import torch.distributed as dist
+
+    import weightcast
+    from vllm_standin import Config, Engine, Trainer
+    from weightcast.node import TensorParallelFollower
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    c = Config()
+    engine = Engine(c, world, rank)
+    # An engine that keeps one layer's norm in another dtype's kernel format:
+    # the probe refuses it by name, on every rank, and nothing is written.
+    p = engine.model.layers[0].input_layernorm.weight
+    p.data = torch.zeros(p.shape, dtype=torch.float8_e4m3fn)
+    params = dict(engine.named_parameters())
+    before = {n: t.data.clone() for n, t in params.items()}
+    f = TensorParallelFollower(url if rank == 0 else None, params, engine.load_weights, root=root)
+    if rank == 0:
+        weightcast.Publisher(url, state_dir=state).publish(Trainer(c).state(), step=0)
+    dist.barrier()
+    r = f.step()
+    assert not r.committed and r.versions == [None] * world, r
+    assert all("float8_e4m3fn" in (e or "") for e in r.failures), r.failures
+    for n, t in params.items():
+        assert t.data.dtype != before[n].dtype or torch.equal(t.data, before[n]), n
+    dist.destroy_process_group()
+
+
+def test_an_unmappable_layout_is_refused_by_name_on_every_rank(bucket):
+    import torch.multiprocessing as mp
+
+    url, state = bucket
+    root = f"/dev/shm/weightcast-test-{os.getpid()}-unmappable"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        mp.spawn(_unmappable_worker, args=(2, url, state, root, f"tcp://127.0.0.1:{port}", ""),
+                 nprocs=2, join=True)
+    finally:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)

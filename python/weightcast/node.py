@@ -53,7 +53,7 @@ from . import Subscriber, Update
 from ._errors import BadRequest, BaseMismatch, Corrupt
 from ._tensors import _DTYPE_BYTES, _WORDS_NUMPY, Raw
 from .shard import Mapping as ShardMap
-from .shard import copy_runs, probe
+from .shard import Unmappable, copy_runs, probe
 
 logger = logging.getLogger("weightcast.node")
 
@@ -487,14 +487,19 @@ class TensorParallelFollower:
             self.last = StepReport(None, None, False, versions,
                                    [err if i == self.node_rank else None for i in range(self.world)])
             return self.last
+        error = None
         if isinstance(msg, tuple):
             h, specs = msg
-            self._ensure_mapping(specs)
+            try:
+                self._ensure_mapping(specs)
+            except Exception as e:  # refused on every rank alike: nothing moves
+                error = f"{type(e).__name__}: {e}"
         else:
             h = msg
-        error = None
         t0 = time.perf_counter()
         try:
+            if error is not None:
+                raise BadRequest(error)
             if self.rank_follower is None:
                 raise BadRequest("this rank has no mapping yet (the node holds no anchor)")
             if self._fail_prepare is not None:
@@ -539,6 +544,29 @@ class TensorParallelFollower:
     def _ensure_mapping(self, specs: Mapping[str, Spec]) -> None:
         if self.rank_follower is not None and getattr(self, "_specs", None) == specs:
             return
-        mapping = probe(self.params, {n: (d, s) for n, (d, s) in specs.items()}, self.loader)
+        try:
+            mapping: Optional[ShardMap] = probe(
+                self.params, {n: (d, s) for n, (d, s) in specs.items()}, self.loader)
+            held: Any = {n: sum(r.elements() for r in runs)
+                         for n, runs in mapping.tensors.items()}
+        except Exception as e:  # every rank learns of it (the gather below is collective)
+            mapping, held = None, f"rank {self.rank}: {type(e).__name__}: {e}"
+        # Every element of every checkpoint tensor lands on some rank, or a
+        # delta to it would go nowhere: refused at start-up, naming it.
+        counts: Dict[str, int] = {}
+        for h in self._all(held):
+            if isinstance(h, str):
+                raise Unmappable(f"the engine's layout could not be mapped on {h}")
+            for n, k in h.items():
+                counts[n] = counts.get(n, 0) + k
+        for n, (_, shape) in specs.items():
+            need = int(np.prod(shape, dtype=np.int64))
+            if counts.get(n, 0) < need:
+                raise Unmappable(
+                    f"checkpoint tensor `{n}`: {need - counts.get(n, 0)} of its {need} elements "
+                    "land in no rank's parameters (the engine does not hold it, or its loader "
+                    "drops part of it); follow this model with the engine's reload"
+                )
+        assert mapping is not None
         self._specs = dict(specs)
         self.rank_follower = RankFollower(self.params, mapping, self.root)
