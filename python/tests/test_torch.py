@@ -121,11 +121,37 @@ def minilm_dir():
     return d
 
 
-class FakeWorker(weightcast.vllm.WorkerExtension):
-    """What vLLM's worker extension sees: self.model_runner.model."""
+class GraphWrapper:
+    """What vLLM's GPU model runner holds in ``model`` once CUDA graphs are
+    captured (CUDAGraphWrapper / UBatchWrapper): a callable around the
+    model, without its ``state_dict`` or ``load_weights``."""
 
     def __init__(self, model):
-        self.model_runner = type("Runner", (), {"model": model})()
+        self._runnable = model
+
+    def __call__(self, *args, **kwargs):
+        return self._runnable(*args, **kwargs)
+
+    def unwrap(self):
+        return self._runnable
+
+
+class FakeRunner:
+    """vLLM's GPUModelRunner as a worker extension sees it: ``model`` may be
+    a wrapper; ``get_model()`` is the model."""
+
+    def __init__(self, model):
+        self.model = GraphWrapper(model)
+
+    def get_model(self):
+        return self.model.unwrap()
+
+
+class FakeWorker(weightcast.vllm.WorkerExtension):
+    """What vLLM's worker extension sees: self.model_runner."""
+
+    def __init__(self, model):
+        self.model_runner = FakeRunner(model)
 
 
 class LoadWeights(object):

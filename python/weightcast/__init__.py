@@ -651,7 +651,8 @@ Hook = Union[str, Callable[[Dict[str, Any]], Any]]
 
 def run_hooks(hooks: Sequence[Hook], version: int, dir: Union[str, "os.PathLike[str]"],
               changed_tensors: Sequence[str] = (), *, timeout: Optional[float] = None,
-              budget: Optional[float] = None, sglang_pause: Optional[str] = None) -> Dict[str, Any]:
+              budget: Optional[float] = None, sglang_pause: Optional[str] = None,
+              vllm_pause: Optional[str] = None) -> Dict[str, Any]:
     """Runs engine hooks for a version materialized in ``dir`` (e.g. by
     :meth:`Update.save_to`), as ``weightcast subscribe`` does after a
     switch: the library's kinds as strings (``sglang:URL``, ``vllm:URL``,
@@ -659,14 +660,20 @@ def run_hooks(hooks: Sequence[Hook], version: int, dir: Union[str, "os.PathLike[
     the event (``version``, ``dir``, ``changed_tensors``). Failures are
     logged and counted, not raised. Returns ``pause_seconds`` (longest
     engine pause), ``failed`` and ``failures``. ``timeout`` (per request),
-    ``budget`` (per hook, retries included) and ``sglang_pause`` are the
-    library's hook policy (``weightcast subscribe``'s defaults)."""
+    ``budget`` (per hook, retries included), ``sglang_pause`` (``abort``,
+    ``retract``, ``in_place``) and ``vllm_pause`` (``auto``, ``keep``,
+    ``wait``, ``abort``) are the library's hook policy (``weightcast
+    subscribe``'s defaults); the bearer tokens for servers started with
+    ``--api-key`` come from ``WEIGHTCAST_VLLM_API_KEY`` and
+    ``WEIGHTCAST_SGLANG_API_KEY``. A refused update (an error, or
+    ``{"success": false}``) is a failure: the engine did not take the
+    version."""
     event = {"version": version, "dir": os.fspath(dir), "changed_tensors": list(changed_tensors)}
     kinds = [h for h in hooks if isinstance(h, str)]
     report: Dict[str, Any] = {"pause_seconds": 0.0, "failed": 0}
     if kinds:
         report = json.loads(_native.run_hooks(kinds, version, event["dir"], event["changed_tensors"],
-                                              timeout, budget, sglang_pause))
+                                              timeout, budget, sglang_pause, vllm_pause))
     for h in hooks:
         if isinstance(h, str):
             continue

@@ -117,7 +117,7 @@ impl Daemon {
         // the previous one's files: nothing changes until its hooks succeed.
         if let Some(event) = self.hooks_owed.clone() {
             let report = hooks::run(&self.cfg.hooks, &event, &self.cfg.hook_policy).await;
-            self.record_hooks(shared, &report);
+            self.record_hooks(shared, &report, event.version);
             if report.failed > 0 {
                 return Err(crate::Error::Conflict(format!(
                     "the engine has not confirmed version {} ({}); the previous version is \
@@ -200,7 +200,7 @@ impl Daemon {
                 changed_tensors: c.changed_tensors.clone(),
             };
             report = hooks::run(&self.cfg.hooks, &event, &self.cfg.hook_policy).await;
-            self.record_hooks(shared, &report);
+            self.record_hooks(shared, &report, c.version);
             if report.failed > 0 {
                 self.hooks_owed = Some(event);
             }
@@ -230,12 +230,17 @@ impl Daemon {
         Ok(Some((c, report)))
     }
 
-    fn record_hooks(&self, shared: &Shared, report: &hooks::Report) {
+    /// Records a hook run for `version`: served only when every hook
+    /// succeeded (an engine that refused it still serves the previous one).
+    fn record_hooks(&self, shared: &Shared, report: &hooks::Report, version: u64) {
         if let Ok(mut s) = shared.status.lock() {
             s.last_pause_seconds = report.pause_seconds;
             s.hook_failures += report.failed as u64;
             s.hook_runs += 1;
             s.last_hook_error = report.error();
+            if report.failed == 0 {
+                s.served_version = Some(version);
+            }
         }
     }
 

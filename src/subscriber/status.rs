@@ -49,6 +49,11 @@ pub struct Status {
     pub hook_runs: u64,
     /// The last hook failures, cleared when the hooks succeed.
     pub last_hook_error: Option<String>,
+    /// The version the engine hooks last confirmed (every hook succeeded
+    /// for it); `None` until a hook run of this process confirms one. A
+    /// version an engine refused (an error, or `{"success": false}`) is not
+    /// served: this stays at the previous one while the hooks are owed.
+    pub served_version: Option<u64>,
     /// Versions that could not be verified and are skipped (retried with
     /// backoff), newest first.
     pub quarantined: Vec<crate::subscriber::Quarantined>,

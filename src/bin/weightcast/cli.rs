@@ -191,10 +191,25 @@ pub enum Command {
         /// previous version's files stay untouched and the hooks run again.
         #[arg(long, default_value_t = 1800.0)]
         hook_budget: f64,
-        /// SGLang's pause mode for the sglang hook: abort, retract (requests
-        /// kept, their KV cache recomputed with the new weights) or in_place.
-        #[arg(long, default_value = "retract")]
+        /// SGLang's pause mode for the sglang hook: abort (requests in flight
+        /// aborted; the update flushes the cache), retract (requests requeued
+        /// and recomputed) or in_place (requests keep their KV cache); after
+        /// retract and in_place the update does not flush the cache, which
+        /// would crash SGLang's scheduler with requests in flight.
+        #[arg(long, default_value = "abort")]
         sglang_pause_mode: weightcast::hooks::SglangPause,
+        /// vLLM's pause mode for the vllm hook: auto (keep where the server's
+        /// /openapi.json lists it, else wait), keep, wait or abort.
+        #[arg(long, default_value = "auto")]
+        vllm_pause_mode: weightcast::hooks::VllmPause,
+        /// Bearer token for the vllm hook (vLLM started with --api-key);
+        /// prefer the environment variable.
+        #[arg(long, env = "WEIGHTCAST_VLLM_API_KEY", hide_env_values = true)]
+        vllm_api_key: Option<String>,
+        /// Bearer token for the sglang hook (SGLang started with --api-key or
+        /// --admin-api-key); prefer the environment variable.
+        #[arg(long, env = "WEIGHTCAST_SGLANG_API_KEY", hide_env_values = true)]
+        sglang_api_key: Option<String>,
         /// The largest object read from the bucket, in memory or into a file
         /// (e.g. 64G, 512M, or bytes): an object a manifest declares larger
         /// is refused before any request, naming it.

@@ -95,6 +95,9 @@ pub async fn run(command: Command) -> Result<()> {
             hook_timeout,
             hook_budget,
             sglang_pause_mode,
+            vllm_pause_mode,
+            vllm_api_key,
+            sglang_api_key,
             max_object_size,
             quiet,
         } => {
@@ -121,6 +124,9 @@ pub async fn run(command: Command) -> Result<()> {
                 timeout: seconds(hook_timeout, "--hook-timeout")?,
                 budget: seconds(hook_budget, "--hook-budget")?,
                 sglang_pause: sglang_pause_mode,
+                vllm_pause: vllm_pause_mode,
+                vllm_api_key: vllm_api_key.and_then(weightcast::hooks::ApiKey::new),
+                sglang_api_key: sglang_api_key.and_then(weightcast::hooks::ApiKey::new),
                 ..Default::default()
             };
             cfg.notify_url = advertise;
