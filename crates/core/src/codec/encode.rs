@@ -192,6 +192,7 @@ pub fn encode_delta(
         tensors: entries,
     };
     let mut meta = header.to_metadata();
+    meta.insert(keys::METADATA.into(), trainer_metadata_json(new.metadata()));
     if opts.encoding == Encoding::Trl {
         add_trl_keys(&mut meta, &header, &opts.trl);
     }
@@ -212,6 +213,16 @@ pub fn encode_delta(
         digest: header.digest.to_string(),
     };
     Ok((out, summary))
+}
+
+/// The new file's own `__metadata__` as a delta carries it
+/// ([`keys::METADATA`]): a JSON object of its keys but weightcast's.
+fn trainer_metadata_json(meta: &BTreeMap<String, String>) -> String {
+    let own: BTreeMap<&String, &String> = meta
+        .iter()
+        .filter(|(k, _)| !k.starts_with("weightcast."))
+        .collect();
+    serde_json::to_string(&own).expect("a map of strings serializes")
 }
 
 /// The TRL `sparse_weight_patch` keys of the generation `trl` names (see
