@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use object_store::{ObjectStore, ObjectStoreExt};
 
-use super::Store;
+use super::{Contact, Store};
 use crate::error::{Error, Result};
 
 /// Longest the first contact with a store may take before a command fails.
@@ -28,19 +28,6 @@ const PROBE_KEY: &str = "latest.json";
 
 /// Longest the TCP connection that diagnoses a silent endpoint may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-
-/// What explains a silent store: where requests go, and where credentials
-/// come from when none are configured.
-#[derive(Clone, Debug)]
-pub(crate) struct Contact {
-    /// The endpoint requests go to (a URL).
-    pub endpoint: String,
-    /// The setting that names the endpoint.
-    pub endpoint_setting: &'static str,
-    /// When no credentials are configured: the service the client asks for
-    /// some (a metadata endpoint URL) and the settings that configure them.
-    pub no_credentials: Option<(String, &'static str)>,
-}
 
 impl Contact {
     /// An S3 store's, from its builder's settings (environment and options).

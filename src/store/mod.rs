@@ -149,7 +149,20 @@ pub struct Store {
     download: Option<Arc<dyn Progress>>,
     max_object_size: u64,
     /// What explains a silence at first contact (remote stores).
-    contact: Option<contact::Contact>,
+    contact: Option<Contact>,
+}
+
+/// What explains a silent store at first contact (`contact`): where requests
+/// go, and where credentials come from when none are configured.
+#[derive(Clone, Debug)]
+pub(crate) struct Contact {
+    /// The endpoint requests go to (a URL).
+    pub endpoint: String,
+    /// The setting that names the endpoint.
+    pub endpoint_setting: &'static str,
+    /// When no credentials are configured: the service the client asks for
+    /// some (a metadata endpoint URL) and the settings that configure them.
+    pub no_credentials: Option<(String, &'static str)>,
 }
 
 /// The largest object a reader accepts by default

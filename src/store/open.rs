@@ -270,7 +270,7 @@ impl Store {
                 let b = configure(B::from_env().with_url(url), url, options, |b, k, v| {
                     b.with_config(k, v)
                 })?;
-                contact = Some(super::contact::Contact::s3(&b));
+                contact = Some(super::Contact::s3(&b));
                 (
                     Arc::new(b.with_retry(retry_config()).build().map_err(bad)?),
                     parsed.path().to_string(),
@@ -303,7 +303,7 @@ impl Store {
                     b = b.with_config(K::Client(object_store::ClientConfigKey::AllowHttp), "true");
                 }
                 let b = configure(b, url, &options, |b, k, v| b.with_config(k, v))?;
-                contact = Some(super::contact::Contact::s3(&b));
+                contact = Some(super::Contact::s3(&b));
                 (
                     Arc::new(b.with_retry(retry_config()).build().map_err(bad)?),
                     prefix,
@@ -314,7 +314,7 @@ impl Store {
                 let b = configure(B::from_env().with_url(url), url, options, |b, k, v| {
                     b.with_config(k, v)
                 })?;
-                contact = Some(super::contact::Contact::gcs(&b));
+                contact = Some(super::Contact::gcs(&b));
                 (
                     Arc::new(b.with_retry(retry_config()).build().map_err(bad)?),
                     parsed.path().to_string(),
@@ -325,7 +325,7 @@ impl Store {
                 let b = configure(B::from_env().with_url(url), url, options, |b, k, v| {
                     b.with_config(k, v)
                 })?;
-                contact = Some(super::contact::Contact::azure(&b));
+                contact = Some(super::Contact::azure(&b));
                 (
                     Arc::new(b.with_retry(retry_config()).build().map_err(bad)?),
                     parsed.path().to_string(),
@@ -336,7 +336,7 @@ impl Store {
                 let b = configure(B::new().with_url(url), url, options, |b, k, v| {
                     b.with_config(k, v)
                 })?;
-                contact = Some(super::contact::Contact::http(url));
+                contact = Some(super::Contact::http(url));
                 (
                     Arc::new(b.with_retry(retry_config()).build().map_err(bad)?),
                     String::new(),

@@ -323,7 +323,8 @@ pub enum Error {
     },
 }
 
-/// Longest text one cause contributes to a one-line error message.
+/// Longest text a cause from outside weightcast (a backend, the OS)
+/// contributes to a one-line error message.
 const MAX_CAUSE_CHARS: usize = 400;
 
 /// Reduces an XML error body (S3, GCS, Azure answer with one) to its code
@@ -365,13 +366,17 @@ fn bounded(text: String) -> String {
 /// An error and its causes on one line, each cause once: a cause whose text
 /// the line already holds (an error that prints its source, as most do) adds
 /// nothing, XML bodies are reduced to their code and message
-/// ([`shorten_xml`]), and each cause is bounded in length. What the CLI
+/// ([`shorten_xml`]), and each cause from outside weightcast is bounded in
+/// length. What the CLI
 /// prints, and what a daemon reports as its last error.
 pub fn one_line(e: &(dyn std::error::Error + 'static)) -> String {
     let mut line = String::new();
     let mut cause = Some(e);
     while let Some(c) = cause {
-        let text = bounded(shorten_xml(c.to_string().trim()));
+        // weightcast's own messages are written whole (what failed, where,
+        // the fix); a backend's text is bounded.
+        let text = shorten_xml(c.to_string().trim());
+        let text = if c.is::<Error>() { text } else { bounded(text) };
         if !text.is_empty() && !line.contains(&text) {
             if !line.is_empty() {
                 line.push_str(": ");

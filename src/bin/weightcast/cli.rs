@@ -7,6 +7,19 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use weightcast::format::{Encoding, TrlGeneration, TrlIndexEncoding, TrlOptions};
 
+/// A command line the command refuses after the parser accepted it (a
+/// combination of flags): exit code 64, as the parser's own refusals.
+#[derive(Debug)]
+pub struct Usage(pub String);
+
+impl std::fmt::Display for Usage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Usage {}
+
 #[derive(Parser)]
 #[command(
     name = "weightcast",
@@ -312,7 +325,7 @@ impl RetentionOpts {
 
 pub fn retention(keep_anchors: usize, max_age: u64) -> Result<weightcast::protocol::Retention> {
     if keep_anchors == 0 {
-        return Err(crate::Usage("--keep-anchors must be at least 1".into()).into());
+        return Err(Usage("--keep-anchors must be at least 1".into()).into());
     }
     Ok(weightcast::protocol::Retention {
         keep_anchors,
@@ -344,9 +357,7 @@ impl RankOpts {
         Ok(match (self.rank, self.world) {
             (0, 1) => None,
             (rank, 1) => {
-                return Err(
-                    crate::Usage(format!("--rank {rank} needs --world (2 or more ranks)")).into(),
-                );
+                return Err(Usage(format!("--rank {rank} needs --world (2 or more ranks)")).into());
             }
             (rank, world) => Some(weightcast::publisher::Distributed {
                 timeout: std::time::Duration::from_secs(self.rank_timeout),

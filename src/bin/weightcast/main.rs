@@ -13,19 +13,6 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use weightcast::error::{EXIT_SOFTWARE, EXIT_USAGE};
 
-/// A command line the command refuses after the parser accepted it (a
-/// combination of flags): exit code 64, as the parser's own refusals.
-#[derive(Debug)]
-pub struct Usage(pub String);
-
-impl std::fmt::Display for Usage {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for Usage {}
-
 /// The exit code for a failure, from the one table
 /// (`weightcast::error::EXIT_CODES`): the library's error kind decides, 64
 /// for a command line the command refuses, 70 for anything else.
@@ -34,7 +21,7 @@ fn exit_code(e: &anyhow::Error) -> i32 {
         if let Some(w) = c.downcast_ref::<weightcast::Error>() {
             return w.kind().exit_code();
         }
-        if c.is::<Usage>() {
+        if c.is::<cli::Usage>() {
             return EXIT_USAGE;
         }
     }
