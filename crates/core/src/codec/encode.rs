@@ -215,13 +215,17 @@ pub fn encode_delta(
     Ok((out, summary))
 }
 
-/// The new file's own `__metadata__` as a delta carries it
-/// ([`keys::METADATA`]): a JSON object of its keys but weightcast's.
+/// The new file's `__metadata__` as a delta carries it ([`keys::METADATA`]):
+/// what a `full` anchor of the version would carry, less weightcast's keys —
+/// the file's own keys, and `format=pt` (which wins, as in the anchor, so
+/// that Hugging Face loaders accept the output).
 fn trainer_metadata_json(meta: &BTreeMap<String, String>) -> String {
-    let own: BTreeMap<&String, &String> = meta
+    let mut own: BTreeMap<&str, &str> = meta
         .iter()
         .filter(|(k, _)| !k.starts_with("weightcast."))
+        .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
+    own.insert("format", "pt");
     serde_json::to_string(&own).expect("a map of strings serializes")
 }
 

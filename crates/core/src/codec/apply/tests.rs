@@ -108,7 +108,8 @@ fn a_delta_carries_the_new_versions_metadata_to_the_applied_state() {
     use std::collections::BTreeMap;
     let meta = |step: &str| {
         BTreeMap::from([
-            ("format".to_string(), "pt".to_string()),
+            // The output is always `format=pt`, as an anchor's.
+            ("format".to_string(), "np".to_string()),
             ("step".to_string(), step.to_string()),
             ("weightcast.kind".to_string(), "anchor".to_string()),
         ])
