@@ -4,8 +4,8 @@
 //! | hook | what it does |
 //! |---|---|
 //! | `sglang:URL` | `POST URL/pause_generation {"mode": "abort"}` (or the `--sglang-pause-mode`), `POST URL/update_weights_from_disk {"model_path": DIR/current, "weight_version": "<version>", "flush_cache": <true after abort, false after retract/in_place>}`, `POST URL/continue_generation` |
-//! | `vllm:URL` | `GET URL/openapi.json` (does `/pause` have `mode=keep`?), `POST URL/pause?mode=keep` (or `mode=wait&wait_for_inflight_requests=true` where keep is unknown or missing, never abort unless asked), `POST URL/collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR/current}}`, `POST URL/resume` — vLLM's development endpoints (`VLLM_SERVER_DEV_MODE=1`) |
-//! | `webhook:URL` | `POST URL {"version", "dir", "changed_tensors"}` |
+//! | `vllm:URL` | `GET URL/openapi.json` (does `/pause` have `mode=keep`?), `POST URL/pause?mode=keep` (or `mode=wait&wait_for_inflight_requests=true` where keep is unknown or missing, never abort unless asked), `POST URL/collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR/current}}` (DIR absolute), `POST URL/resume` — vLLM's development endpoints (`VLLM_SERVER_DEV_MODE=1`) |
+//! | `webhook:URL` | `POST URL {"version", "dir", "changed_tensors"}` (`dir` absolute; after an anchor `changed_tensors` lists every tensor) |
 //! | `command:CMD` | `sh -c CMD` with `WEIGHTCAST_VERSION`, `WEIGHTCAST_DIR`, `WEIGHTCAST_CHANGED` (a file listing changed tensors, one per line) |
 //!
 //! An engine's answer `{"success": false, ...}` (SGLang's refused update,
@@ -88,9 +88,11 @@ impl std::str::FromStr for Hook {
 pub struct Event {
     /// The new version.
     pub version: u64,
-    /// The directory engines should load (`DIR/current`).
+    /// The directory engines should load (`DIR/current`), absolute (a
+    /// relative one is taken from the working directory when the hooks run).
     pub dir: PathBuf,
-    /// Tensors that changed since the previous version (empty after an anchor).
+    /// Tensors that changed since the previous version (after an anchor:
+    /// every tensor, since any may have changed).
     pub changed_tensors: Vec<String>,
 }
 
@@ -369,6 +371,14 @@ pub async fn run(hooks: &[Hook], event: &Event, policy: &HookPolicy) -> Report {
     if hooks.is_empty() {
         return report;
     }
+    // The directory leaves the process (a request body, the environment):
+    // named by its absolute path, so an engine in another working directory
+    // loads the right files.
+    let absolute = Event {
+        dir: std::path::absolute(&event.dir).unwrap_or_else(|_| event.dir.clone()),
+        ..event.clone()
+    };
+    let event = &absolute;
     crate::store::install_crypto_provider();
     let client = match reqwest::Client::builder()
         .timeout(policy.timeout)

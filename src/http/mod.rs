@@ -113,6 +113,24 @@ impl<'a> Families<'a> {
         counter.encode(metric)
     }
 
+    /// A gauge with one sample per value of the label `label`.
+    pub fn gauges(
+        &mut self,
+        name: &str,
+        help: &str,
+        label: &str,
+        samples: &[(&str, f64)],
+    ) -> std::fmt::Result {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        let kind = ConstGauge::new(0.0f64).metric_type();
+        let mut metric = self.encoder.encode_descriptor(name, help, None, kind)?;
+        for (value_of_label, v) in samples {
+            ConstGauge::new(*v).encode(metric.encode_family(&[(label, *value_of_label)])?)?;
+        }
+        Ok(())
+    }
+
     /// A counter with one sample per value of the label `label`.
     pub fn counters(
         &mut self,

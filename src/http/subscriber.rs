@@ -338,6 +338,29 @@ impl prometheus_client::collector::Collector for Metrics {
             "Engine pause window of the last version (pause answered to resume answered).",
             s.last_pause_seconds,
         )?;
+        m.gauges(
+            "weightcast_version_seconds",
+            "Where the last version's time went, by phase: fetch (waiting on the store), \
+             prepare (decode, verify, write off the serving path), pause (the engine's), apply \
+             (commit and switch).",
+            "phase",
+            &[
+                ("fetch", s.fetch_s),
+                ("prepare", s.prepare_s),
+                ("pause", s.pause_s),
+                ("apply", s.apply_s),
+            ],
+        )?;
+        let last = s.last_version.clone().unwrap_or_default();
+        m.gauges(
+            "weightcast_version_bytes",
+            "The last version's bytes, by kind: downloaded from the store, written locally.",
+            "kind",
+            &[
+                ("downloaded", last.bytes_downloaded as f64),
+                ("written", last.bytes_written as f64),
+            ],
+        )?;
         m.counter("weightcast_hook_runs", "Hook runs.", s.hook_runs)?;
         m.counter(
             "weightcast_hook_failures",

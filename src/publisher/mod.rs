@@ -41,7 +41,9 @@ use crate::protocol::{
 };
 use crate::store::{ConditionalWrites, Source, Store};
 
-pub use checkpoint::{Checkpoint, CheckpointOptions, DEFAULT_EXCLUDES, FileSource};
+pub use checkpoint::{
+    Checkpoint, CheckpointOptions, DEFAULT_EXCLUDES, FileSource, SINGLE_FILE_NAME,
+};
 pub use dist::{DEFAULT_RANK_TIMEOUT, Distributed};
 pub use gate::CommitGate;
 use state::{Committed, FileDigests, Snapshot, State};
@@ -196,6 +198,29 @@ pub struct Published {
     /// What automatic retention removed after this version, when it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub collected: Option<crate::protocol::Collected>,
+    /// Egress: bytes this publish sent to the store (the version's objects,
+    /// its manifest and the `latest.json` hint).
+    pub egress_bytes: u64,
+    /// Fan-out per subscriber: bytes a subscriber that holds the previous
+    /// version downloads for this one (its manifest, deltas or an anchor's
+    /// bridges, changed files; a whole anchor when it has no bridges). The
+    /// fleet downloads this times its subscribers (or per region, behind
+    /// relays).
+    pub fanout_bytes: u64,
+    /// Fan-out: the subscribers this version's notification went to
+    /// (registered ones and `--notify` URLs); absent while it is still being
+    /// sent in the background, as `notified`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fanout_subscribers: Option<usize>,
+}
+
+/// Bytes of the `latest.json` hint written at a commit.
+fn latest_bytes(version: u64, anchor_version: u64) -> u64 {
+    serde_json::to_vec(&Latest {
+        version,
+        anchor_version,
+    })
+    .map_or(0, |b| b.len() as u64)
 }
 
 impl Published {
@@ -217,6 +242,9 @@ impl Published {
             bridge_bytes: 0,
             notified: Some(0),
             collected: None,
+            egress_bytes: 0,
+            fanout_bytes: 0,
+            fanout_subscribers: Some(0),
         }
     }
 }
@@ -242,8 +270,10 @@ pub struct Publisher {
     /// The last state read (numbering, even when the snapshot is not trusted).
     state: Option<State>,
     /// Notifications being sent in the background (each: how many
-    /// subscribers acknowledged).
-    notifications: tokio::task::JoinSet<usize>,
+    /// subscribers acknowledged, and how many it went to).
+    notifications: tokio::task::JoinSet<(usize, usize)>,
+    /// Subscribers the last notification that finished went to.
+    last_fanout: usize,
     /// Stops publishes before their commit (graceful shutdown).
     gate: std::sync::Arc<CommitGate>,
 }
@@ -254,6 +284,13 @@ impl Publisher {
     /// snapshot, resolving a commit that was in flight when the previous
     /// process stopped.
     pub async fn open(store: Store, cfg: PublisherConfig) -> Result<Publisher> {
+        if !matches!(cfg.encoding, Encoding::Compact | Encoding::Trl) {
+            return Err(Error::Config(format!(
+                "delta encoding `{}`: expected compact or trl (`full` and `planes` are anchor \
+                 encodings: --anchor-encoding)",
+                cfg.encoding
+            )));
+        }
         if store.probe_conditional_writes().await? == ConditionalWrites::Ignored
             && !cfg.single_writer
         {
@@ -298,6 +335,7 @@ impl Publisher {
             snapshot,
             state,
             notifications: tokio::task::JoinSet::new(),
+            last_fanout: 0,
             gate: Default::default(),
         })
     }
@@ -341,6 +379,9 @@ impl Publisher {
             return self.publish_trl(cp, opts).await;
         }
         let mut cp = cp;
+        if self.cfg.distributed.is_none() {
+            cp.name_single_file();
+        }
         if self.cfg.distributed.is_some() && opts.step.is_none() {
             return Err(Error::BadRequest(
                 "a distributed publish (--world 2 or more) needs the trainer's step (--step, or \
@@ -719,10 +760,11 @@ impl Publisher {
         }
         self.state = Some(after);
         let notified = self.notify(next, base.anchor_version);
+        let written = bytes + manifest_bytes;
         Ok(Published {
             version: next,
             kind: VersionKind::Delta,
-            bytes: bytes + manifest_bytes,
+            bytes: written,
             changed,
             total: cp.total_elements(),
             step: opts.step,
@@ -731,6 +773,11 @@ impl Publisher {
             bridge_bytes: 0,
             notified,
             collected: None,
+            egress_bytes: written + latest_bytes(next, base.anchor_version),
+            // A subscriber one version behind reads the manifest and every
+            // object of the version.
+            fanout_bytes: written,
+            fanout_subscribers: notified,
         })
     }
 
@@ -888,7 +935,8 @@ impl Publisher {
             next,
             opts.step,
         );
-        let bytes = anchor_bytes + bridge_bytes + file_bytes + manifest_size(&manifest);
+        let manifest_bytes = manifest_size(&manifest);
+        let bytes = anchor_bytes + bridge_bytes + file_bytes + manifest_bytes;
         let after = State {
             version: next,
             writer: writer.clone(),
@@ -926,6 +974,13 @@ impl Publisher {
         self.state = Some(after);
         let notified = self.notify(next, next);
         let collected = self.collect().await;
+        // A subscriber one version behind replays the bridges (and the
+        // changed files); without bridges it loads the anchor.
+        let fanout_bytes = if bridged {
+            bridge_bytes + file_bytes + manifest_bytes
+        } else {
+            bytes
+        };
         Ok(Published {
             version: next,
             kind: VersionKind::Anchor,
@@ -938,6 +993,9 @@ impl Publisher {
             bridge_bytes,
             notified,
             collected,
+            egress_bytes: bytes + latest_bytes(next, next),
+            fanout_bytes,
+            fanout_subscribers: notified,
         })
     }
 
@@ -1082,7 +1140,7 @@ impl Publisher {
                 subscribers = urls.len(),
                 "notifications sent"
             );
-            ok
+            (ok, urls.len())
         });
         None
     }
@@ -1092,7 +1150,9 @@ impl Publisher {
     pub async fn notifications_settled(&mut self) -> usize {
         let mut ok = 0;
         while let Some(r) = self.notifications.join_next().await {
-            ok += r.unwrap_or(0);
+            let (acks, targets) = r.unwrap_or((0, 0));
+            ok += acks;
+            self.last_fanout = targets;
         }
         ok
     }
@@ -1107,6 +1167,7 @@ impl Publisher {
         let mut p = self.publish(cp, opts).await?;
         if p.notified.is_none() {
             p.notified = Some(self.notifications_settled().await);
+            p.fanout_subscribers = Some(self.last_fanout);
         }
         Ok(p)
     }

@@ -194,6 +194,9 @@ impl Publisher {
             bridge_bytes: 0,
             notified: Some(0),
             collected: None,
+            egress_bytes: if write { size } else { 0 },
+            fanout_bytes: if write { size } else { 0 },
+            fanout_subscribers: Some(0),
         })
     }
 
@@ -278,6 +281,9 @@ impl Publisher {
             bridge_bytes: 0,
             notified: Some(0),
             collected: None,
+            egress_bytes: size,
+            fanout_bytes: size,
+            fanout_subscribers: Some(0),
         })
     }
 }

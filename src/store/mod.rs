@@ -27,6 +27,7 @@
 //! `write` (puts, multipart uploads, conditional creates, the probe), `copy`
 //! (verified copies between stores).
 
+mod contact;
 mod copy;
 mod local;
 mod open;
@@ -41,6 +42,7 @@ use object_store::path::Path;
 
 use crate::error::{Error, ErrorKind, Result};
 
+pub use contact::FIRST_CONTACT_TIMEOUT;
 pub use local::LOCAL_OPEN_TIMEOUT;
 pub use open::{HF_S3_ENDPOINT, RETRY_BUDGET, install_crypto_provider};
 
@@ -146,6 +148,21 @@ pub struct Store {
     progress: Option<Arc<dyn Progress>>,
     download: Option<Arc<dyn Progress>>,
     max_object_size: u64,
+    /// What explains a silence at first contact (remote stores).
+    contact: Option<Contact>,
+}
+
+/// What explains a silent store at first contact (`contact`): where requests
+/// go, and where credentials come from when none are configured.
+#[derive(Clone, Debug)]
+pub(crate) struct Contact {
+    /// The endpoint requests go to (a URL).
+    pub endpoint: String,
+    /// The setting that names the endpoint.
+    pub endpoint_setting: &'static str,
+    /// When no credentials are configured: the service the client asks for
+    /// some (a metadata endpoint URL) and the settings that configure them.
+    pub no_credentials: Option<(String, &'static str)>,
 }
 
 /// The largest object a reader accepts by default
@@ -154,9 +171,33 @@ pub struct Store {
 /// file is 60 GB).
 pub const DEFAULT_MAX_OBJECT_SIZE: u64 = 64 << 30;
 
-/// What the caller should do about a backend error.
+/// A backend error's message and every cause under it (reqwest keeps the
+/// telling part, e.g. "URL scheme is not allowed", in a source).
+fn chain_text(e: &object_store::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    text
+}
+
+/// Whether the store answered that the bucket (or container) does not exist.
+fn missing_bucket(text: &str) -> bool {
+    text.contains("NoSuchBucket")
+        || text.contains("ContainerNotFound")
+        || text.contains("bucket does not exist")
+}
+
+/// What the caller should do about a backend error. A missing bucket is
+/// configuration whatever the request (a listing's 404 and a read's).
 fn store_kind(e: &object_store::Error) -> ErrorKind {
     use object_store::Error as E;
+    if missing_bucket(&chain_text(e)) {
+        return ErrorKind::Config;
+    }
     match e {
         E::NotFound { .. } => ErrorKind::NotFound,
         E::AlreadyExists { .. } | E::Precondition { .. } | E::NotModified { .. } => {
@@ -179,15 +220,7 @@ fn store_kind(e: &object_store::Error) -> ErrorKind {
 /// words: the setting that most likely fixes it.
 fn store_hint(url: &str, e: &object_store::Error) -> String {
     use object_store::Error as E;
-    // The backend's message and every cause under it (reqwest keeps the
-    // telling part, e.g. "URL scheme is not allowed", in a source).
-    let mut text = e.to_string();
-    let mut cause = std::error::Error::source(e);
-    while let Some(c) = cause {
-        text.push_str(": ");
-        text.push_str(&c.to_string());
-        cause = c.source();
-    }
+    let text = chain_text(e);
     let scheme = url.split("://").next().unwrap_or("");
     let creds = match scheme {
         "s3" | "s3a" => {
@@ -214,13 +247,29 @@ fn store_hint(url: &str, e: &object_store::Error) -> String {
         _ if text.contains("169.254.169.254") || text.contains("instance metadata") => format!(
             "no credentials were found, so the client asked the cloud metadata service: set {creds}"
         ),
-        _ if text.contains("NoSuchBucket") || text.contains("bucket does not exist") => {
-            "the bucket does not exist: create it, or fix the bucket name in the store URL"
+        _ if missing_bucket(&text) => {
+            "the bucket does not exist: create it (docs/stores.md), or fix the bucket name in \
+             the store URL"
                 .to_string()
         }
+        _ if text.contains("Connection refused") || text.contains("dns error") => format!(
+            "the store's endpoint cannot be reached: check its address ({}) and the network",
+            endpoint_setting(scheme)
+        ),
         _ => return String::new(),
     };
     format!(" ({hint})")
+}
+
+/// The setting that names a store's endpoint, for messages.
+fn endpoint_setting(scheme: &str) -> &'static str {
+    match scheme {
+        "s3" | "s3a" => "AWS_ENDPOINT, or the bucket's region AWS_REGION",
+        "hf" => "HF_S3_ENDPOINT",
+        "gs" => "GOOGLE_BASE_URL",
+        "az" | "azure" | "abfs" | "abfss" | "adl" => "AZURE_STORAGE_ENDPOINT",
+        _ => "the store URL",
+    }
 }
 
 impl Store {
@@ -277,6 +326,7 @@ impl Store {
             progress: None,
             download: None,
             max_object_size: DEFAULT_MAX_OBJECT_SIZE,
+            contact: None,
         }
     }
 

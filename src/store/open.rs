@@ -181,6 +181,28 @@ where
     Ok(builder)
 }
 
+/// The error for a store URL that does not parse, with the fix: a bare path
+/// becomes the `file://` URL it most likely means.
+fn bad_url(url: &str, e: url::ParseError) -> Error {
+    let fix = if url.trim().is_empty() {
+        "give a store URL: file:///ABS/DIR, s3://BUCKET/PREFIX, gs://, az://, hf://buckets/NS/B, \
+         http(s)://, memory://"
+            .to_string()
+    } else if !url.contains("://") {
+        let path = std::path::absolute(url).unwrap_or_else(|_| std::path::PathBuf::from(url));
+        format!(
+            "a store is a URL, not a path: for a local directory write file://{} (an absolute \
+             path); else s3://BUCKET/PREFIX, gs://, az://, hf://buckets/NS/B, http(s)://",
+            path.display()
+        )
+    } else {
+        "expected file:///ABS/DIR, s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, \
+         az://CONTAINER/PREFIX, hf://buckets/NS/BUCKET, http(s)://HOST/PATH or memory://"
+            .to_string()
+    };
+    Error::Config(format!("store URL `{url}` is not a URL ({e}): {fix}"))
+}
+
 impl Store {
     /// Opens a store by URL, taking credentials and endpoints from the
     /// conventional environment variables (see the module documentation).
@@ -194,8 +216,7 @@ impl Store {
     /// plus `hf_endpoint` for `hf://` stores (the gateway, without the namespace).
     pub fn open_with(url: &str, options: &[(&str, &str)]) -> Result<Store> {
         install_crypto_provider();
-        let parsed =
-            url::Url::parse(url).map_err(|e| Error::Config(format!("store URL `{url}`: {e}")))?;
+        let parsed = url::Url::parse(url).map_err(|e| bad_url(url, e))?;
         let bad = |e: object_store::Error| Error::Config(format!("store URL `{url}`: {e}"));
         if matches!(parsed.scheme(), "file" | "memory")
             && let Some((k, _)) = options.first()
@@ -206,16 +227,39 @@ impl Store {
                 parsed.scheme()
             )));
         }
+        if matches!(parsed.scheme(), "s3" | "s3a" | "gs" | "az" | "azure")
+            && parsed.host_str().is_none_or(str::is_empty)
+        {
+            let s = parsed.scheme();
+            let what = if matches!(s, "az" | "azure") {
+                "container"
+            } else {
+                "bucket"
+            };
+            return Err(Error::Config(format!(
+                "store URL `{url}` names no {what}: write {s}://{}/PREFIX, e.g. {s}://weights/policy \
+                 (docs/stores.md creates one)",
+                what.to_uppercase()
+            )));
+        }
+        let mut contact = None;
         let (base, prefix): (Arc<dyn ObjectStore>, String) = match parsed.scheme() {
             "file" => {
                 let dir = parsed.to_file_path().map_err(|_| {
-                    Error::Config(format!("store URL `{url}`: not an absolute path"))
+                    Error::Config(format!(
+                        "store URL `{url}`: not an absolute path: write file:///ABS/DIR (three \
+                         slashes, then the directory's absolute path)"
+                    ))
                 })?;
                 std::fs::create_dir_all(&dir)
                     .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
                 (
+                    // Deleting an object removes the directories it leaves
+                    // empty (gc would otherwise leave the bucket's tree).
                     Arc::new(super::local::RegularFiles::new(
-                        LocalFileSystem::new_with_prefix(&dir).map_err(bad)?,
+                        LocalFileSystem::new_with_prefix(&dir)
+                            .map_err(bad)?
+                            .with_automatic_cleanup(true),
                     )),
                     String::new(),
                 )
@@ -226,6 +270,7 @@ impl Store {
                 let b = configure(B::from_env().with_url(url), url, options, |b, k, v| {
                     b.with_config(k, v)
                 })?;
+                contact = Some(super::Contact::s3(&b));
                 (
                     Arc::new(b.with_retry(retry_config()).build().map_err(bad)?),
                     parsed.path().to_string(),
@@ -258,6 +303,7 @@ impl Store {
                     b = b.with_config(K::Client(object_store::ClientConfigKey::AllowHttp), "true");
                 }
                 let b = configure(b, url, &options, |b, k, v| b.with_config(k, v))?;
+                contact = Some(super::Contact::s3(&b));
                 (
                     Arc::new(b.with_retry(retry_config()).build().map_err(bad)?),
                     prefix,
@@ -268,6 +314,7 @@ impl Store {
                 let b = configure(B::from_env().with_url(url), url, options, |b, k, v| {
                     b.with_config(k, v)
                 })?;
+                contact = Some(super::Contact::gcs(&b));
                 (
                     Arc::new(b.with_retry(retry_config()).build().map_err(bad)?),
                     parsed.path().to_string(),
@@ -278,6 +325,7 @@ impl Store {
                 let b = configure(B::from_env().with_url(url), url, options, |b, k, v| {
                     b.with_config(k, v)
                 })?;
+                contact = Some(super::Contact::azure(&b));
                 (
                     Arc::new(b.with_retry(retry_config()).build().map_err(bad)?),
                     parsed.path().to_string(),
@@ -288,6 +336,7 @@ impl Store {
                 let b = configure(B::new().with_url(url), url, options, |b, k, v| {
                     b.with_config(k, v)
                 })?;
+                contact = Some(super::Contact::http(url));
                 (
                     Arc::new(b.with_retry(retry_config()).build().map_err(bad)?),
                     String::new(),
@@ -313,6 +362,7 @@ impl Store {
             progress: None,
             download: None,
             max_object_size: super::DEFAULT_MAX_OBJECT_SIZE,
+            contact,
         })
     }
 }

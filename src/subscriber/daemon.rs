@@ -82,7 +82,23 @@ pub struct Daemon {
 
 impl Daemon {
     /// Opens the output directory (verifying the current slot in full).
+    /// A relative output directory is taken from the working directory and
+    /// named by its absolute path from then on (hooks, their environment,
+    /// webhooks and the status name it to processes elsewhere); an invalid
+    /// registration id is refused here, before anything runs unregistered.
     pub fn open(store: &Store, cfg: &DaemonConfig) -> Result<Daemon> {
+        if let Some(id) = cfg.id.as_deref()
+            && !crate::protocol::valid_id(id)
+        {
+            return Err(crate::Error::Config(format!(
+                "subscriber id `{id}` is not usable: use 1 to 128 of A-Z a-z 0-9 . _ - (not \
+                 starting with a dot), e.g. the pod or host name"
+            )));
+        }
+        let mut cfg = cfg.clone();
+        cfg.out = std::path::absolute(&cfg.out)
+            .map_err(|e| crate::Error::io(format!("resolving {}", cfg.out.display()), e))?;
+        let cfg = &cfg;
         std::fs::create_dir_all(&cfg.out)
             .map_err(|e| crate::Error::io(format!("creating {}", cfg.out.display()), e))?;
         let sink = DirSink::open(&cfg.out, cfg.slots)?;
@@ -149,7 +165,7 @@ impl Daemon {
         if let Ok(mut s) = shared.status.lock() {
             s.store_requests = requests;
         }
-        let Some(c) = caught? else {
+        let Some(mut c) = caught? else {
             // Registered while the bucket is still empty, so the publisher's
             // first version is pushed here instead of waiting for a poll.
             self.register(
@@ -176,6 +192,7 @@ impl Daemon {
             s.bytes_written += c.written_bytes;
             s.bytes_journal += c.journal_bytes;
             s.repairs += c.repairs;
+            s.dir = Some(self.sub.sink.current_dir());
             if changed || switched {
                 s.versions_applied += c.deltas_applied.max(1);
                 s.last_apply_seconds = started.elapsed().as_secs_f64();
@@ -201,8 +218,22 @@ impl Daemon {
             };
             report = hooks::run(&self.cfg.hooks, &event, &self.cfg.hook_policy).await;
             self.record_hooks(shared, &report, c.version);
+            c.pause_s = report.pause_seconds;
             if report.failed > 0 {
                 self.hooks_owed = Some(event);
+            }
+            tracing::info!(
+                version = c.version,
+                fetch_s = c.fetch_s,
+                prepare_s = c.prepare_s,
+                pause_s = c.pause_s,
+                apply_s = c.apply_s,
+                bytes_downloaded = c.bytes_downloaded,
+                bytes_written = c.bytes_written,
+                "version accounted"
+            );
+            if let Ok(mut s) = shared.status.lock() {
+                s.account(super::status::VersionAccount::of(&c));
             }
         }
         let quarantined: Vec<u64> = c.quarantined.iter().map(|q| q.version).collect();
@@ -233,6 +264,10 @@ impl Daemon {
     /// Records a hook run for `version`: served only when every hook
     /// succeeded (an engine that refused it still serves the previous one).
     fn record_hooks(&self, shared: &Shared, report: &hooks::Report, version: u64) {
+        // No hooks configured: nothing ran, nothing to count.
+        if self.cfg.hooks.is_empty() {
+            return;
+        }
         if let Ok(mut s) = shared.status.lock() {
             s.last_pause_seconds = report.pause_seconds;
             s.hook_failures += report.failed as u64;

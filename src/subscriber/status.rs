@@ -62,6 +62,55 @@ pub struct Status {
     /// Ranks that differ are an error (`last_error`, `/healthz` 503).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub rank_versions: Vec<Option<u64>>,
+    /// The directory engines load (`DIR/current`), absolute.
+    pub dir: Option<std::path::PathBuf>,
+    /// The last version's time waiting on the store, seconds
+    /// ([`crate::subscriber::CaughtUp::fetch_s`]).
+    pub fetch_s: f64,
+    /// The last version's time decoding, verifying and writing it where
+    /// nothing reads it yet, seconds.
+    pub prepare_s: f64,
+    /// The last version's engine pause, seconds (hooks; 0 without).
+    pub pause_s: f64,
+    /// The last version's time making it visible (commit and switch), seconds.
+    pub apply_s: f64,
+    /// The last version that changed the output, accounted: its time split
+    /// and its own bytes (the counters above are since start).
+    pub last_version: Option<VersionAccount>,
+}
+
+/// One version's account: where the time and the bytes went.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct VersionAccount {
+    /// The version.
+    pub version: u64,
+    /// Waiting on the store, seconds.
+    pub fetch_s: f64,
+    /// Decoding, verifying, writing off the serving path, seconds.
+    pub prepare_s: f64,
+    /// The engine's pause, seconds.
+    pub pause_s: f64,
+    /// Commit and switch, seconds.
+    pub apply_s: f64,
+    /// Bytes downloaded for it.
+    pub bytes_downloaded: u64,
+    /// Bytes written locally for it.
+    pub bytes_written: u64,
+}
+
+impl VersionAccount {
+    /// The account of a catch-up's version.
+    pub fn of(c: &crate::subscriber::CaughtUp) -> VersionAccount {
+        VersionAccount {
+            version: c.version,
+            fetch_s: c.fetch_s,
+            prepare_s: c.prepare_s,
+            pause_s: c.pause_s,
+            apply_s: c.apply_s,
+            bytes_downloaded: c.bytes_downloaded,
+            bytes_written: c.bytes_written,
+        }
+    }
 }
 
 impl Status {
@@ -85,6 +134,15 @@ impl Status {
     /// Whether the ranks reported hold different versions.
     pub fn ranks_differ(&self) -> bool {
         self.rank_versions.windows(2).any(|w| w[0] != w[1])
+    }
+
+    /// Records a version's account as the last one.
+    pub fn account(&mut self, a: VersionAccount) {
+        self.fetch_s = a.fetch_s;
+        self.prepare_s = a.prepare_s;
+        self.pause_s = a.pause_s;
+        self.apply_s = a.apply_s;
+        self.last_version = Some(a);
     }
 }
 

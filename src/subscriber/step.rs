@@ -67,8 +67,8 @@ pub struct CaughtUp {
     /// Repairs: replays that failed verification and were redone from an
     /// anchor, and held output found damaged.
     pub repairs: u64,
-    /// Tensors changed since the previous version, sorted (empty after an
-    /// anchor: everything may have changed).
+    /// Tensors changed since the previous version, sorted (after an anchor,
+    /// every tensor: any may have changed).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub changed_tensors: Vec<String>,
     /// Bytes written into the output: anchors, non-tensor files, changed
@@ -91,6 +91,23 @@ pub struct CaughtUp {
     /// first); retried with backoff, skipped meanwhile.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub quarantined: Vec<Quarantined>,
+    /// Where the time went, seconds: waiting on the store (the listing and
+    /// manifests, and object downloads the sink did not overlap).
+    pub fetch_s: f64,
+    /// Decoding, verifying and writing the version where nothing reads it
+    /// yet (the standby slot; the caller's staging), while the engine still
+    /// serves the previous one.
+    pub prepare_s: f64,
+    /// The engine's pause (its hooks: pause answered to resume answered; 0
+    /// without hooks).
+    pub pause_s: f64,
+    /// Making the version visible: the sink's commit (flush, record, the
+    /// switch of `DIR/current`; the writes into tensors a caller owns).
+    pub apply_s: f64,
+    /// Bytes of objects downloaded for this version (`downloaded`).
+    pub bytes_downloaded: u64,
+    /// Bytes written locally for this version (`written_bytes`).
+    pub bytes_written: u64,
 }
 
 impl CaughtUp {
@@ -127,6 +144,11 @@ pub fn repairable(e: &Error) -> bool {
         e.kind(),
         ErrorKind::Unavailable | ErrorKind::Config | ErrorKind::Io
     )
+}
+
+/// Adds the time since `from` to `acc` (seconds).
+fn add_since(acc: &mut f64, from: Instant) {
+    *acc += from.elapsed().as_secs_f64();
 }
 
 /// An update staged in the sink and not yet committed.
@@ -463,6 +485,8 @@ impl<S: Sink> Subscriber<S> {
         match self.stage_repairing(update, &mut out).await {
             Ok(reached) => {
                 out.version = reached;
+                // What the sink did not take was waiting on the store.
+                out.fetch_s = (started.elapsed().as_secs_f64() - out.prepare_s).max(0.0);
                 self.staged = Some(Staged {
                     version: reached,
                     out,
@@ -552,7 +576,9 @@ impl<S: Sink> Subscriber<S> {
         ready: &mut BTreeMap<String, Ready>,
         out: &mut CaughtUp,
     ) -> Result<()> {
+        let t = Instant::now();
         self.sink.begin(base)?;
+        add_since(&mut out.prepare_s, t);
         if let Some(a) = anchor {
             let m = &chain[&a];
             for o in m.bootstrap_objects() {
@@ -560,7 +586,9 @@ impl<S: Sink> Subscriber<S> {
                 let got = ready.remove(&o.key);
                 match (o.role, got) {
                     (ObjectRole::Anchor, Some(Ready::Tensors(set))) => {
+                        let t = Instant::now();
                         self.sink.anchor(&o.name, AnchorObject::Tensors(set))?;
+                        add_since(&mut out.prepare_s, t);
                     }
                     (ObjectRole::Anchor, _) => {
                         let object = match self.sink.anchor_dest(&o.name)? {
@@ -572,16 +600,26 @@ impl<S: Sink> Subscriber<S> {
                                 AnchorObject::File(p)
                             }
                         };
+                        let t = Instant::now();
                         self.sink.anchor(&o.name, object)?;
+                        add_since(&mut out.prepare_s, t);
                     }
-                    (_, Some(Ready::Bytes(body))) => self.sink.file(a, &o.name, &body)?,
+                    (_, Some(Ready::Bytes(body))) => {
+                        let t = Instant::now();
+                        self.sink.file(a, &o.name, &body)?;
+                        add_since(&mut out.prepare_s, t);
+                    }
                     _ => {
                         let body = self.fetcher.bytes(o).await?;
+                        let t = Instant::now();
                         self.sink.file(a, &o.name, &body)?;
+                        add_since(&mut out.prepare_s, t);
                     }
                 }
             }
+            let t = Instant::now();
             self.sink.version_done(m)?;
+            add_since(&mut out.prepare_s, t);
         }
         let objects = replay
             .iter()
@@ -607,6 +645,7 @@ impl<S: Sink> Subscriber<S> {
             for o in m.replay_objects() {
                 let body = prefetch.next().await?;
                 out.downloaded += o.size;
+                let t = Instant::now();
                 if o.role == ObjectRole::Delta {
                     let report = match self.sink.delta(*v, &o.name, &body) {
                         Ok(r) => r,
@@ -632,8 +671,11 @@ impl<S: Sink> Subscriber<S> {
                 } else {
                     self.sink.file(*v, &o.name, &body)?;
                 }
+                add_since(&mut out.prepare_s, t);
             }
+            let t = Instant::now();
             self.sink.version_done(m)?;
+            add_since(&mut out.prepare_s, t);
             out.deltas_applied += 1;
         }
         out.changed_tensors = changed.into_iter().collect();
@@ -647,8 +689,13 @@ impl<S: Sink> Subscriber<S> {
         let staged = self.staged.take().ok_or_else(|| {
             Error::BadRequest("no update is staged (stage one first, or it was dropped)".into())
         })?;
+        let t = Instant::now();
         match self.sink.commit() {
-            Ok(p) => Ok(self.committed(staged, p)),
+            Ok(p) => {
+                let mut c = self.committed(staged, p);
+                c.apply_s = t.elapsed().as_secs_f64();
+                Ok(c)
+            }
             Err(e) => {
                 if e.kind() == ErrorKind::Corrupt {
                     self.needs_anchor = true;
@@ -676,6 +723,15 @@ impl<S: Sink> Subscriber<S> {
         out.slot = p.slot;
         out.requests = self.fetcher.requests() - staged.requests;
         out.quarantined = self.quarantined();
+        out.bytes_downloaded = out.downloaded;
+        out.bytes_written = out.written_bytes;
+        if out.from_anchor {
+            // After an anchor any tensor may have changed: all are listed.
+            let mut all = self.sink.held_tensors().unwrap_or_default();
+            all.sort();
+            all.dedup();
+            out.changed_tensors = all;
+        }
         tracing::debug!(
             version = t,
             seconds = staged.started.elapsed().as_secs_f64(),
@@ -749,7 +805,10 @@ impl<S: Sink> Subscriber<S> {
                     break;
                 }
                 tried += 1;
-                let u = match self.plan(t, self.needs_anchor).await {
+                let planning = Instant::now();
+                let planned = self.plan(t, self.needs_anchor).await;
+                let plan_s = planning.elapsed().as_secs_f64();
+                let u = match planned {
                     Ok(Some(u)) => u,
                     // Nothing at or below `t` is newer than what is held.
                     Ok(None) => break,
@@ -769,6 +828,8 @@ impl<S: Sink> Subscriber<S> {
                 match reached {
                     Ok(mut c) => {
                         c.requests = self.fetcher.requests() - requests;
+                        // Planning read the listing and manifests.
+                        c.fetch_s += plan_s;
                         return Ok(Some(c));
                     }
                     Err(e) if repairable(&e) => {

@@ -11,6 +11,7 @@ mod deploy_files;
 mod distributed;
 mod docs_flags;
 mod faultproxy;
+mod first_hour;
 mod fleet;
 mod gc;
 mod gcs;

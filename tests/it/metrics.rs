@@ -145,6 +145,16 @@ const HELP: &[(&str, &str)] = &[
         "weightcast_engine_pause_seconds",
         "Engine pause window of the last version (pause answered to resume answered).",
     ),
+    (
+        "weightcast_version_seconds",
+        "Where the last version's time went, by phase: fetch (waiting on the store), prepare \
+         (decode, verify, write off the serving path), pause (the engine's), apply (commit and \
+         switch).",
+    ),
+    (
+        "weightcast_version_bytes",
+        "The last version's bytes, by kind: downloaded from the store, written locally.",
+    ),
     ("weightcast_hook_runs_total", "Hook runs."),
     ("weightcast_hook_failures_total", "Hooks that failed."),
     (

@@ -156,7 +156,8 @@ async fn publish_over_http() {
                 TOKEN,
                 serde_json::json!({ "checkpoint": root.join("missing") }),
             ),
-            422,
+            // Not found, as everywhere (exit code 66 from `publish`).
+            404,
         ),
         (post(TOKEN, serde_json::json!({ "path": "x" })), 400),
     ];

@@ -452,6 +452,7 @@ impl DirSink {
         delta: &[u8],
     ) -> Result<ApplyReport> {
         let set = Self::open_mapped(work, name)?;
+        let before = set.metadata().clone();
         let started = std::time::Instant::now();
         let report = apply_checked(set, version, name, delta)?;
         tracing::debug!(
@@ -461,9 +462,47 @@ impl DirSink {
             seconds = started.elapsed().as_secs_f64(),
             "applied in place"
         );
+        // The delta carried the version's own `__metadata__` (a trainer's
+        // step): the file's header takes it.
+        let moved = *set.metadata() != before;
         work.produced.written_bytes += patched_bytes(set, delta);
         work.touched.insert(name.to_string());
+        if moved {
+            Self::write_metadata(work, name)?;
+        }
         Ok(report)
+    }
+
+    /// Writes the header of output file `name` again with the metadata its
+    /// mapped set now carries, padded with spaces to the same length (the
+    /// data never moves; an output header has the room the anchor's
+    /// weightcast keys took). Metadata that does not fit is not written: the
+    /// file keeps the previous version's, with a warning.
+    fn write_metadata(work: &mut Work, name: &str) -> Result<()> {
+        let (Some(set), Some(rec)) = (work.open.get(name), work.rec.tensors.get_mut(name)) else {
+            return Ok(());
+        };
+        let len = rec.data_start.saturating_sub(8) as usize;
+        let Some(header) = padded_header(set, set.metadata(), len)? else {
+            tracing::warn!(
+                file = name,
+                "the version's metadata does not fit in the output header; the file keeps the \
+                 previous version's"
+            );
+            return Ok(());
+        };
+        let mut head = (header.len() as u64).to_le_bytes().to_vec();
+        head.extend_from_slice(&header);
+        let p = work.dir.join(name);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .and_then(|f| std::os::unix::fs::FileExt::write_all_at(&f, &head, 0))
+            .map_err(|e| io_err("writing the header of", &p, e))?;
+        rec.header_blake3 = blake3::hash(&head).to_hex().to_string();
+        work.produced.written_bytes += head.len() as u64;
+        work.to_sync.insert(p);
+        Ok(())
     }
 
     fn write_to_slot(work: &mut Work, name: &str, body: &[u8]) -> Result<()> {

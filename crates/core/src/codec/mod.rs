@@ -33,7 +33,8 @@ pub use anchor::{
 };
 pub use apply::{
     ApplyReport, Delta, InPlaceOptions, InPlaceReport, Positions, Prepared, Target, TensorChange,
-    apply_delta, apply_in_place, apply_in_place_all, apply_in_place_with, prepare_in_place_all,
+    apply_delta, apply_in_place, apply_in_place_all, apply_in_place_with, carried_metadata,
+    prepare_in_place_all,
 };
 pub use compact::vector;
 pub use encode::{DeltaOptions, DeltaSummary, encode_delta};

@@ -37,7 +37,7 @@ pub use in_place::{
     InPlaceOptions, InPlaceReport, Prepared, Target, TensorChange, apply_in_place,
     apply_in_place_all, apply_in_place_with, prepare_in_place_all,
 };
-pub use one_pass::{ApplyReport, apply_delta};
+pub use one_pass::{ApplyReport, apply_delta, carried_metadata};
 
 #[cfg(test)]
 mod tests;

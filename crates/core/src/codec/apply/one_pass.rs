@@ -1,5 +1,7 @@
 //! One pass with undo: [`apply_delta`] on a `TensorSet`.
 
+use std::collections::BTreeMap;
+
 use rayon::prelude::*;
 use safetensors::SafeTensors;
 use serde::Serialize;
@@ -102,9 +104,18 @@ pub fn apply_delta(state: &mut TensorSet, bytes: &[u8]) -> Result<ApplyReport> {
 
     // One pass: decode, write in place, keep what undoes it; if anything fails
     // to decode or verify, every written word is put back.
+    // The metadata the delta carries is read before anything is written: a
+    // malformed one refuses the delta whole.
+    let carried = match (&header, map.get(keys::METADATA)) {
+        (Some(_), Some(m)) => Some(carried_metadata(m)?),
+        _ => None,
+    };
     let (changed, new_digests) = apply_jobs(state, &jobs, header.as_ref().map(|h| h.digest))?;
     for (j, d) in jobs.iter().zip(new_digests) {
         state.set_digest(j.idx, d);
+    }
+    if let Some(m) = carried {
+        state.set_metadata(m);
     }
     let encoding = header.as_ref().map_or(Encoding::Trl, |h| h.encoding);
     Ok(ApplyReport {
@@ -118,6 +129,18 @@ pub fn apply_delta(state: &mut TensorSet, bytes: &[u8]) -> Result<ApplyReport> {
         changed_tensors: jobs.iter().map(|j| j.name.clone()).collect(),
         verified: header.is_some(),
     })
+}
+
+/// The `__metadata__` a delta carries for the version it produces
+/// ([`keys::METADATA`]): a JSON object of strings, `weightcast.*` keys left
+/// out.
+pub fn carried_metadata(json: &str) -> Result<BTreeMap<String, String>> {
+    let m: BTreeMap<String, String> = serde_json::from_str(json).map_err(|e| {
+        Error::metadata(keys::METADATA, format!("not a JSON object of strings: {e}"))
+    })?;
+    Ok(m.into_iter()
+        .filter(|(k, _)| !k.starts_with("weightcast."))
+        .collect())
 }
 
 /// What applying one tensor in one pass did: enough to verify it or to undo it.
