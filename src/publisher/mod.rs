@@ -45,6 +45,7 @@ pub use checkpoint::{Checkpoint, CheckpointOptions, DEFAULT_EXCLUDES, FileSource
 pub use dist::{DEFAULT_RANK_TIMEOUT, Distributed};
 pub use gate::CommitGate;
 use state::{Committed, FileDigests, Snapshot, State};
+pub use state::StateMode;
 
 /// When to write an anchor instead of a delta.
 #[derive(Clone, Debug)]
@@ -126,6 +127,11 @@ pub struct PublisherConfig {
     /// publishing its own shard files, and the W ranks commit one version per
     /// step together ([`dist`]). `None`: it publishes alone.
     pub distributed: Option<Distributed>,
+    /// How the snapshot in `state_dir` follows the versions: patched in
+    /// place, or kept as the last anchor wrote it with the deltas since
+    /// beside it (an overlay); by default in place on tmpfs and ramfs, an
+    /// overlay elsewhere ([`StateMode`]).
+    pub state_mode: StateMode,
 }
 
 impl PublisherConfig {
@@ -147,6 +153,7 @@ impl PublisherConfig {
             layout: crate::protocol::Layout::default(),
             trl: crate::format::TrlOptions::default(),
             distributed: None,
+            state_mode: StateMode::Auto,
         }
     }
 }
@@ -196,6 +203,12 @@ pub struct Published {
     /// What automatic retention removed after this version, when it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub collected: Option<crate::protocol::Collected>,
+    /// Bytes this publish caused to be written to local storage: the state
+    /// directory's journal, overlay and snapshot, pages of files it dirtied
+    /// (`write_bytes` of `/proc/self/io`; 0 on tmpfs, absent where the kernel
+    /// does not say). A `file://` bucket on a disk counts here too.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub local_write_bytes: Option<u64>,
 }
 
 impl Published {
@@ -217,6 +230,7 @@ impl Published {
             bridge_bytes: 0,
             notified: Some(0),
             collected: None,
+            local_write_bytes: None,
         }
     }
 }
@@ -276,7 +290,7 @@ impl Publisher {
             .map_err(|e| Error::io(format!("creating {}", cfg.state_dir.display()), e))?;
         let s = store.clone();
         let layout = cfg.layout;
-        let (snapshot, state) = Snapshot::load(&cfg.state_dir, |version, writer| async move {
+        let (snapshot, state) = Snapshot::load(&cfg.state_dir, cfg.state_mode, |version, writer| async move {
             let ours = match layout {
                 crate::protocol::Layout::Weightcast => read_manifest(&s, version)
                     .await?
@@ -300,6 +314,12 @@ impl Publisher {
             notifications: tokio::task::JoinSet::new(),
             gate: Default::default(),
         })
+    }
+
+    /// Its trusted snapshot, if any: how its files were checked
+    /// ([`state::Check`]) and how it follows the versions ([`StateMode`]).
+    pub fn snapshot(&self) -> Option<(state::Check, StateMode)> {
+        self.snapshot.as_ref().map(|s| (s.check(), s.mode()))
     }
 
     /// The last committed version this publisher knows of, if any.
@@ -336,6 +356,15 @@ impl Publisher {
 
     /// Publishes `cp` as the next version.
     pub async fn publish(&mut self, cp: Checkpoint, opts: &PublishOptions) -> Result<Published> {
+        let written = crate::fsio::written_bytes();
+        let mut p = self.publish_counted(cp, opts).await?;
+        p.local_write_bytes = written
+            .zip(crate::fsio::written_bytes())
+            .map(|(a, b)| b.saturating_sub(a));
+        Ok(p)
+    }
+
+    async fn publish_counted(&mut self, cp: Checkpoint, opts: &PublishOptions) -> Result<Published> {
         self.gate.begin_publish()?;
         if self.cfg.layout == crate::protocol::Layout::Trl {
             return self.publish_trl(cp, opts).await;
@@ -679,6 +708,9 @@ impl Publisher {
                 .iter()
                 .map(|(n, s)| (n.clone(), FileDigests::of(s)))
                 .collect(),
+            overlay: Vec::new(),
+            snapshot_files: BTreeMap::new(),
+            stamps: BTreeMap::new(),
             pending: None,
         };
         let snap = self.snapshot.as_mut().expect("checked above");
@@ -731,6 +763,7 @@ impl Publisher {
             bridge_bytes: 0,
             notified,
             collected: None,
+            local_write_bytes: None,
         })
     }
 
@@ -899,6 +932,9 @@ impl Publisher {
             world: self.cfg.distributed.as_ref().map(|d| d.world),
             files,
             tensor_files,
+            overlay: Vec::new(),
+            snapshot_files: BTreeMap::new(),
+            stamps: BTreeMap::new(),
             pending: None,
         };
         // Record the commit in flight (in the old state, which stays valid if
@@ -922,7 +958,7 @@ impl Publisher {
         crate::failpoint::hit("publisher.after_latest");
         // The old snapshot's mappings go before its files are replaced.
         self.snapshot = None;
-        self.snapshot = Some(state::install_anchor(&dir, after.clone())?);
+        self.snapshot = Some(state::install_anchor(&dir, self.cfg.state_mode, after.clone())?);
         self.state = Some(after);
         let notified = self.notify(next, next);
         let collected = self.collect().await;
@@ -938,6 +974,7 @@ impl Publisher {
             bridge_bytes,
             notified,
             collected,
+            local_write_bytes: None,
         })
     }
 
@@ -1213,6 +1250,8 @@ fn write_plain_file(path: &Path, set: &crate::tensors::TensorSet) -> Result<u64>
     let mut w = std::io::BufWriter::with_capacity(8 << 20, file);
     set.write_to(set.metadata(), &mut w)?;
     w.flush().map_err(|e| io("writing", e))?;
+    // Durable before the state records its stamp (a start trusts it by that).
+    w.get_ref().sync_all().map_err(|e| io("syncing", e))?;
     let len = w.get_ref().metadata().map_err(|e| io("writing", e))?.len();
     Ok(len - set.total_bytes())
 }

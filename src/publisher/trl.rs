@@ -153,6 +153,9 @@ impl Publisher {
             files: Default::default(),
             tensor_files: [(FILE.to_string(), FileDigests::of(&set))].into(),
             world: None,
+            overlay: Vec::new(),
+            snapshot_files: Default::default(),
+            stamps: Default::default(),
             pending: None,
         };
         let deltas = vec![(FILE.to_string(), bytes)];
@@ -194,6 +197,7 @@ impl Publisher {
             bridge_bytes: 0,
             notified: Some(0),
             collected: None,
+            local_write_bytes: None,
         })
     }
 
@@ -238,6 +242,9 @@ impl Publisher {
             files: Default::default(),
             tensor_files: [(FILE.to_string(), FileDigests::of(&set))].into(),
             world: None,
+            overlay: Vec::new(),
+            snapshot_files: Default::default(),
+            stamps: Default::default(),
             pending: None,
         };
         let mut pending = self.state.clone().unwrap_or_default();
@@ -257,7 +264,7 @@ impl Publisher {
         }
         crate::failpoint::hit("publisher.after_commit");
         self.snapshot = None;
-        self.snapshot = Some(state::install_anchor(&dir, after.clone())?);
+        self.snapshot = Some(state::install_anchor(&dir, self.cfg.state_mode, after.clone())?);
         self.state = Some(after);
         Ok(Published {
             version: next,
@@ -278,6 +285,7 @@ impl Publisher {
             bridge_bytes: 0,
             notified: Some(0),
             collected: None,
+            local_write_bytes: None,
         })
     }
 }

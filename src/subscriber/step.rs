@@ -91,6 +91,16 @@ pub struct CaughtUp {
     /// first); retried with backoff, skipped meanwhile.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub quarantined: Vec<Quarantined>,
+    /// The standby slot brought forward after the switch, when a one-shot
+    /// run did it (`subscribe --once`: after hooks that confirmed the
+    /// version, or into a slot that held nothing): what it cost.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub standby: Option<Produced>,
+    /// Bytes the run caused to be written to local storage: slots, journal,
+    /// state (`write_bytes` of `/proc/self/io`: pages dirtied in files on a
+    /// disk; 0 on tmpfs; absent where the kernel does not say).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub local_write_bytes: Option<u64>,
 }
 
 impl CaughtUp {

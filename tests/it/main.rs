@@ -21,6 +21,7 @@ mod layering;
 mod malformed;
 mod metrics;
 mod notify;
+mod oneshot;
 mod protocol;
 mod publisher;
 mod publisher_crash;
