@@ -13,7 +13,10 @@
 //! the version's commit not yet seen), `publisher.before_commit` (objects
 //! and journal written, manifest not), `publisher.after_commit` (manifest
 //! created, snapshot not yet updated), `publisher.after_latest` (hint
-//! written, snapshot not updated); `relay.before_commit` (a version's
+//! written, snapshot not updated), `publisher.before_record` (the snapshot
+//! brought to the committed version — patched in place, the delta moved into
+//! the overlay, or the anchor's files swapped in — `state.json` not yet
+//! updated); `relay.before_commit` (a version's
 //! objects copied, its manifest not);
 //! `subscriber.after_begin` (a slot marked dirty, nothing written),
 //! `subscriber.after_anchor` (an anchor file moved into the slot),

@@ -102,6 +102,7 @@ impl NativePublisher {
                 layout: Default::default(),
                 trl: Default::default(),
                 distributed: distributed(rank, world, rank_timeout)?,
+                state_mode: Default::default(),
             };
             let store = store(&store_url, &store_options)?;
             block_on(Publisher::open(store, cfg))?

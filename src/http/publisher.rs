@@ -49,6 +49,11 @@ pub struct PublisherStats {
     pub changed_elements: u64,
     /// Seconds the last successful publish took.
     pub last_publish_seconds: f64,
+    /// Bytes the publishes caused to be written to local storage (state
+    /// directory; `/proc/self/io` write_bytes).
+    pub local_write_bytes: u64,
+    /// The same for the last publish.
+    pub last_local_write_bytes: u64,
     /// Failed publishes, by error kind.
     pub errors: std::collections::BTreeMap<&'static str, u64>,
     /// The last error.
@@ -296,6 +301,10 @@ async fn publish(
             stats.bytes += out.bytes;
             stats.changed_elements += out.changed;
             stats.last_publish_seconds = started.elapsed().as_secs_f64();
+            if let Some(w) = out.local_write_bytes {
+                stats.local_write_bytes += w;
+                stats.last_local_write_bytes = w;
+            }
             stats.unhealthy = None;
             (StatusCode::OK, axum::Json(out)).into_response()
         }
@@ -407,6 +416,16 @@ impl prometheus_client::collector::Collector for Metrics {
             "weightcast_publisher_publish_seconds",
             "Duration of the last successful publish.",
             s.last_publish_seconds,
+        )?;
+        m.counter(
+            "weightcast_publisher_local_written_bytes",
+            "Bytes written to local storage by the publishes (/proc/self/io write_bytes).",
+            s.local_write_bytes,
+        )?;
+        m.gauge(
+            "weightcast_publisher_last_local_written_bytes",
+            "Bytes written to local storage by the last publish.",
+            s.last_local_write_bytes,
         )?;
         let errors: Vec<(&str, u64)> = [
             ErrorKind::NotFound,

@@ -303,6 +303,16 @@ impl prometheus_client::collector::Collector for Metrics {
             s.bytes_written,
         )?;
         m.counter(
+            "weightcast_local_written_bytes",
+            "Bytes written to local storage by the catch-ups (/proc/self/io write_bytes).",
+            s.local_write_bytes,
+        )?;
+        m.gauge(
+            "weightcast_last_version_local_written_bytes",
+            "Bytes written to local storage for the last version (its standby slot included).",
+            s.last_local_write_bytes,
+        )?;
+        m.counter(
             "weightcast_journal_applied_bytes",
             "Bytes of journal objects applied to bring slots forward.",
             s.bytes_journal,

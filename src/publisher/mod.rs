@@ -47,6 +47,7 @@ pub use checkpoint::{
 pub use dist::{DEFAULT_RANK_TIMEOUT, Distributed};
 pub use gate::CommitGate;
 use state::{Committed, FileDigests, Snapshot, State};
+pub use state::StateMode;
 
 /// When to write an anchor instead of a delta.
 #[derive(Clone, Debug)]
@@ -128,6 +129,11 @@ pub struct PublisherConfig {
     /// publishing its own shard files, and the W ranks commit one version per
     /// step together ([`dist`]). `None`: it publishes alone.
     pub distributed: Option<Distributed>,
+    /// How the snapshot in `state_dir` follows the versions: patched in
+    /// place, or kept as the last anchor wrote it with the deltas since
+    /// beside it (an overlay); by default in place on tmpfs and ramfs, an
+    /// overlay elsewhere ([`StateMode`]).
+    pub state_mode: StateMode,
 }
 
 impl PublisherConfig {
@@ -149,6 +155,7 @@ impl PublisherConfig {
             layout: crate::protocol::Layout::default(),
             trl: crate::format::TrlOptions::default(),
             distributed: None,
+            state_mode: StateMode::Auto,
         }
     }
 }
@@ -212,6 +219,12 @@ pub struct Published {
     /// sent in the background, as `notified`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fanout_subscribers: Option<usize>,
+    /// Bytes this publish caused to be written to local storage: the state
+    /// directory's journal, overlay and snapshot, pages of files it dirtied
+    /// (`write_bytes` of `/proc/self/io`; 0 on tmpfs, absent where the kernel
+    /// does not say). A `file://` bucket on a disk counts here too.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub local_write_bytes: Option<u64>,
 }
 
 /// Bytes of the `latest.json` hint written at a commit.
@@ -245,6 +258,7 @@ impl Published {
             egress_bytes: 0,
             fanout_bytes: 0,
             fanout_subscribers: Some(0),
+            local_write_bytes: None,
         }
     }
 }
@@ -313,7 +327,7 @@ impl Publisher {
             .map_err(|e| Error::io(format!("creating {}", cfg.state_dir.display()), e))?;
         let s = store.clone();
         let layout = cfg.layout;
-        let (snapshot, state) = Snapshot::load(&cfg.state_dir, |version, writer| async move {
+        let (snapshot, state) = Snapshot::load(&cfg.state_dir, cfg.state_mode, |version, writer| async move {
             let ours = match layout {
                 crate::protocol::Layout::Weightcast => read_manifest(&s, version)
                     .await?
@@ -338,6 +352,12 @@ impl Publisher {
             last_fanout: 0,
             gate: Default::default(),
         })
+    }
+
+    /// Its trusted snapshot, if any: how its files were checked
+    /// ([`state::Check`]) and how it follows the versions ([`StateMode`]).
+    pub fn snapshot(&self) -> Option<(state::Check, StateMode)> {
+        self.snapshot.as_ref().map(|s| (s.check(), s.mode()))
     }
 
     /// The last committed version this publisher knows of, if any.
@@ -374,6 +394,15 @@ impl Publisher {
 
     /// Publishes `cp` as the next version.
     pub async fn publish(&mut self, cp: Checkpoint, opts: &PublishOptions) -> Result<Published> {
+        let written = crate::fsio::written_bytes();
+        let mut p = self.publish_counted(cp, opts).await?;
+        p.local_write_bytes = written
+            .zip(crate::fsio::written_bytes())
+            .map(|(a, b)| b.saturating_sub(a));
+        Ok(p)
+    }
+
+    async fn publish_counted(&mut self, cp: Checkpoint, opts: &PublishOptions) -> Result<Published> {
         self.gate.begin_publish()?;
         if self.cfg.layout == crate::protocol::Layout::Trl {
             return self.publish_trl(cp, opts).await;
@@ -720,6 +749,9 @@ impl Publisher {
                 .iter()
                 .map(|(n, s)| (n.clone(), FileDigests::of(s)))
                 .collect(),
+            overlay: Vec::new(),
+            snapshot_files: BTreeMap::new(),
+            stamps: BTreeMap::new(),
             pending: None,
         };
         let snap = self.snapshot.as_mut().expect("checked above");
@@ -778,6 +810,7 @@ impl Publisher {
             // object of the version.
             fanout_bytes: written,
             fanout_subscribers: notified,
+            local_write_bytes: None,
         })
     }
 
@@ -947,6 +980,9 @@ impl Publisher {
             world: self.cfg.distributed.as_ref().map(|d| d.world),
             files,
             tensor_files,
+            overlay: Vec::new(),
+            snapshot_files: BTreeMap::new(),
+            stamps: BTreeMap::new(),
             pending: None,
         };
         // Record the commit in flight (in the old state, which stays valid if
@@ -970,7 +1006,7 @@ impl Publisher {
         crate::failpoint::hit("publisher.after_latest");
         // The old snapshot's mappings go before its files are replaced.
         self.snapshot = None;
-        self.snapshot = Some(state::install_anchor(&dir, after.clone())?);
+        self.snapshot = Some(state::install_anchor(&dir, self.cfg.state_mode, after.clone())?);
         self.state = Some(after);
         let notified = self.notify(next, next);
         let collected = self.collect().await;
@@ -996,6 +1032,7 @@ impl Publisher {
             egress_bytes: bytes + latest_bytes(next, next),
             fanout_bytes,
             fanout_subscribers: notified,
+            local_write_bytes: None,
         })
     }
 
@@ -1274,6 +1311,8 @@ fn write_plain_file(path: &Path, set: &crate::tensors::TensorSet) -> Result<u64>
     let mut w = std::io::BufWriter::with_capacity(8 << 20, file);
     set.write_to(set.metadata(), &mut w)?;
     w.flush().map_err(|e| io("writing", e))?;
+    // Durable before the state records its stamp (a start trusts it by that).
+    w.get_ref().sync_all().map_err(|e| io("syncing", e))?;
     let len = w.get_ref().metadata().map_err(|e| io("writing", e))?.len();
     Ok(len - set.total_bytes())
 }

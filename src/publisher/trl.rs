@@ -153,6 +153,9 @@ impl Publisher {
             files: Default::default(),
             tensor_files: [(FILE.to_string(), FileDigests::of(&set))].into(),
             world: None,
+            overlay: Vec::new(),
+            snapshot_files: Default::default(),
+            stamps: Default::default(),
             pending: None,
         };
         let deltas = vec![(FILE.to_string(), bytes)];
@@ -197,6 +200,7 @@ impl Publisher {
             egress_bytes: if write { size } else { 0 },
             fanout_bytes: if write { size } else { 0 },
             fanout_subscribers: Some(0),
+            local_write_bytes: None,
         })
     }
 
@@ -241,6 +245,9 @@ impl Publisher {
             files: Default::default(),
             tensor_files: [(FILE.to_string(), FileDigests::of(&set))].into(),
             world: None,
+            overlay: Vec::new(),
+            snapshot_files: Default::default(),
+            stamps: Default::default(),
             pending: None,
         };
         let mut pending = self.state.clone().unwrap_or_default();
@@ -260,7 +267,7 @@ impl Publisher {
         }
         crate::failpoint::hit("publisher.after_commit");
         self.snapshot = None;
-        self.snapshot = Some(state::install_anchor(&dir, after.clone())?);
+        self.snapshot = Some(state::install_anchor(&dir, self.cfg.state_mode, after.clone())?);
         self.state = Some(after);
         Ok(Published {
             version: next,
@@ -284,6 +291,7 @@ impl Publisher {
             egress_bytes: size,
             fanout_bytes: size,
             fanout_subscribers: Some(0),
+            local_write_bytes: None,
         })
     }
 }

@@ -13,7 +13,7 @@ use crate::store::Store;
 use super::dir::{DEFAULT_SLOTS, DirSink};
 use super::fetch::Fetcher;
 use super::register::Registrar;
-use super::sink::Sink;
+use super::sink::{Produced, Sink};
 use super::source::VersionSource;
 use super::status::Shared;
 use super::step::{CaughtUp, Subscriber};
@@ -129,6 +129,7 @@ impl Daemon {
         thorough: bool,
     ) -> Result<Option<(CaughtUp, hooks::Report)>> {
         let started = Instant::now();
+        let written = crate::fsio::written_bytes();
         // An engine that has not confirmed the current version may still read
         // the previous one's files: nothing changes until its hooks succeed.
         if let Some(event) = self.hooks_owed.clone() {
@@ -258,6 +259,16 @@ impl Daemon {
                 s.bytes_journal += p.journal_bytes;
             }
         }
+        if let Some(d) = written
+            .zip(crate::fsio::written_bytes())
+            .map(|(a, b)| b.saturating_sub(a))
+            && let Ok(mut s) = shared.status.lock()
+        {
+            s.local_write_bytes += d;
+            if switched {
+                s.last_local_write_bytes = d;
+            }
+        }
         Ok(Some((c, report)))
     }
 
@@ -337,10 +348,41 @@ pub async fn run(
 /// directory (verifying the current slot, and repairing it if damaged),
 /// catches up, runs the hooks after a switch, registers when configured.
 /// `None` when the bucket has no version yet.
+///
+/// Then the daemon's idle work, where a one-shot run may do it: the slot the
+/// next run writes is brought forward to the new version
+/// ([`Sink::prepare`]: the journal's objects, or a copy of the current slot)
+/// when hooks ran and confirmed the version (the engine reads the new slot
+/// now), or when that slot holds no file at all (after a first bootstrap:
+/// nothing can read it). Without hooks an engine may still read the
+/// previous version's slot after this process exits, so it is left to the
+/// next run. `standby` reports what it cost; `local_write_bytes` what the
+/// whole run wrote.
 pub async fn once(store: &Store, cfg: &DaemonConfig) -> Result<Option<(CaughtUp, hooks::Report)>> {
+    let written = crate::fsio::written_bytes();
     let shared = Shared::new(store.url(), None);
     let mut d = Daemon::open(store, cfg)?;
-    d.iterate(&shared, true).await
+    let Some((mut c, report)) = d.iterate(&shared, true).await? else {
+        return Ok(None);
+    };
+    let confirmed = !cfg.hooks.is_empty() && report.failed == 0;
+    if confirmed || d.sub.sink.standby_is_empty() {
+        let started = Instant::now();
+        let p = d.sub.sink.prepare()?;
+        tracing::debug!(
+            journal_bytes = p.journal_bytes,
+            cloned_bytes = p.cloned_bytes,
+            seconds = started.elapsed().as_secs_f64(),
+            "standby slot brought forward"
+        );
+        if p != Produced::default() {
+            c.standby = Some(p);
+        }
+    }
+    c.local_write_bytes = written
+        .zip(crate::fsio::written_bytes())
+        .map(|(a, b)| b.saturating_sub(a));
+    Ok(Some((c, report)))
 }
 
 /// Catches the output directory `out` up to the newest committed version of

@@ -28,6 +28,13 @@ pub struct Status {
     pub bytes_written: u64,
     /// Bytes of journal objects applied to bring slots forward since start.
     pub bytes_journal: u64,
+    /// Bytes the catch-ups caused to be written to local storage since start
+    /// (`write_bytes` of `/proc/self/io`: slots, journal and state on a disk;
+    /// nothing on tmpfs).
+    pub local_write_bytes: u64,
+    /// The same for the last catch-up that changed the version, its standby
+    /// slot brought forward included.
+    pub last_local_write_bytes: u64,
     /// Requests made to the store since start (listings, manifests, hints,
     /// object reads and ranged parts, registrations).
     pub store_requests: u64,

@@ -108,6 +108,16 @@ pub struct CaughtUp {
     pub bytes_downloaded: u64,
     /// Bytes written locally for this version (`written_bytes`).
     pub bytes_written: u64,
+    /// The standby slot brought forward after the switch, when a one-shot
+    /// run did it (`subscribe --once`: after hooks that confirmed the
+    /// version, or into a slot that held nothing): what it cost.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub standby: Option<Produced>,
+    /// Bytes the run caused to be written to local storage: slots, journal,
+    /// state (`write_bytes` of `/proc/self/io`: pages dirtied in files on a
+    /// disk; 0 on tmpfs; absent where the kernel does not say).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub local_write_bytes: Option<u64>,
 }
 
 impl CaughtUp {

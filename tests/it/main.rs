@@ -22,6 +22,7 @@ mod layering;
 mod malformed;
 mod metrics;
 mod notify;
+mod oneshot;
 mod protocol;
 mod publisher;
 mod publisher_crash;

@@ -102,6 +102,9 @@ pub enum Buffer {
     Mapped(memmap2::Mmap),
     /// A file mapped for writing (shared: writes reach the file).
     MappedMut(memmap2::MmapMut),
+    /// A file mapped copy-on-write (private: writes go to this process's
+    /// memory, page by page, never to the file).
+    MappedPrivate(memmap2::MmapMut),
     /// Memory lent by the caller.
     External(Box<dyn ExternalBuffer>),
 }
@@ -112,6 +115,7 @@ impl std::fmt::Debug for Buffer {
             Buffer::Owned(_) => "Owned",
             Buffer::Mapped(_) => "Mapped",
             Buffer::MappedMut(_) => "MappedMut",
+            Buffer::MappedPrivate(_) => "MappedPrivate",
             Buffer::External(_) => "External",
         };
         write!(f, "{kind}({} bytes)", self.len())
@@ -124,7 +128,7 @@ impl std::ops::Deref for Buffer {
         match self {
             Buffer::Owned(v) => v,
             Buffer::Mapped(m) => m,
-            Buffer::MappedMut(m) => m,
+            Buffer::MappedMut(m) | Buffer::MappedPrivate(m) => m,
             Buffer::External(e) => e.bytes(),
         }
     }
@@ -144,7 +148,7 @@ impl Buffer {
         }
         match self {
             Buffer::Owned(v) => v,
-            Buffer::MappedMut(m) => m,
+            Buffer::MappedMut(m) | Buffer::MappedPrivate(m) => m,
             Buffer::External(e) => e.bytes_mut().expect("checked writable"),
             Buffer::Mapped(_) => unreachable!("copied above"),
         }
@@ -153,7 +157,7 @@ impl Buffer {
     /// Whether writes reach memory or a file that someone else owns (a
     /// mapping or an external buffer), rather than a private copy.
     pub fn is_shared(&self) -> bool {
-        !matches!(self, Buffer::Owned(_))
+        !matches!(self, Buffer::Owned(_) | Buffer::MappedPrivate(_))
     }
 }
 
@@ -267,6 +271,23 @@ impl TensorSet {
             } else {
                 Buffer::Mapped(memmap2::Mmap::map(&file).map_err(io)?)
             }
+        };
+        Self::from_buffer(buf, digests)
+            .map_err(|e| Error::Container(format!("{}: {e}", path.display())))
+    }
+
+    /// Maps a safetensors file copy-on-write: reads come from the file (the
+    /// page cache), writes — through [`TensorSet::data_mut`] and the codec's
+    /// apply — go to private memory of this process, a page at a time, and
+    /// never reach the file. The same care as [`TensorSet::map`]: only a file
+    /// this process owns, which nothing rewrites while it is mapped.
+    pub fn map_private(path: &Path, digests: Digests) -> Result<Self> {
+        let io = |e| Error::io(format!("mapping {}", path.display()), e);
+        let file = std::fs::File::open(path).map_err(io)?;
+        // SAFETY: as in `map`: the file is this process's own state, which
+        // nothing else writes or truncates; writes go to private pages.
+        let buf = unsafe {
+            Buffer::MappedPrivate(memmap2::MmapOptions::new().map_copy(&file).map_err(io)?)
         };
         Self::from_buffer(buf, digests)
             .map_err(|e| Error::Container(format!("{}: {e}", path.display())))
@@ -856,6 +877,30 @@ mod tests {
         ro.data_mut(i)[0] = 7;
         assert_eq!(std::fs::read(&path).unwrap(), after);
         assert!(!ro.is_shared(), "the written buffer is now a private copy");
+    }
+
+    #[test]
+    fn a_private_mapping_never_writes_the_file() {
+        let set = TensorSet::from_tensors(vec![(
+            "a".to_string(),
+            Dtype::U8,
+            vec![4096 * 3],
+            vec![1; 4096 * 3],
+        )])
+        .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.safetensors");
+        let mut f = std::fs::File::create(&path).unwrap();
+        set.write_to(&BTreeMap::new(), &mut f).unwrap();
+        drop(f);
+        let before = std::fs::read(&path).unwrap();
+        let mut private = TensorSet::map_private(&path, Digests::Compute).unwrap();
+        assert!(!private.is_shared());
+        assert_eq!(private.digest(), set.digest());
+        private.data_mut(0)[5000] = 9;
+        private.flush().unwrap();
+        assert_eq!(private.data(0)[5000], 9, "the process sees its write");
+        assert_eq!(std::fs::read(&path).unwrap(), before, "the file does not");
     }
 
     #[test]

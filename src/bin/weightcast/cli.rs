@@ -308,6 +308,19 @@ pub enum Command {
         #[arg(long, env = "WEIGHTCAST_STORE")]
         store: String,
     },
+    /// Verify local state in full, whatever its stamps say: a publisher's
+    /// --state (every snapshot file's digests, the overlay) and/or a
+    /// subscriber's --out (every slot recorded clean). What does not verify
+    /// stops being trusted: the next version is an anchor, the slot is
+    /// rebuilt. Prints one JSON line; non-zero if anything failed.
+    Verify {
+        /// A publisher's state directory.
+        #[arg(long, required_unless_present = "out")]
+        state: Option<PathBuf>,
+        /// A subscriber's output directory.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Print the header of an anchor or delta object as JSON.
     Inspect {
         /// The object.
@@ -393,6 +406,14 @@ pub struct PublishOpts {
     /// Publisher state directory (the snapshot of the last committed version).
     #[arg(long, env = "WEIGHTCAST_STATE", default_value = "weightcast-state")]
     pub state: PathBuf,
+    /// How the snapshot in --state follows the versions: in-place (each
+    /// delta patched into its files: on a disk, every page a version changes
+    /// is written back), overlay (the files stay as the last anchor wrote
+    /// them, the deltas since are kept beside them and applied in memory:
+    /// the disk writes the delta), or auto (in-place on tmpfs and ramfs,
+    /// overlay elsewhere).
+    #[arg(long, default_value = "auto")]
+    pub state_mode: weightcast::publisher::StateMode,
     /// Delta encoding.
     #[arg(long, default_value = "compact", value_parser = delta_encoding())]
     pub encoding: Encoding,
@@ -533,6 +554,7 @@ impl PublishOpts {
                 index: self.trl_index,
             },
             distributed,
+            state_mode: self.state_mode,
         };
         Ok(weightcast::publisher::Publisher::open(store, cfg).await?)
     }

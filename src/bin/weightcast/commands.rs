@@ -250,6 +250,7 @@ pub async fn run(command: Command) -> Result<()> {
             emit_json(&collected)
         }
         Command::Inspect { path, full } => inspect(&path, full),
+        Command::Verify { state, out } => verify(state.as_deref(), out.as_deref()),
     }
 }
 
@@ -568,6 +569,28 @@ async fn subscribe_daemon(
     // and a restart continues from the verified state.
     weightcast::subscriber::run(store, &cfg, &shared, stop).await?;
     tracing::info!("stopping");
+    Ok(())
+}
+
+/// `verify`: the publisher's state and/or the subscriber's output, in full.
+fn verify(state: Option<&Path>, out: Option<&Path>) -> Result<()> {
+    let mut report = serde_json::Map::new();
+    let mut ok = true;
+    if let Some(dir) = state {
+        let v = weightcast::publisher::state::Snapshot::verify(dir)?;
+        ok &= v.ok;
+        report.insert("state".into(), serde_json::to_value(&v)?);
+    }
+    if let Some(dir) = out {
+        let slots = weightcast::subscriber::DirSink::verify(dir)?;
+        ok &= slots.iter().all(|s| s.ok);
+        report.insert("out".into(), serde_json::to_value(&slots)?);
+    }
+    report.insert("ok".into(), ok.into());
+    emit(serde_json::to_string(&report)?);
+    if !ok {
+        bail!("local state does not verify (see the report); it is no longer trusted");
+    }
     Ok(())
 }
 

@@ -57,7 +57,8 @@ mod state;
 
 use journal::{Journal, Replayed};
 pub use state::STATE_FORMAT;
-use state::{DirState, PlainFile, SlotState, Stamp, TensorFile, verify_slot};
+use state::{DirState, PlainFile, SlotState, TensorFile, verify_slot};
+use crate::fsio::Stamp;
 
 /// Default number of slots.
 pub const DEFAULT_SLOTS: usize = 2;
@@ -128,6 +129,22 @@ struct Work {
     tmp_files: u64,
 }
 
+/// What `weightcast verify --out` found in one slot.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct SlotReport {
+    /// The slot's name (`a`, `b`, …).
+    pub slot: String,
+    /// The version the state recorded it clean at (`None`: nothing usable).
+    pub version: Option<u64>,
+    /// Whether `current` points to it.
+    pub current: bool,
+    /// Whether it verified (a slot holding nothing verifies trivially).
+    pub ok: bool,
+    /// Why not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
 /// The output directory (see the module documentation).
 #[derive(Debug)]
 pub struct DirSink {
@@ -150,12 +167,19 @@ pub struct DirSink {
 
 impl DirSink {
     /// Opens (creating) the output directory `out` with `slots` slots: takes
-    /// its lock, loads the state, and verifies the current slot in full (a
-    /// digest pass over every byte; damage means nothing is held, so the
-    /// next update bootstraps into another slot). A switch interrupted by a
-    /// crash (a newer slot recorded clean) is finished here, after that slot
-    /// verifies.
+    /// its lock, loads the state, and checks the current slot: trusted when
+    /// every file's stamp is the one recorded ([`SlotState::trusted`]: size,
+    /// inode, modification and change times, header bytes), verified in full
+    /// otherwise (a digest pass over every byte; damage means nothing is
+    /// held, so the next update bootstraps into another slot). A switch
+    /// interrupted by a crash (a newer slot recorded clean) is finished here,
+    /// after that slot checks out. [`DirSink::verify`] verifies in full
+    /// whatever the stamps say.
     pub fn open(out: &Path, slots: usize) -> Result<DirSink> {
+        Self::open_with(out, slots, false)
+    }
+
+    fn open_with(out: &Path, slots: usize, full: bool) -> Result<DirSink> {
         if !(2..=MAX_SLOTS).contains(&slots) {
             return Err(Error::Config(format!(
                 "--slots {slots}: between 2 and {MAX_SLOTS} output slots"
@@ -224,13 +248,75 @@ impl DirSink {
             work: None,
             _lock: lock,
         };
-        sink.verify_current()?;
+        sink.verify_current(full)?;
         Ok(sink)
     }
 
-    /// Verifies the current slot in full — or, when a crash interrupted a
-    /// switch, the newer clean slot, and switches to it.
-    fn verify_current(&mut self) -> Result<()> {
+    /// `weightcast verify --out`: opens the output directory (its lock
+    /// taken, a switch a crash interrupted finished) and verifies every slot
+    /// the state records clean in full, whatever its stamps say — the
+    /// listing, each header, every tensor digest, every file's BLAKE3. A slot
+    /// that does not verify is recorded as holding nothing: it is rebuilt
+    /// before it is written again, and a damaged current slot is replaced by
+    /// the next update (a bootstrap into another slot). Nothing is
+    /// downloaded.
+    pub fn verify(out: &Path) -> Result<Vec<SlotReport>> {
+        if !out.join(".state.json").is_file() {
+            return Err(Error::Config(format!(
+                "{} is not a subscriber's output directory (no .state.json): pass the --out \
+                 of a subscriber",
+                out.display()
+            )));
+        }
+        let before = DirState::load(out);
+        let slots = before.slots.len().clamp(2, MAX_SLOTS);
+        let mut sink = Self::open_with(out, slots, true)?;
+        let mut reports = Vec::new();
+        let names: Vec<String> = sink.state.slots.keys().cloned().collect();
+        for name in names {
+            let current = sink.current.as_deref() == Some(name.as_str());
+            let rec = sink.state.slots[&name].clone();
+            let mut report = SlotReport {
+                slot: name.clone(),
+                version: before
+                    .slots
+                    .get(&name)
+                    .filter(|s| !s.dirty)
+                    .and_then(|s| s.version),
+                current,
+                ok: true,
+                error: None,
+            };
+            if current {
+                // Verified in full by the open: held, or found damaged.
+                if sink.held.is_none() {
+                    report.ok = false;
+                    report.error = Some("does not verify; the next update replaces it".into());
+                }
+            } else if rec.version.is_some() && !rec.dirty {
+                let dir = sink.slot_dir(&name);
+                if let Err(why) = verify_slot(&dir, &rec) {
+                    tracing::warn!(slot = %name, %why, "output slot does not verify; it will be rebuilt");
+                    sink.state.slots.insert(name.clone(), SlotState::default());
+                    sink.save_state()?;
+                    report.ok = false;
+                    report.error = Some(why);
+                } else {
+                    let mut rec = rec;
+                    rec.restamp(&dir)?;
+                    sink.state.slots.insert(name.clone(), rec);
+                    sink.save_state()?;
+                }
+            }
+            reports.push(report);
+        }
+        Ok(reports)
+    }
+
+    /// Checks the current slot — or, when a crash interrupted a switch, the
+    /// newer clean slot, and switches to it: trusted by its stamps
+    /// ([`SlotState::trusted`]) unless `full`, verified in full otherwise.
+    fn verify_current(&mut self, full: bool) -> Result<()> {
         let cur_version = self
             .current
             .as_ref()
@@ -252,11 +338,22 @@ impl DirSink {
                 continue;
             };
             let dir = self.slot_dir(&name);
-            match verify_slot(&dir, rec) {
+            let trusted = !full && rec.trusted(&dir, &DirState::record(&self.out));
+            let checked = if trusted {
+                Ok(())
+            } else {
+                verify_slot(&dir, rec)
+            };
+            match checked {
                 Ok(()) => {
-                    let mut rec = rec.clone();
-                    rec.restamp(&dir)?;
-                    self.state.slots.insert(name.clone(), rec);
+                    if !trusted {
+                        // Verified: its stamps as they are now, so that the
+                        // next start trusts it.
+                        let mut rec = rec.clone();
+                        rec.restamp(&dir)?;
+                        self.state.slots.insert(name.clone(), rec);
+                        self.save_state()?;
+                    }
                     if self.current.as_ref() != Some(&name) {
                         tracing::info!(slot = %name, version, "finishing a switch a crash interrupted");
                         self.save_state()?;
@@ -329,6 +426,14 @@ impl DirSink {
         Ok(())
     }
 
+    /// Whether the slot the next update writes holds no file at all: no
+    /// engine can be reading it, so bringing it forward ([`Sink::prepare`])
+    /// is safe even before an engine confirmed the current version.
+    pub fn standby_is_empty(&self) -> bool {
+        let dir = self.slot_dir(&self.next_slot());
+        std::fs::read_dir(&dir).is_ok_and(|mut d| d.next().is_none())
+    }
+
     /// The slot the next version is produced in: the oldest one that is not
     /// current (dirty and empty slots first).
     fn next_slot(&self) -> String {
@@ -358,7 +463,7 @@ impl DirSink {
         let usable = from.is_some_and(|v| {
             v <= held
                 && (v + 1..=held).all(|x| journaled.contains(&x))
-                && work.rec.stamps_hold(&work.dir)
+                && work.rec.trusted(&work.dir, &DirState::record(&self.out))
         });
         if usable {
             let v = from.expect("checked");
@@ -759,7 +864,10 @@ impl Sink for DirSink {
         };
         let slot = self.next_slot();
         let rec = &self.state.slots[&slot];
-        if !rec.dirty && rec.version == Some(held) && rec.stamps_hold(&self.slot_dir(&slot)) {
+        if !rec.dirty
+            && rec.version == Some(held)
+            && rec.trusted(&self.slot_dir(&slot), &DirState::record(&self.out))
+        {
             return Ok(Produced::default());
         }
         self.begin(Some(held))?;

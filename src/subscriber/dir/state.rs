@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::digest::Digest;
 use crate::error::{Error, Result};
-use crate::fsio::write_atomic;
+use crate::fsio::{Stamp, write_atomic_after};
 use crate::tensors::{Digests, TensorSet};
 
 /// Value of the state's `format`.
@@ -43,11 +43,18 @@ impl DirState {
         state
     }
 
-    /// Writes `DIR/.state.json` durably and atomically.
+    /// Writes `DIR/.state.json` durably and atomically, later than every
+    /// stamp it records ([`write_atomic_after`]).
     pub(super) fn save(&self, out: &Path) -> Result<()> {
         let body = serde_json::to_vec_pretty(self)
             .map_err(|e| Error::metadata("state", format!("cannot serialize: {e}")))?;
-        write_atomic(&Self::path(out), &body)
+        let newest = self.slots.values().map(SlotState::newest_ctime).max();
+        write_atomic_after(&Self::path(out), &body, newest.unwrap_or(0))
+    }
+
+    /// The file the stamps are recorded in ([`SlotState::trusted`]).
+    pub(super) fn record(out: &Path) -> PathBuf {
+        Self::path(out)
     }
 }
 
@@ -96,35 +103,6 @@ pub(super) struct PlainFile {
     pub(super) stamp: Stamp,
 }
 
-/// What `stat` says about a file once it was written and synced: any later
-/// write or replacement changes one of these.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct Stamp {
-    pub(super) ino: u64,
-    pub(super) mtime_ns: i64,
-    pub(super) ctime_ns: i64,
-}
-
-impl Stamp {
-    pub(super) fn of(p: &Path) -> Option<(u64, Stamp)> {
-        use std::os::unix::fs::MetadataExt;
-        let m = std::fs::symlink_metadata(p).ok()?;
-        if !m.is_file() {
-            return None;
-        }
-        let ns = |s: i64, n: i64| s.saturating_mul(1_000_000_000).saturating_add(n);
-        Some((
-            m.len(),
-            Stamp {
-                ino: m.ino(),
-                mtime_ns: ns(m.mtime(), m.mtime_nsec()),
-                ctime_ns: ns(m.ctime(), m.ctime_nsec()),
-            },
-        ))
-    }
-}
-
 impl SlotState {
     pub(super) fn names(&self) -> BTreeSet<String> {
         self.tensors
@@ -142,15 +120,35 @@ impl SlotState {
             .collect()
     }
 
-    /// Whether every file is still exactly as recorded (stat only).
-    pub(super) fn stamps_hold(&self, dir: &Path) -> bool {
-        let sizes = self
-            .tensors
+    fn stamps(&self) -> impl Iterator<Item = (&String, u64, Stamp)> {
+        self.tensors
             .iter()
             .map(|(n, t)| (n, t.size, t.stamp))
-            .chain(self.files.iter().map(|(n, f)| (n, f.size, f.stamp)));
-        for (n, size, stamp) in sizes {
-            if Stamp::of(&dir.join(n)) != Some((size, stamp)) {
+            .chain(self.files.iter().map(|(n, f)| (n, f.size, f.stamp)))
+    }
+
+    /// The newest change time among the recorded stamps.
+    pub(super) fn newest_ctime(&self) -> i64 {
+        self.stamps().map(|(_, _, s)| s.ctime_ns).max().unwrap_or(0)
+    }
+
+    /// Whether the slot can be trusted without reading it: every file is as
+    /// recorded by its stamp (size, inode, modification and change times),
+    /// recorded before `record` was written ([`Stamp::older_than`]: not
+    /// racily), each tensor file's header bytes hash as recorded, and the
+    /// slot holds no other file. A change through the kernel shows in a
+    /// stamp; the checks each version makes in proportion to its changes
+    /// (digests) and `weightcast verify` are what see the rest.
+    pub(super) fn trusted(&self, dir: &Path, record: &Path) -> bool {
+        for (n, size, stamp) in self.stamps() {
+            if Stamp::of(&dir.join(n)) != Some((size, stamp)) || !stamp.older_than(record) {
+                return false;
+            }
+        }
+        for (n, t) in &self.tensors {
+            if header_blake3(&dir.join(n), t.data_start.min(t.size)).as_deref()
+                != Some(t.header_blake3.as_str())
+            {
                 return false;
             }
         }
@@ -240,6 +238,15 @@ fn list_files(dir: &Path) -> std::io::Result<BTreeSet<String>> {
     Ok(out)
 }
 
+/// BLAKE3 of the first `len` bytes of the file at `p` (a tensor file's
+/// length and header).
+fn header_blake3(p: &Path, len: u64) -> Option<String> {
+    let f = std::fs::File::open(p).ok()?;
+    let mut b = vec![0u8; usize::try_from(len).ok()?];
+    std::os::unix::fs::FileExt::read_exact_at(&f, &mut b, 0).ok()?;
+    Some(blake3::hash(&b).to_hex().to_string())
+}
+
 /// Checks a slot's files against its record, reading every byte: the
 /// listing, each tensor file's header bytes, layout and every tensor digest
 /// (over a read-only mapping, in parallel), each other file's BLAKE3.
@@ -258,14 +265,7 @@ pub(super) fn verify_slot(dir: &Path, rec: &SlotState) -> std::result::Result<()
         if size != Some(t.size) || !t.same_layout(&set) {
             return Err(format!("{name}: size or layout differs from the state"));
         }
-        let head = std::fs::File::open(&p)
-            .and_then(|f| {
-                let mut b = vec![0u8; t.data_start.min(t.size) as usize];
-                std::os::unix::fs::FileExt::read_exact_at(&f, &mut b, 0)?;
-                Ok(b)
-            })
-            .map_err(|e| format!("{name}: {e}"))?;
-        if blake3::hash(&head).to_hex().as_str() != t.header_blake3 {
+        if header_blake3(&p, t.data_start.min(t.size)).as_deref() != Some(t.header_blake3.as_str()) {
             return Err(format!("{name}: header differs from the state"));
         }
         let want = t
