@@ -46,8 +46,8 @@ pub use checkpoint::{
 };
 pub use dist::{DEFAULT_RANK_TIMEOUT, Distributed};
 pub use gate::CommitGate;
-use state::{Committed, FileDigests, Snapshot, State};
 pub use state::StateMode;
+use state::{Committed, FileDigests, Snapshot, State};
 
 /// When to write an anchor instead of a delta.
 #[derive(Clone, Debug)]
@@ -327,21 +327,25 @@ impl Publisher {
             .map_err(|e| Error::io(format!("creating {}", cfg.state_dir.display()), e))?;
         let s = store.clone();
         let layout = cfg.layout;
-        let (snapshot, state) = Snapshot::load(&cfg.state_dir, cfg.state_mode, |version, writer| async move {
-            let ours = match layout {
-                crate::protocol::Layout::Weightcast => read_manifest(&s, version)
-                    .await?
-                    .is_some_and(|m| m.writer == writer),
-                crate::protocol::Layout::Trl => {
-                    crate::protocol::trl::token_present(&s, &writer).await?
-                }
-            };
-            Ok(if ours {
-                Committed::Ours
-            } else {
-                Committed::NotOurs
-            })
-        })
+        let (snapshot, state) = Snapshot::load(
+            &cfg.state_dir,
+            cfg.state_mode,
+            |version, writer| async move {
+                let ours = match layout {
+                    crate::protocol::Layout::Weightcast => read_manifest(&s, version)
+                        .await?
+                        .is_some_and(|m| m.writer == writer),
+                    crate::protocol::Layout::Trl => {
+                        crate::protocol::trl::token_present(&s, &writer).await?
+                    }
+                };
+                Ok(if ours {
+                    Committed::Ours
+                } else {
+                    Committed::NotOurs
+                })
+            },
+        )
         .await;
         Ok(Publisher {
             store,
@@ -402,7 +406,11 @@ impl Publisher {
         Ok(p)
     }
 
-    async fn publish_counted(&mut self, cp: Checkpoint, opts: &PublishOptions) -> Result<Published> {
+    async fn publish_counted(
+        &mut self,
+        cp: Checkpoint,
+        opts: &PublishOptions,
+    ) -> Result<Published> {
         self.gate.begin_publish()?;
         if self.cfg.layout == crate::protocol::Layout::Trl {
             return self.publish_trl(cp, opts).await;
@@ -1006,7 +1014,11 @@ impl Publisher {
         crate::failpoint::hit("publisher.after_latest");
         // The old snapshot's mappings go before its files are replaced.
         self.snapshot = None;
-        self.snapshot = Some(state::install_anchor(&dir, self.cfg.state_mode, after.clone())?);
+        self.snapshot = Some(state::install_anchor(
+            &dir,
+            self.cfg.state_mode,
+            after.clone(),
+        )?);
         self.state = Some(after);
         let notified = self.notify(next, next);
         let collected = self.collect().await;

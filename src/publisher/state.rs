@@ -711,10 +711,10 @@ impl Snapshot {
                 );
                 if journal.exists() {
                     let parent = self.dir.join("overlay");
-                    std::fs::create_dir_all(&parent)
-                        .map_err(|e| io_err("creating", &parent, e))?;
+                    std::fs::create_dir_all(&parent).map_err(|e| io_err("creating", &parent, e))?;
                     let _ = std::fs::remove_dir_all(&odir);
-                    std::fs::rename(&journal, &odir).map_err(|e| io_err("renaming", &journal, e))?;
+                    std::fs::rename(&journal, &odir)
+                        .map_err(|e| io_err("renaming", &journal, e))?;
                     sync_dir(&parent)?;
                 }
                 overlay.retain(|o| o.version < version);

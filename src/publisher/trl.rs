@@ -267,7 +267,11 @@ impl Publisher {
         }
         crate::failpoint::hit("publisher.after_commit");
         self.snapshot = None;
-        self.snapshot = Some(state::install_anchor(&dir, self.cfg.state_mode, after.clone())?);
+        self.snapshot = Some(state::install_anchor(
+            &dir,
+            self.cfg.state_mode,
+            after.clone(),
+        )?);
         self.state = Some(after);
         Ok(Published {
             version: next,

@@ -54,7 +54,9 @@ impl Trainer {
     /// A new process, as a one-shot `weightcast publish` is.
     async fn reopen(&mut self) -> Option<(Check, StateMode)> {
         self.publisher = None;
-        let p = Publisher::open(self.store.clone(), self.cfg()).await.unwrap();
+        let p = Publisher::open(self.store.clone(), self.cfg())
+            .await
+            .unwrap();
         let s = p.snapshot();
         self.publisher = Some(p);
         s
@@ -175,14 +177,22 @@ async fn a_restart_trusts_the_snapshot_by_its_stamps_or_verifies_it() {
             "{mode:?}: a restart reads nothing"
         );
         let out = t.step().await;
-        assert_eq!(out.kind, weightcast::protocol::VersionKind::Delta, "{mode:?}");
+        assert_eq!(
+            out.kind,
+            weightcast::protocol::VersionKind::Delta,
+            "{mode:?}"
+        );
 
         // The same bytes written again: the stamp differs, one full pass.
         let f = t.snapshot_file();
         std::fs::write(&f, std::fs::read(&f).unwrap()).unwrap();
         assert_eq!(t.reopen().await, Some((Check::Full, mode)), "{mode:?}");
         let out = t.step().await;
-        assert_eq!(out.kind, weightcast::protocol::VersionKind::Delta, "{mode:?}");
+        assert_eq!(
+            out.kind,
+            weightcast::protocol::VersionKind::Delta,
+            "{mode:?}"
+        );
         // ... and trusted by stamp again after that pass.
         assert_eq!(t.reopen().await, Some((Check::Stamps, mode)), "{mode:?}");
 
@@ -220,10 +230,7 @@ async fn the_overlay_writes_the_changes_and_a_torn_one_means_an_anchor() {
     assert_eq!(overlay.len(), 3, "{overlay:?}");
 
     // A restart: the anchor's files (by stamp) plus the overlay make v3.
-    assert_eq!(
-        t.reopen().await,
-        Some((Check::Stamps, StateMode::Overlay))
-    );
+    assert_eq!(t.reopen().await, Some((Check::Stamps, StateMode::Overlay)));
     let out = t.step().await; // v4
     assert_eq!(out.kind, weightcast::protocol::VersionKind::Delta);
     let sub = work.path().join("sub");
@@ -245,7 +252,10 @@ async fn the_overlay_writes_the_changes_and_a_torn_one_means_an_anchor() {
     let out = t.step().await; // v5
     assert_eq!(out.kind, weightcast::protocol::VersionKind::Anchor);
     assert!(
-        out.anchor_reason.as_deref().unwrap().contains("no trusted snapshot"),
+        out.anchor_reason
+            .as_deref()
+            .unwrap()
+            .contains("no trusted snapshot"),
         "{out:?}"
     );
     assert!(!t.state.join("overlay").exists(), "the anchor compacts it");
@@ -299,8 +309,7 @@ async fn a_snapshot_altered_under_a_matching_stamp_is_never_served() {
 
         // The next checkpoint, and a byte no version so far nor the next
         // one changes.
-        let v0 = TensorSet::read(&t.published[0].join("model.safetensors"), Digests::Skip)
-            .unwrap();
+        let v0 = TensorSet::read(&t.published[0].join("model.safetensors"), Digests::Skip).unwrap();
         let before = t.g.snapshot();
         let next = t.checkpoint();
         let after = t.g.snapshot();
@@ -448,7 +457,10 @@ async fn a_once_bootstrap_fills_the_standby_and_the_first_delta_costs_its_change
         (1, 1, 0, 0),
         "the first delta: its own changes only: {c:?}"
     );
-    assert!(c.standby.is_none(), "the previous slot is left alone: {c:?}");
+    assert!(
+        c.standby.is_none(),
+        "the previous slot is left alone: {c:?}"
+    );
     assert_matches(&out, &t.published[1]);
     let reports = DirSink::verify(&out).unwrap();
     assert!(reports.iter().all(|r| r.ok), "{reports:?}");
@@ -456,6 +468,9 @@ async fn a_once_bootstrap_fills_the_standby_and_the_first_delta_costs_its_change
     t.step().await;
     let c = catch_up(&store, &out).await.unwrap().unwrap();
     assert_eq!((c.version, c.cloned_bytes), (2, 0), "{c:?}");
-    assert!(c.journal_bytes > 0, "brought forward from the journal: {c:?}");
+    assert!(
+        c.journal_bytes > 0,
+        "brought forward from the journal: {c:?}"
+    );
     assert_matches(&out, &t.published[2]);
 }

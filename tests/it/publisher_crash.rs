@@ -102,7 +102,10 @@ fn a_publisher_killed_at_any_commit_phase_recovers() {
                 );
                 if !committed_before {
                     let want = if v % 3 == 0 { "anchor" } else { "delta" };
-                    assert_eq!(out["kind"], want, "{mode} {point} at {crash_at}, v{v}: {out}");
+                    assert_eq!(
+                        out["kind"], want,
+                        "{mode} {point} at {crash_at}, v{v}: {out}"
+                    );
                 }
                 last = Some(ckpt);
             }

@@ -55,10 +55,10 @@ use super::sink::{
 mod journal;
 mod state;
 
+use crate::fsio::Stamp;
 use journal::{Journal, Replayed};
 pub use state::STATE_FORMAT;
 use state::{DirState, PlainFile, SlotState, TensorFile, verify_slot};
-use crate::fsio::Stamp;
 
 /// Default number of slots.
 pub const DEFAULT_SLOTS: usize = 2;

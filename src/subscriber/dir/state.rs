@@ -265,7 +265,8 @@ pub(super) fn verify_slot(dir: &Path, rec: &SlotState) -> std::result::Result<()
         if size != Some(t.size) || !t.same_layout(&set) {
             return Err(format!("{name}: size or layout differs from the state"));
         }
-        if header_blake3(&p, t.data_start.min(t.size)).as_deref() != Some(t.header_blake3.as_str()) {
+        if header_blake3(&p, t.data_start.min(t.size)).as_deref() != Some(t.header_blake3.as_str())
+        {
             return Err(format!("{name}: header differs from the state"));
         }
         let want = t
