@@ -174,3 +174,78 @@ def test_an_unmappable_layout_is_refused_by_name_on_every_rank(bucket):
         import shutil
 
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _vllm_extension_worker(rank, world, url, state, root, init, out):
+    import torch.distributed as dist
+
+    import weightcast
+    from vllm_standin import Config, Engine, Trainer
+    from weightcast.vllm import WorkerExtension
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    c = Config()
+
+    class Runner:
+        def __init__(self):
+            self.engine = Engine(c, world, rank)
+
+        def get_model(self):
+            return self.engine
+
+    class Worker(WorkerExtension):  # what vLLM's worker class becomes with the extension
+        model_runner = Runner()
+
+    w = Worker()
+    trainer = Trainer(c) if rank == 0 else None
+    pub = weightcast.Publisher(url, state_dir=state, anchor_every=100) if rank == 0 else None
+    # No vLLM here: group "tp" is the world; the first rank follows for the node.
+    assert w.weightcast_init(url, mode="node", root=root) is None
+    assert w.weightcast_update() is None, "nothing published yet"
+    reports = []
+    for v in range(3):
+        if rank == 0:
+            if v:
+                trainer.step()
+            truth = trainer.state()
+            pub.publish(truth, step=v)
+            torch.save(truth, os.path.join(out, f"truth-{v}.pt"))
+        dist.barrier()
+        r = w.weightcast_update(timeout=5)
+        reports.append(r)
+        assert r["committed"] and r["version"] == v and r["versions"] == [v] * world, r
+        assert w.weightcast_version() == v
+        truth = torch.load(os.path.join(out, f"truth-{v}.pt"))
+        fresh = Engine(c, world, rank)
+        fresh.load_weights(iter(truth.items()))
+        got = dict(w.model_runner.get_model().named_parameters())
+        for name, p in fresh.named_parameters():
+            assert torch.equal(got[name].data.view(-1).view(torch.int16),
+                               p.data.view(-1).view(torch.int16)), f"{name} at version {v}"
+    assert [r["op"] for r in reports] == ["load", "patch", "patch"], reports
+    assert w.weightcast_catch_up() == 2
+    dist.destroy_process_group()
+
+
+def test_the_vllm_worker_extension_follows_as_one_node(bucket):
+    """``WorkerExtension.weightcast_init(url, mode="node")``: the workers of
+    one engine follow together, one download per node, through the same
+    collective steps ``collective_rpc`` drives."""
+    import torch.multiprocessing as mp
+
+    url, state = bucket
+    root = f"/dev/shm/weightcast-test-{os.getpid()}-vllm"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            mp.spawn(_vllm_extension_worker,
+                     args=(2, url, state, root, f"tcp://127.0.0.1:{port}", out),
+                     nprocs=2, join=True)
+        finally:
+            import shutil
+
+            shutil.rmtree(root, ignore_errors=True)

@@ -411,7 +411,7 @@ class TensorParallelFollower:
     module). Construct and call :meth:`step` on every rank at once (vLLM's
     ``collective_rpc`` does); ``group`` is a ``torch.distributed`` process
     group of the node's ranks (a gloo group on CPU; default: the world),
-    ``node_rank`` the rank that hosts the node's subscriber. ``params``: this
+    ``node_rank`` the rank within ``group`` that hosts the node's subscriber. ``params``: this
     rank's parameters (name → tensor; a module's ``named_parameters``);
     ``loader``: the engine's loader (``model.load_weights``), probed once to
     map checkpoint coordinates to ``params``. ``root``: node-local shared
@@ -451,7 +451,11 @@ class TensorParallelFollower:
 
     def _bcast(self, obj: Any) -> Any:
         box = [obj]
-        self.dist.broadcast_object_list(box, src=self.node_rank, group=self.group)
+        # ``src`` is a global rank; ``node_rank`` is the node's rank within
+        # ``group`` (they differ in a subgroup: a TP group of the second node).
+        src = self.node_rank if self.group is None else self.dist.get_global_rank(
+            self.group, self.node_rank)
+        self.dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
     def _all(self, obj: Any) -> List[Any]:
