@@ -249,3 +249,127 @@ def test_the_vllm_worker_extension_follows_as_one_node(bucket):
             import shutil
 
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _killed_worker(rank, world, url, state, root, init, out, phase):
+    import datetime
+    import signal
+
+    import torch.distributed as dist
+
+    import weightcast
+    from vllm_standin import Config, Engine, Trainer
+    from weightcast.node import TensorParallelFollower
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    c = Config()
+    engine = Engine(c, world, rank)
+    params = dict(engine.named_parameters())
+
+    def die(h):
+        if rank == 1 and h.version == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    hooks = {"fail_prepare": die} if phase == "prepare" else {"fail_commit": die}
+    f = TensorParallelFollower(url if rank == 0 else None, params, engine.load_weights,
+                               root=root, **hooks)
+    trainer = Trainer(c) if rank == 0 else None
+    pub = weightcast.Publisher(url, state_dir=state, anchor_every=100) if rank == 0 else None
+    for v in range(2):
+        if rank == 0:
+            if v:
+                trainer.step()
+            truth = trainer.state()
+            pub.publish(truth, step=v)
+            torch.save(truth, os.path.join(out, f"truth-{v}.pt"))
+        dist.barrier()
+        r = f.step()
+    # Rank 1 died in this version's prepare or commit; rank 0 survived it.
+    assert rank == 0
+    assert not r.consistent() and r.versions[1] is None and "lost a rank" in r.failures[0], r
+    held = 0 if phase == "prepare" else 1
+    assert r.committed == (phase == "commit") and r.versions[0] == held, r
+    truth = torch.load(os.path.join(out, f"truth-{held}.pt"))
+    fresh = Engine(c, world, rank)
+    fresh.load_weights(iter(truth.items()))
+    for name, p in fresh.named_parameters():
+        assert torch.equal(params[name].data.view(-1).view(torch.int16),
+                           p.data.view(-1).view(torch.int16)), f"{name}: not version {held}"
+    assert f.node.version == held, "the node's host copy moves with the ranks, or not at all"
+    with pytest.raises(weightcast.Unavailable, match="lost a rank"):
+        f.step()
+    with open(os.path.join(out, "survivor.json"), "w") as fh:
+        json.dump({"versions": r.versions, "committed": r.committed}, fh)
+    os._exit(0)  # the group is broken: no orderly teardown
+
+
+def _restarted_worker(rank, world, url, root, init, out):
+    import torch.distributed as dist
+
+    from vllm_standin import Config, Engine
+    from weightcast.node import TensorParallelFollower
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    c = Config()
+    engine = Engine(c, world, rank)
+    params = dict(engine.named_parameters())
+    f = TensorParallelFollower(url if rank == 0 else None, params, engine.load_weights,
+                               root=root)
+    for _ in range(4):
+        r = f.step()
+        if r.committed and r.version == 1 and r.op is not None:
+            break
+    assert r.consistent() and r.versions == [1] * world, r
+    truth = torch.load(os.path.join(out, "truth-1.pt"))
+    fresh = Engine(c, world, rank)
+    fresh.load_weights(iter(truth.items()))
+    for name, p in fresh.named_parameters():
+        assert torch.equal(params[name].data.view(-1).view(torch.int16),
+                           p.data.view(-1).view(torch.int16)), name
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("phase", ["prepare", "commit"])
+def test_a_rank_killed_mid_version_leaves_the_survivors_whole(bucket, tmp_path, phase):
+    """A rank SIGKILLed in its prepare (before the vote: nobody commits,
+    the survivor keeps the previous version exactly) or after voting, just
+    before its commit (the survivor commits the version every rank
+    prepared): the survivor's step reports the lost rank instead of hanging,
+    later steps refuse, and a restarted group follows to the newest version
+    bit-identically."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    url, state = bucket
+    root = f"/dev/shm/weightcast-test-{os.getpid()}-killed-{phase}"
+
+    def port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    ctx = multiprocessing.get_context("spawn")
+    init = f"tcp://127.0.0.1:{port()}"
+    try:
+        procs = [ctx.Process(target=_killed_worker,
+                             args=(r, 2, url, state, root, init, str(tmp_path), phase))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=240)
+        codes = [p.exitcode for p in procs]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        assert codes == [0, -9], f"exit codes {codes} (rank 0 must survive, rank 1 was killed)"
+        got = json.load(open(tmp_path / "survivor.json"))
+        assert got["committed"] == (phase == "commit"), got
+        mp.spawn(_restarted_worker, args=(2, url, root, f"tcp://127.0.0.1:{port()}", str(tmp_path)),
+                 nprocs=2, join=True)
+    finally:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)

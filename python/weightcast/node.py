@@ -50,7 +50,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from . import Subscriber, Update
-from ._errors import BadRequest, BaseMismatch, Corrupt
+from ._errors import BadRequest, BaseMismatch, Corrupt, Unavailable
 from ._tensors import _DTYPE_BYTES, _WORDS_NUMPY, Raw
 from .shard import Mapping as ShardMap
 from .shard import Unmappable, copy_runs, probe
@@ -406,6 +406,10 @@ class StepReport:
         return len(set(self.versions)) == 1
 
 
+class _GroupLost(Exception):
+    """A collective of the node's group failed: a rank died or timed out."""
+
+
 class TensorParallelFollower:
     """The ranks of one engine following a bucket together (see the
     module). Construct and call :meth:`step` on every rank at once (vLLM's
@@ -427,6 +431,7 @@ class TensorParallelFollower:
         group: Any = None,
         node_rank: int = 0,
         fail_prepare: Optional[Callable[[Handoff], None]] = None,
+        fail_commit: Optional[Callable[[Handoff], None]] = None,
         **subscriber_options: Any,
     ) -> None:
         import torch.distributed as dist
@@ -446,10 +451,20 @@ class TensorParallelFollower:
             self.node = NodeFollower(store_url, self.root, **subscriber_options)
         self.rank_follower: Optional[RankFollower] = None
         self._fail_prepare = fail_prepare
+        self._fail_commit = fail_commit
+        # Set when a collective failed (a rank died, or did not answer
+        # within the group's timeout): the group cannot vote again.
+        self._lost: Optional[str] = None
         self._repair = False
         self.last: Optional[StepReport] = None
 
     def _bcast(self, obj: Any) -> Any:
+        try:
+            return self._bcast_raw(obj)
+        except Exception as e:  # a peer died or timed out: the group is gone
+            raise _GroupLost(f"{type(e).__name__}: {e}") from e
+
+    def _bcast_raw(self, obj: Any) -> Any:
         box = [obj]
         # ``src`` is a global rank; ``node_rank`` is the node's rank within
         # ``group`` (they differ in a subgroup: a TP group of the second node).
@@ -460,13 +475,55 @@ class TensorParallelFollower:
 
     def _all(self, obj: Any) -> List[Any]:
         out: List[Any] = [None] * self.world
-        self.dist.all_gather_object(out, obj, group=self.group)
+        try:
+            self.dist.all_gather_object(out, obj, group=self.group)
+        except Exception as e:  # a peer died or timed out: the group is gone
+            raise _GroupLost(f"{type(e).__name__}: {e}") from e
         return out
 
     def step(self, timeout: float = 0.0) -> StepReport:
         """One step on every rank: the node's next version (or a repair of
         ranks behind it) prepared everywhere, committed everywhere or
-        nowhere."""
+        nowhere.
+
+        A rank that dies (or does not answer within the process group's
+        timeout) breaks the group: the survivors' collective fails, nothing
+        they staged is written (before the vote no rank commits; after it,
+        those that voted commit the version everyone prepared), the step
+        reports the loss with the versions this rank knows, and every later
+        step raises :class:`weightcast.Unavailable`: restart the engine's
+        workers, which follow from the bucket again (the node's host copy
+        is rebuilt)."""
+        if self._lost is not None:
+            raise Unavailable(
+                f"this engine's process group lost a rank ({self._lost}); restart its "
+                "workers: they follow from the bucket again")
+        self._current: Optional[Handoff] = None
+        self._committed = False
+        try:
+            return self._step(timeout)
+        except _GroupLost as e:
+            self._lost = str(e)
+            h = self._current
+            if not self._committed:
+                if self.rank_follower is not None:
+                    self.rank_follower.abort()
+                if self.node is not None and isinstance(h, Handoff):
+                    self.node.abort(h)
+            versions: List[Optional[int]] = [None] * self.world
+            versions[self.rank] = self._version()
+            failures: List[Optional[str]] = [None] * self.world
+            failures[self.rank] = f"the process group lost a rank: {e}"
+            logger.error("rank %d: the process group lost a rank (%s); committed: %s",
+                         self.rank, e, self._committed)
+            self.last = StepReport(h.op if isinstance(h, Handoff) else None,
+                                   h.version if isinstance(h, Handoff) else None,
+                                   self._committed, versions, failures)
+            if self.node is not None:
+                self.node.subscriber._native.report_ranks(versions)
+            return self.last
+
+    def _step(self, timeout: float) -> StepReport:
         started = time.perf_counter()
         handoff = None
         node_s = 0.0
@@ -500,6 +557,7 @@ class TensorParallelFollower:
                 error = f"{type(e).__name__}: {e}"
         else:
             h = msg
+        self._current = h
         t0 = time.perf_counter()
         try:
             if error is not None:
@@ -518,7 +576,10 @@ class TensorParallelFollower:
         commit_s = 0.0
         if everyone:
             assert self.rank_follower is not None
+            if self._fail_commit is not None:
+                self._fail_commit(h)
             self.rank_follower.commit()
+            self._committed = True
             commit_s = self.rank_follower.commit_seconds
             if self.node is not None:
                 self.node.commit(h)
