@@ -356,7 +356,8 @@ pub async fn run(
 /// now), or when that slot holds no file at all (after a first bootstrap:
 /// nothing can read it). Without hooks an engine may still read the
 /// previous version's slot after this process exits, so it is left to the
-/// next run. `standby` reports what it cost; `local_write_bytes` what the
+/// next run; with more than two slots (`--slots`) nothing is, since the
+/// others hold older versions on purpose. `standby` reports what it cost; `local_write_bytes` what the
 /// whole run wrote.
 pub async fn once(store: &Store, cfg: &DaemonConfig) -> Result<Option<(CaughtUp, hooks::Report)>> {
     let written = crate::fsio::written_bytes();
@@ -366,7 +367,10 @@ pub async fn once(store: &Store, cfg: &DaemonConfig) -> Result<Option<(CaughtUp,
         return Ok(None);
     };
     let confirmed = !cfg.hooks.is_empty() && report.failed == 0;
-    if confirmed || d.sub.sink.standby_is_empty() {
+    // With more than two slots the others keep older versions for engines
+    // that still read them, and the next version goes into an empty slot
+    // first anyway: nothing is brought forward.
+    if cfg.slots == 2 && (confirmed || d.sub.sink.standby_is_empty()) {
         let started = Instant::now();
         let p = d.sub.sink.prepare()?;
         tracing::debug!(

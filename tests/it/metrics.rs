@@ -124,6 +124,22 @@ const HELP: &[(&str, &str)] = &[
         "Bytes of journal objects applied to bring slots forward.",
     ),
     (
+        "weightcast_local_written_bytes_total",
+        "Bytes written to local storage by the catch-ups (/proc/self/io write_bytes).",
+    ),
+    (
+        "weightcast_last_version_local_written_bytes",
+        "Bytes written to local storage for the last version (its standby slot included).",
+    ),
+    (
+        "weightcast_publisher_local_written_bytes_total",
+        "Bytes written to local storage by the publishes (/proc/self/io write_bytes).",
+    ),
+    (
+        "weightcast_publisher_last_local_written_bytes",
+        "Bytes written to local storage by the last publish.",
+    ),
+    (
         "weightcast_store_requests_total",
         "Requests made to the store.",
     ),
