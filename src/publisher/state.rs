@@ -467,6 +467,14 @@ impl Snapshot {
             state,
             sets,
         };
+        // Over an overlay, every version patches private pages (at RL
+        // densities, all of them): fault them in writable now, before a
+        // diff maps them for reading (see `TensorSet::populate_private`).
+        if snap.mode != StateMode::InPlace {
+            for set in snap.sets.values_mut() {
+                set.populate_private();
+            }
+        }
         // The overlay: the delta versions since the files' own.
         for ov in snap.state.overlay.clone() {
             snap.apply_overlay_version(&ov)?;
@@ -868,6 +876,9 @@ pub fn install_anchor(dir: &Path, mode: StateMode, after: State) -> Result<Snaps
             )
         })?;
         set.assume_digests(&digests)?;
+        if mode != StateMode::InPlace {
+            set.populate_private();
+        }
         sets.insert(name.clone(), set);
     }
     let mut state = after;

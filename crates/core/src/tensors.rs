@@ -414,6 +414,25 @@ impl TensorSet {
         self.bufs.iter().any(Buffer::is_shared)
     }
 
+    /// Faults the pages of a copy-on-write mapping ([`TensorSet::map_private`])
+    /// in writable at once (`MADV_POPULATE_WRITE`): each page is copied to
+    /// private memory now rather than at its first write, where a page
+    /// already mapped for reading costs a TLB shootdown across the process's
+    /// threads (measured: three quarters of a publish over an overlay, in a
+    /// VM). For sets about to be patched at densities that touch every page
+    /// (an RL step changes about one bf16 element in 70: every 4 KiB page).
+    /// Returns whether the kernel did it; a no-op for other buffers and
+    /// before Linux 5.14 (the pages then fault one by one, as before).
+    pub fn populate_private(&mut self) -> bool {
+        let mut done = false;
+        for b in &mut self.bufs {
+            if let Buffer::MappedPrivate(m) = b {
+                done |= m.advise(memmap2::Advice::PopulateWrite).is_ok();
+            }
+        }
+        done
+    }
+
     /// Flushes writes to mapped files (no-op for memory).
     pub fn flush(&self) -> Result<()> {
         for b in &self.bufs {
@@ -896,6 +915,9 @@ mod tests {
         let before = std::fs::read(&path).unwrap();
         let mut private = TensorSet::map_private(&path, Digests::Compute).unwrap();
         assert!(!private.is_shared());
+        // Prefaulted writable: still private, still the file's bytes.
+        // (`false` only before Linux 5.14, where the pages fault one by one.)
+        let _ = private.populate_private();
         assert_eq!(private.digest(), set.digest());
         private.data_mut(0)[5000] = 9;
         private.flush().unwrap();
