@@ -179,8 +179,8 @@ def _rows(data: Any, pname: str, bases: List[Tuple[int, str, int]], starts: Any,
     C = m.shape[1]
     if C > 1 and not bool((sub[:, 1:] - sub[:, :-1] == 1).all()):
         return False
-    which = torch.searchsorted(starts, sub[:, 0], right=True) - 1
-    last = torch.searchsorted(starts, sub[:, -1], right=True) - 1
+    which = torch.searchsorted(starts, sub[:, 0].contiguous(), right=True) - 1
+    last = torch.searchsorted(starts, sub[:, -1].contiguous(), right=True) - 1
     if not bool((which == last).all()):
         return False  # a row spanning two checkpoint tensors
     mapping.unmapped[pname] = data.numel() - sub.numel()
