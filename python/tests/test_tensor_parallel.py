@@ -176,6 +176,17 @@ def test_an_unmappable_layout_is_refused_by_name_on_every_rank(bucket):
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _publish(rank, trainer, pub, v, out):
+    """Rank 0 publishes version ``v`` (a training step after the first) and
+    keeps its truth for the ranks to compare with."""
+    if rank == 0:
+        if v:
+            trainer.step()
+        truth = trainer.state()
+        assert pub.publish(truth, step=v)["version"] == v
+        torch.save(truth, os.path.join(out, f"truth-{v}.pt"))
+
+
 def _vllm_extension_worker(rank, world, url, state, root, init, out):
     import torch.distributed as dist
 
@@ -204,12 +215,7 @@ def _vllm_extension_worker(rank, world, url, state, root, init, out):
     assert w.weightcast_update() is None, "nothing published yet"
     reports = []
     for v in range(3):
-        if rank == 0:
-            if v:
-                trainer.step()
-            truth = trainer.state()
-            pub.publish(truth, step=v)
-            torch.save(truth, os.path.join(out, f"truth-{v}.pt"))
+        _publish(rank, trainer, pub, v, out)
         dist.barrier()
         r = w.weightcast_update(timeout=5)
         reports.append(r)
@@ -277,12 +283,7 @@ def _killed_worker(rank, world, url, state, root, init, out, phase):
     trainer = Trainer(c) if rank == 0 else None
     pub = weightcast.Publisher(url, state_dir=state, anchor_every=100) if rank == 0 else None
     for v in range(2):
-        if rank == 0:
-            if v:
-                trainer.step()
-            truth = trainer.state()
-            pub.publish(truth, step=v)
-            torch.save(truth, os.path.join(out, f"truth-{v}.pt"))
+        _publish(rank, trainer, pub, v, out)
         dist.barrier()
         r = f.step()
     # Rank 1 died in this version's prepare or commit; rank 0 survived it.
