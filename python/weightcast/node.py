@@ -455,22 +455,22 @@ class TensorParallelFollower:
         # Set when a collective failed (a rank died, or did not answer
         # within the group's timeout): the group cannot vote again.
         self._lost: Optional[str] = None
+        # The step under way: its hand-off, and whether this rank committed it.
+        self._current: Optional[Handoff] = None
+        self._committed = False
         self._repair = False
         self.last: Optional[StepReport] = None
 
     def _bcast(self, obj: Any) -> Any:
-        try:
-            return self._bcast_raw(obj)
-        except Exception as e:  # a peer died or timed out: the group is gone
-            raise _GroupLost(f"{type(e).__name__}: {e}") from e
-
-    def _bcast_raw(self, obj: Any) -> Any:
         box = [obj]
         # ``src`` is a global rank; ``node_rank`` is the node's rank within
         # ``group`` (they differ in a subgroup: a TP group of the second node).
         src = self.node_rank if self.group is None else self.dist.get_global_rank(
             self.group, self.node_rank)
-        self.dist.broadcast_object_list(box, src=src, group=self.group)
+        try:
+            self.dist.broadcast_object_list(box, src=src, group=self.group)
+        except Exception as e:  # a peer died or timed out: the group is gone
+            raise _GroupLost(f"{type(e).__name__}: {e}") from e
         return box[0]
 
     def _all(self, obj: Any) -> List[Any]:
@@ -498,8 +498,7 @@ class TensorParallelFollower:
             raise Unavailable(
                 f"this engine's process group lost a rank ({self._lost}); restart its "
                 "workers: they follow from the bucket again")
-        self._current: Optional[Handoff] = None
-        self._committed = False
+        self._current, self._committed = None, False
         try:
             return self._step(timeout)
         except _GroupLost as e:
@@ -602,6 +601,11 @@ class TensorParallelFollower:
         if self.node is not None:
             self.node.subscriber._native.report_ranks(versions)
         return self.last
+
+    @property
+    def version(self) -> Optional[int]:
+        """The version this rank's parameters hold (``None``: none yet)."""
+        return self._version()
 
     def _version(self) -> Optional[int]:
         return None if self.rank_follower is None else self.rank_follower.version

@@ -157,7 +157,7 @@ class WorkerExtension:
         # Every rank must take the same steps (each is collective): the loop
         # ends on what the step reports, which every rank sees alike, and
         # after a number of steps, not on each rank's own clock.
-        held = f._version()
+        held = f.version
         for _ in range(max(1, int(timeout))):
             r = f.step(0.0 if version is None else 1.0)
             held = r.versions[f.rank]
@@ -168,10 +168,7 @@ class WorkerExtension:
 
     def weightcast_version(self) -> Optional[int]:
         """The weight version this worker holds."""
-        f = self._weightcast
-        if f is None:
-            return None
-        return f.version if isinstance(f, Follower) else f._version()
+        return None if self._weightcast is None else self._weightcast.version
 
 
 def _node_group(group: str) -> Any:
