@@ -91,7 +91,8 @@ LAYERS: list[tuple[str, str, int]] = [
     # notifications, the roles, the engine hand-off, the daemons' HTTP, the
     # demo, the binary.
     ("src/failpoint.rs", "failpoint", 40),
-    ("src/store.rs", "store", 41),
+    ("src/fsio.rs", "fsio", 40),
+    ("src/store/", "store", 41),
     ("src/protocol/", "protocol", 42),
     ("src/notify.rs", "notify", 43),
     ("src/publisher/", "publisher", 50),

@@ -70,7 +70,11 @@ export FAKE_GCS_SERVER
 if [ -z "${GARAGE:-}" ]; then
   GARAGE="$PWD/.ci-work/garage/bin/garage"
   if [ ! -x "$GARAGE" ]; then
-    cargo install garage --version 2.5.0 --locked --quiet --root .ci-work/garage
+    # The S3 API and the sqlite metadata engine the tests configure are all
+    # we need: no metrics, lmdb or k2v, and opt-level 1 (a third of the
+    # build time; the tests move a few MB through it).
+    CARGO_PROFILE_RELEASE_OPT_LEVEL=1 cargo install garage --version 2.5.0 --locked --quiet \
+      --root .ci-work/garage --no-default-features --features bundled-libs,sqlite
   fi
 fi
 export GARAGE
@@ -89,8 +93,12 @@ export AZURITE_BLOB
 step "format"
 cargo fmt --all -- --check
 
-step "clippy"
+# The suite builds with the crash points of the fault-injection tests
+# (`--features failpoints`, weightcast::failpoint); the default build, which
+# users get, has none: both are linted, and the release binary is checked below.
+step "clippy (default features, and with failpoints)"
 cargo clippy --all-targets -- -D warnings
+cargo clippy --all-targets --features failpoints -- -D warnings
 
 step "deploy files (docker compose config, kubernetes-validate, hadolint)"
 VENV="$venv" deploy/check.sh
@@ -102,15 +110,15 @@ VENV="$venv" deploy/check.sh
 export WEIGHTCAST_EXPECT_SIMD="${WEIGHTCAST_EXPECT_SIMD:-avx2}"
 
 step "unit, integration and doc tests"
-cargo test --all-targets
-cargo test --doc
+cargo test --all-targets --features failpoints
+cargo test --doc --features failpoints
 
 step "the codec's portable paths end to end (WEIGHTCAST_SIMD=off: no AVX2/AVX-512)"
-WEIGHTCAST_SIMD=off cargo test --lib -- codec digest platform
-WEIGHTCAST_SIMD=off cargo test --test it -- roundtrip:: malformed::
+WEIGHTCAST_SIMD=off cargo test --features failpoints --lib -- codec digest platform
+WEIGHTCAST_SIMD=off cargo test --features failpoints --test it -- roundtrip:: malformed::
 
 step "container tests (MinIO through testcontainers; skipped, visibly, without a Docker daemon)"
-cargo test --test minio_container -- --nocapture 2>&1 | grep -E 'SKIPPED|test result|running|minio' || true
+cargo test --features failpoints --test minio_container -- --nocapture 2>&1 | grep -E 'SKIPPED|test result|running|minio' || true
 
 step "Python package (pip install ./python, then pytest python/tests)"
 if [ -n "$torch_pid" ]; then
@@ -125,6 +133,15 @@ HF_HUB_OFFLINE=1 "$venv/bin/python" -m pytest -q python/tests
 
 step "demo (the README's first command)"
 cargo run --release --quiet -- demo --steps 6 --anchor-every 4
+
+step "the release binary carries no fault injection (no WEIGHTCAST_FAILPOINT in target/release/weightcast)"
+cargo build --release --quiet
+failpoints_in_release="$(grep -c WEIGHTCAST_FAILPOINT target/release/weightcast || true)"
+if [ "$failpoints_in_release" != 0 ]; then
+  echo "target/release/weightcast mentions WEIGHTCAST_FAILPOINT ($failpoints_in_release times):" \
+    "the default build must not have the failpoints feature" >&2
+  exit 1
+fi
 
 step "regions over emulated links (bench_regions.py --small: namespaces, tbf links, moto, relays; needs root)"
 cargo build --release --quiet --example bench_model

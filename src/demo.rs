@@ -110,6 +110,7 @@ pub async fn run(cfg: &DemoConfig, mut progress: impl FnMut(&str)) -> Result<Dem
             layout: Default::default(),
             trl: Default::default(),
             distributed: None,
+            state_mode: Default::default(),
         },
     )
     .await?;

@@ -39,7 +39,9 @@
 //! - [`http`]: the daemons' HTTP surfaces, each `serve(listener, state,
 //!   shutdown)`.
 //! - Tools: [`generator`] (synthetic RL steps), [`bench`](mod@bench),
-//!   [`demo`] (the end-to-end demo), [`failpoint`] (crash points for tests).
+//!   [`demo`] (the end-to-end demo), [`failpoint`] (crash points for tests,
+//!   with the cargo feature `failpoints`); [`fsio`]: the local file helpers
+//!   the publisher and the subscriber share (atomic writes, directory syncs).
 //! - [`error`]: the typed error and what the caller should do about each kind
 //!   ([`error::ErrorKind`]: HTTP statuses and exit codes in one place).
 //!
@@ -128,6 +130,7 @@ pub use weightcast_core::{
 #[cfg(feature = "store")]
 pub mod demo;
 pub mod failpoint;
+pub mod fsio;
 #[cfg(feature = "store")]
 pub mod hooks;
 #[cfg(feature = "store")]

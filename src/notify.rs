@@ -97,7 +97,8 @@ impl Key {
         body: &[u8],
         now: u64,
     ) -> Result<()> {
-        let denied = |why: &str| Err(Error::Config(format!("notification refused: {why}")));
+        // The sender's request is refused: not a configuration error here.
+        let denied = |why: &str| Err(Error::BadRequest(format!("notification refused: {why}")));
         let Some(ts) = timestamp.and_then(|t| t.parse::<u64>().ok()) else {
             return denied("missing or malformed timestamp");
         };

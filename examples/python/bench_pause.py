@@ -2,6 +2,8 @@
 materialized file into the same tensors, in the same run.
 
     python examples/python/bench_pause.py --params 1e9 --density 0.015
+    python examples/python/bench_pause.py --params 1e9 --device cuda   # an engine on a GPU
+    python examples/python/bench_pause.py --params 1e8 --via scatter   # the device path on CPU tensors
 
 A bf16 model of --params parameters (tensors of 4096 x 4096) is published
 (version 0, an anchor) into a file:// bucket under --dir; the engine holds a
@@ -19,6 +21,14 @@ published as version 1 (a delta). Then, on the engine side:
   ``weightcast subscribe --out`` writes), then ``safetensors.torch.load_file``
   + ``copy_`` into the same tensors, with the file in the page cache (read
   once before timing).
+
+``--device cuda`` puts the engine's tensors on the GPU: the in-place paths
+go through the device path (old words gathered there, checked by the
+library, new words scattered there: ``via="scatter"``), the anchor is
+copied onto the device tensors (timed: ``anchor_s``), the reload copies the
+loaded file into them, and the floor is a torch ``index_copy_`` of the same
+changes already on the device (``index_copy_floor_s``). ``--via scatter``
+takes the device path on CPU tensors.
 
 Also printed: bytes each path writes to the node's disk for a version
 (``/proc/self/io`` write_bytes; for the file path the first version into an
@@ -57,6 +67,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="scratch directory (on disk, not tmpfs)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="where the engine's tensors live (cpu, cuda)")
+    ap.add_argument("--via", default="auto", choices=["auto", "buffers", "scatter"],
+                    help="the in-place path (auto: buffers on the CPU, scatter on a device)")
     ap.add_argument("--bucket-dir", default=None,
                     help="where the bucket and the publisher's state go (e.g. /dev/shm; "
                          "default: the scratch directory)")
@@ -80,7 +93,14 @@ def run(a: argparse.Namespace, root: str, store: str) -> None:
                for i in range(n)}
     params = n * side * side
     model_bytes = params * 2
-    engine = {k: torch.empty_like(v) for k, v in trainer.items()}
+    dev = torch.device(a.device)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    engine = {k: torch.empty_like(v, device=dev) for k, v in trainer.items()}
+    via = a.via
     url = f"file://{store}/bucket"
     pub = weightcast.Publisher(url, state_dir=f"{store}/state", anchor_encoding="raw")
     t = time.perf_counter()
@@ -88,7 +108,11 @@ def run(a: argparse.Namespace, root: str, store: str) -> None:
     publish_anchor_s = time.perf_counter() - t
     sub = weightcast.Subscriber(url)
     anchor = sub.poll()  # the engine starts from version 0's anchor
-    anchor.apply_to(engine)
+    sync()
+    t = time.perf_counter()
+    anchor.apply_to(engine, via=via)
+    sync()
+    anchor_s = time.perf_counter() - t
     del anchor
 
     # one training step at the given density: random elements nudged by a
@@ -112,13 +136,30 @@ def run(a: argparse.Namespace, root: str, store: str) -> None:
     download_s = time.perf_counter() - t
     assert update is not None and update.kind == "delta"
 
+    # the floor: a torch index_copy_ of the same changes, already where the
+    # engine's tensors are (applied to copies, so the engine keeps version 0)
+    floor = 0.0
+    for k, v in trainer.items():
+        old_words = engine[k].view(-1).view(torch.int16)
+        new_words = v.to(dev).view(-1).view(torch.int16)
+        pos = (old_words != new_words).nonzero().flatten()
+        vals = new_words[pos]
+        scratch = old_words.clone()
+        sync()
+        t = time.perf_counter()
+        scratch.index_copy_(0, pos, vals)
+        sync()
+        floor += time.perf_counter() - t
+        del scratch
+
     # in place: the pause is apply_to (the update is downloaded)
     w0 = write_bytes()
     t = time.perf_counter()
-    report = update.apply_to(engine)
+    report = update.apply_to(engine, via=via)
+    sync()
     inplace_s = time.perf_counter() - t
     inplace_written = write_bytes() - w0
-    assert all(torch.equal(engine[k], trainer[k]) for k in trainer), "not bit-identical"
+    assert all(torch.equal(engine[k].cpu(), trainer[k]) for k in trainer), "not bit-identical"
 
     # reload: the file the CLI subscriber materializes, then load_file + copy_
     from safetensors.torch import load_file
@@ -137,9 +178,10 @@ def run(a: argparse.Namespace, root: str, store: str) -> None:
         loaded = load_file(path)
         for k, v in loaded.items():
             engine[k].copy_(v)
+        sync()
         reload.append(time.perf_counter() - t)
         del loaded
-    assert all(torch.equal(engine[k], trainer[k]) for k in trainer)
+    assert all(torch.equal(engine[k].cpu(), trainer[k]) for k in trainer)
 
     # in place again (repeats), on fresh copies of version 0's changed elements:
     # re-publish the same step pattern twice more and apply each
@@ -149,20 +191,22 @@ def run(a: argparse.Namespace, root: str, store: str) -> None:
         pub.publish(trainer, step=step)
         u = sub.poll()
         t = time.perf_counter()
-        u.apply_to(engine)
+        u.apply_to(engine, via=via)
+        sync()
         more.append(time.perf_counter() - t)
-    assert all(torch.equal(engine[k], trainer[k]) for k in trainer)
-    # the single-pass apply (write, check, put back on failure)
+    same = lambda: all(torch.equal(engine[k].cpu(), trainer[k]) for k in trainer)  # noqa: E731
+    assert same()
+    # the single-pass apply (write, check, put back on failure): CPU buffers
     single = []
     for step in range(2 + a.repeats - 1, 2 + 2 * (a.repeats - 1) + 1):
         train_step()
         pub.publish(trainer, step=step)
         u = sub.poll()
         t = time.perf_counter()
-        r = u.apply_to(engine, single_pass=True)
+        r = u.apply_to(engine, single_pass=dev.type == "cpu" and via != "scatter", via=via)
+        sync()
         single.append(time.perf_counter() - t)
-        assert r.get("single_pass"), r
-    assert all(torch.equal(engine[k], trainer[k]) for k in trainer)
+    assert same()
     # prepared: verify and decode while the engine serves (not a pause), then
     # the pause is the commit alone
     prepare, commit = [], []
@@ -172,13 +216,14 @@ def run(a: argparse.Namespace, root: str, store: str) -> None:
         pub.publish(trainer, step=step)
         u = sub.poll()
         t = time.perf_counter()
-        assert u.prepare(engine)
+        assert u.prepare(engine, via=via)
+        sync()
         prepare.append(time.perf_counter() - t)
         t = time.perf_counter()
         r = u.commit()
+        sync()
         commit.append(time.perf_counter() - t)
-        assert r.get("prepared"), r
-    assert all(torch.equal(engine[k], trainer[k]) for k in trainer)
+    assert same()
     # the file path in steady state: the newest version materialized into the
     # output directory that holds an earlier one (the standby slot patched)
     w0 = write_bytes()
@@ -211,6 +256,13 @@ def run(a: argparse.Namespace, root: str, store: str) -> None:
         "commit_pause_s": [round(x, 4) for x in commit],
         "commit_median_s": round(statistics.median(commit), 4),
         "reload_over_commit": round(rl / statistics.median(commit), 2),
+        "device": str(dev),
+        "via": via,
+        "anchor_s": round(anchor_s, 4),
+        "anchor_over_reload": round(anchor_s / rl, 2),
+        "index_copy_floor_s": round(floor, 5),
+        "commit_over_floor": round(statistics.median(commit) / floor, 2) if floor else None,
+        "prepare_over_reload": round(statistics.median(prepare) / rl, 3),
         "inplace_disk_bytes_written": inplace_written,
         "materialize_first_s": round(materialize_s, 3),
         "materialize_first_disk_bytes_written": materialize_written,

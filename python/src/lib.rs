@@ -16,19 +16,18 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes};
 
 use weightcast::codec::Positions;
-use weightcast::digest::tensor_digest_of;
 use weightcast::dtype::{Dtype, parse_dtype};
 use weightcast::error::{Error, ErrorKind};
-use weightcast::publisher::{
-    AnchorEncoding, AnchorPolicy, Checkpoint, PublishOptions, Publisher, PublisherConfig,
-};
 use weightcast::store::Store;
 use weightcast::subscriber::lent::{LentTensor, Resolved};
 use weightcast::subscriber::status::Shared;
 use weightcast::subscriber::{
-    DirSink, Fetcher, LentSink, Registrar, StepOptions, Subscriber, VersionSource,
+    Fetcher, LentSink, Registrar, StepOptions, Subscriber, VersionSource,
 };
-use weightcast::tensors::{ExternalBuffer, TensorSet};
+use weightcast::tensors::ExternalBuffer;
+
+mod publisher;
+mod tools;
 
 type Result<T> = std::result::Result<T, Error>;
 
@@ -210,166 +209,6 @@ fn json<T: serde::Serialize>(v: &T) -> String {
 }
 
 // ---------------------------------------------------------------------------
-// Publisher
-
-/// One rank of `world` publishing its shards of each step
-/// (`weightcast publish --rank R --world W`); `None` for a lone publisher.
-fn distributed(
-    rank: Option<u32>,
-    world: u32,
-    timeout: f64,
-) -> Result<Option<weightcast::publisher::Distributed>> {
-    let Some(rank) = rank.filter(|_| world > 1) else {
-        return match (rank, world) {
-            (None, 1) => Ok(None),
-            _ => Err(Error::Config(format!(
-                "rank {rank:?} of world {world}: give both, with world >= 2 and 0 <= rank < \
-                 world (or neither, for one publisher)"
-            ))),
-        };
-    };
-    Ok(Some(weightcast::publisher::Distributed {
-        timeout: seconds("rank_timeout", timeout)?,
-        ..weightcast::publisher::Distributed::new(rank, world)?
-    }))
-}
-
-/// The library's publisher over one store prefix.
-#[pyclass(module = "weightcast._native")]
-struct NativePublisher {
-    inner: Mutex<Publisher>,
-}
-
-#[pymethods]
-impl NativePublisher {
-    #[new]
-    #[pyo3(signature = (store_url, state_dir, encoding, anchor_every, anchor_encoding, single_writer, keep_anchors, notify_urls, notify_key, store_options, rank=None, world=1, rank_timeout=600.0))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        py: Python<'_>,
-        store_url: String,
-        state_dir: String,
-        encoding: String,
-        anchor_every: u64,
-        anchor_encoding: String,
-        single_writer: bool,
-        keep_anchors: Option<usize>,
-        notify_urls: Vec<String>,
-        notify_key: Option<String>,
-        store_options: Vec<(String, String)>,
-        rank: Option<u32>,
-        world: u32,
-        rank_timeout: f64,
-    ) -> PyResult<NativePublisher> {
-        let open = || -> Result<Publisher> {
-            let encoding = encoding.parse().map_err(|_| {
-                Error::Config(format!(
-                    "encoding `{encoding}`: expected compact or trl (the delta encodings)"
-                ))
-            })?;
-            if anchor_every == 0 {
-                return Err(Error::Config("anchor_every must be at least 1".into()));
-            }
-            let anchor_encoding: AnchorEncoding = anchor_encoding.parse()?;
-            let retention = match keep_anchors {
-                Some(0) => return Err(Error::Config("keep_anchors must be at least 1".into())),
-                Some(k) => Some(weightcast::protocol::Retention {
-                    keep_anchors: k,
-                    ..Default::default()
-                }),
-                None => None,
-            };
-            let cfg = PublisherConfig {
-                state_dir: state_dir.into(),
-                encoding,
-                anchors: AnchorPolicy {
-                    every: anchor_every,
-                    ..Default::default()
-                },
-                single_writer,
-                notify_urls,
-                notify_key: notify_key
-                    .as_deref()
-                    .map(weightcast::notify::Key::new)
-                    .transpose()?,
-                retention,
-                checkpoint: Default::default(),
-                anchor_encoding,
-                layout: Default::default(),
-                trl: Default::default(),
-                distributed: distributed(rank, world, rank_timeout)?,
-            };
-            let store = store(&store_url, &store_options)?;
-            block_on(Publisher::open(store, cfg))?
-        };
-        let publisher = py.detach(open).py()?;
-        Ok(NativePublisher {
-            inner: Mutex::new(publisher),
-        })
-    }
-
-    /// The last committed version this publisher knows of.
-    #[getter]
-    fn version(&self) -> Option<u64> {
-        self.inner.lock().ok().and_then(|p| p.version())
-    }
-
-    /// Publishes tensor files (file name → lent tensors) and other files as
-    /// the next version; returns the library's `Published` as JSON. The
-    /// tensors are read in place, with the GIL released.
-    #[pyo3(signature = (tensor_files, files, step))]
-    fn publish(
-        &self,
-        py: Python<'_>,
-        tensor_files: Vec<(String, Vec<Spec>)>,
-        files: Vec<(String, Vec<u8>)>,
-        step: Option<u64>,
-    ) -> PyResult<String> {
-        let run = || -> Result<String> {
-            let mut sets = BTreeMap::new();
-            for (file, specs) in tensor_files {
-                let lent = lend(specs, false)?;
-                let set = TensorSet::from_external(
-                    lent.into_iter().map(|l| (l.name, l.dtype, l.shape, l.buf)),
-                )
-                .map_err(|e| e.in_input(format!("tensor file `{file}`")))?;
-                if sets.insert(file.clone(), set).is_some() {
-                    return Err(Error::BadRequest(format!(
-                        "tensor file `{file}` given twice"
-                    )));
-                }
-            }
-            let files = files
-                .into_iter()
-                .map(|(n, b)| (n, Bytes::from(b)))
-                .collect();
-            let cp = Checkpoint::from_sets(sets, files)?;
-            let mut p = self
-                .inner
-                .lock()
-                .map_err(|_| Error::BadRequest("a previous publish panicked".into()))?;
-            let out = block_on(p.publish(cp, &PublishOptions { step }))??;
-            Ok(json(&out))
-        };
-        py.detach(run).py()
-    }
-
-    /// Waits for the notifications of the versions published so far
-    /// (`publish` returns at the commit and notifies in the background);
-    /// returns how many subscribers acknowledged them.
-    fn notifications_settled(&self, py: Python<'_>) -> PyResult<usize> {
-        py.detach(|| -> Result<usize> {
-            let mut p = self
-                .inner
-                .lock()
-                .map_err(|_| Error::BadRequest("a previous publish panicked".into()))?;
-            block_on(p.notifications_settled())
-        })
-        .py()
-    }
-}
-
-// ---------------------------------------------------------------------------
 // Subscriber: the library's loop over a `LentSink` (the caller's tensors)
 
 struct SubState {
@@ -548,49 +387,41 @@ impl NativeSubscriber {
             let st = &mut *guard;
             let held = st.sub.sink.held();
             let q: Vec<u64> = st.sub.quarantined().iter().map(|q| q.version).collect();
-            let opts = StepOptions { thorough, anchor };
-            let update = block_on(async {
+            let staged = block_on(async {
                 st.registrar.refresh(&st.sub.fetcher, held, &q).await;
-                let Some(u) = st.sub.next_update(&opts).await? else {
-                    return Ok(None);
-                };
-                let (version, base) = (u.version, u.base);
-                st.sub.stage(u).await?;
-                Ok::<_, Error>(Some((version, base)))
-            })??;
+                st.sub.next_staged(&StepOptions { thorough, anchor }).await
+            })?;
             report_status(st);
-            let Some((version, base)) = update else {
-                return Ok(None);
-            };
+            let Some(u) = staged? else { return Ok(None) };
             st.generation += 1;
-            let sink = &st.sub.sink;
-            let files = sink
-                .staged_files()
-                .into_iter()
-                .map(|(n, b)| (n.to_string(), Bytes::copy_from_slice(b)))
-                .collect();
-            let nbytes = match sink.staged_tensors() {
-                Some(sets) => sets.values().map(|s| s.total_bytes()).sum(),
-                None => sink
-                    .staged_deltas()
-                    .iter()
-                    .map(|d| d.1.len() as u64)
-                    .sum::<u64>(),
-            };
             Ok(Some(NativeUpdate {
                 state: state.clone(),
                 generation: st.generation,
-                version,
-                kind: sink.staged_kind().unwrap_or("delta"),
-                base,
-                nbytes,
-                tensors: sink
-                    .staged_writes()?
-                    .into_iter()
+                version: u.version,
+                kind: u.kind,
+                base: u.base,
+                nbytes: u.nbytes,
+                tensors: (u.writes.into_iter())
                     .map(|(n, d, s)| (n, d.to_string(), s))
                     .collect(),
-                files,
+                files: u.files,
             }))
+        })
+        .py()
+    }
+
+    /// Records the version each rank of a tensor-parallel engine holds in
+    /// the endpoint's status and metrics (different versions are an error
+    /// there); nothing when not listening.
+    fn report_ranks(&self, py: Python<'_>, versions: Vec<Option<u64>>) -> PyResult<()> {
+        py.detach(|| {
+            let st = lock(&self.state)?;
+            if let Some(sh) = &st.shared
+                && let Ok(mut s) = sh.status.lock()
+            {
+                s.record_ranks(versions);
+            }
+            Ok(())
         })
         .py()
     }
@@ -601,38 +432,17 @@ impl NativeSubscriber {
     /// tensor that differs.
     fn verify(&self, py: Python<'_>, tensors: Vec<Spec>) -> PyResult<String> {
         py.detach(|| -> Result<String> {
-            use weightcast::subscriber::Sink;
             let lent = lend(tensors, false)?;
-            let st = lock(&self.state)?;
-            let (checked, unknown, not_given) = st.sub.sink.verify(&lent)?;
-            Ok(serde_json::json!({
-                "version": st.sub.sink.held(),
-                "checked": checked.len(),
-                "unknown": unknown,
-                "not_given": not_given,
-            })
-            .to_string())
+            Ok(json(&lock(&self.state)?.sub.verify(&lent)?))
         })
         .py()
     }
 }
 
-/// Records the held version in the notify endpoint's status (`/v1/status`,
-/// `/metrics`), when listening.
+/// Records the held version in the notify endpoint's status, when listening.
 fn report_status(st: &SubState) {
-    use weightcast::subscriber::Sink;
-    if let Some(sh) = &st.shared
-        && let Ok(mut s) = sh.status.lock()
-    {
-        let version = st.sub.sink.held();
-        if s.version != version {
-            s.versions_applied += 1;
-        }
-        s.version = version;
-        s.newest = st.sub.newest();
-        s.lag = s.newest.zip(s.version).map(|(n, v)| n.saturating_sub(v));
-        s.quarantined = st.sub.quarantined();
-        s.store_requests = st.sub.fetcher.requests();
+    if let Some(sh) = &st.shared {
+        st.sub.report_to(sh);
     }
 }
 
@@ -693,26 +503,21 @@ impl NativeUpdate {
     /// A copy of an anchor tensor's bytes.
     fn tensor_bytes<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyByteArray>> {
         let bytes = py
-            .detach(|| -> Result<Vec<u8>> {
-                let st = self.staged()?;
-                let sets = st
-                    .sub
-                    .sink
-                    .staged_tensors()
-                    .into_iter()
-                    .flat_map(|m| m.values());
-                for set in sets {
-                    if let Some(i) = set.position(name) {
-                        return Ok(set.data(i).to_vec());
-                    }
-                }
-                Err(Error::NotFound(format!(
-                    "tensor `{name}` is not in this {} update",
-                    self.kind
-                )))
-            })
+            .detach(|| Ok(self.staged()?.sub.sink.staged_tensor(name)?.to_vec()))
             .py()?;
         Ok(PyByteArray::new(py, &bytes))
+    }
+
+    /// Where the staged anchor's tensor `name` is: (address, bytes). Valid
+    /// while this update is staged (until it is committed or replaced); the
+    /// package reads it in place to copy it onto device tensors.
+    fn tensor_address(&self, py: Python<'_>, name: &str) -> PyResult<(usize, usize)> {
+        py.detach(|| {
+            let st = self.staged()?;
+            let b = st.sub.sink.staged_tensor(name)?;
+            Ok((b.as_ptr() as usize, b.len()))
+        })
+        .py()
     }
 
     /// Commits the update into CPU tensors in place (GIL released): a delta
@@ -729,7 +534,7 @@ impl NativeUpdate {
         py.detach(|| -> Result<String> {
             let lent = lend(tensors, true)?;
             let mut st = self.staged()?;
-            st.sub.commit_into(lent, single_pass)?;
+            st.sub.commit_into(lent, single_pass).1?;
             Ok(Self::report(&st))
         })
         .py()
@@ -741,12 +546,7 @@ impl NativeUpdate {
     fn prepare_buffers(&self, py: Python<'_>, tensors: Vec<Spec>) -> PyResult<bool> {
         py.detach(|| -> Result<bool> {
             let mut lent = lend(tensors, true)?;
-            let mut st = self.staged()?;
-            let r = st.sub.sink.prepare(&mut lent);
-            if r.as_ref().is_err_and(|e| e.kind() == ErrorKind::Corrupt) {
-                st.sub.distrust_held();
-            }
-            r
+            self.staged()?.sub.prepare(&mut lent)
         })
         .py()
     }
@@ -757,7 +557,7 @@ impl NativeUpdate {
         py.detach(|| -> Result<String> {
             let lent = lend(tensors, true)?;
             let mut st = self.staged()?;
-            st.sub.commit_into(lent, false)?;
+            st.sub.commit_into(lent, false).1?;
             Ok(Self::report(&st))
         })
         .py()
@@ -785,11 +585,7 @@ impl NativeUpdate {
                     })
                     .map_err(|e| Error::BadRequest(format!("gathering `{name}`: {e}")))
                 };
-                let r = st.sub.sink.resolve(&mut call);
-                if r.as_ref().is_err_and(|e| e.kind() == ErrorKind::Corrupt) {
-                    st.sub.distrust_held();
-                }
-                r
+                st.sub.resolve(&mut call)
             })
             .py()?;
         Ok(resolved
@@ -835,18 +631,12 @@ impl NativeUpdate {
     /// directory sink. Returns the catch-up report as JSON.
     #[pyo3(signature = (dir, slots=2))]
     fn save_to(&self, py: Python<'_>, dir: String, slots: usize) -> PyResult<String> {
-        let fetcher = py
-            .detach(|| lock(&self.state).map(|s| s.sub.fetcher.clone()))
-            .py()?;
-        let version = self.version;
-        py.detach(move || -> Result<String> {
-            let dir = std::path::PathBuf::from(dir);
-            std::fs::create_dir_all(&dir)
-                .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-            let sink = DirSink::open(&dir, slots)?;
-            let source = VersionSource::new(Duration::from_secs(1), 0.0);
-            let mut sub = Subscriber::new(fetcher, source, sink);
-            let c = block_on(sub.catch_up_to(version))??;
+        py.detach(|| {
+            let st = lock(&self.state)?;
+            let c = block_on(
+                st.sub
+                    .save_to(std::path::Path::new(&dir), slots, self.version),
+            )??;
             Ok(json(&c))
         })
         .py()
@@ -870,62 +660,14 @@ fn positions_bytes(p: &Positions) -> (Vec<u8>, usize) {
     }
 }
 
-/// Runs engine hooks (`sglang:URL`, `vllm:URL`, `webhook:URL`,
-/// `command:CMD`) for a version in `dir`, as `weightcast subscribe` does
-/// after a switch, under the library's hook policy (`timeout` per request and
-/// `budget` per hook, seconds; `sglang_pause` the mode sent to SGLang);
-/// returns the library's report (`pause_seconds`, `failed`, `failures`) as
-/// JSON.
-#[pyfunction]
-#[pyo3(signature = (hooks, version, dir, changed_tensors, timeout=None, budget=None, sglang_pause=None))]
-#[allow(clippy::too_many_arguments)]
-fn run_hooks(
-    py: Python<'_>,
-    hooks: Vec<String>,
-    version: u64,
-    dir: String,
-    changed_tensors: Vec<String>,
-    timeout: Option<f64>,
-    budget: Option<f64>,
-    sglang_pause: Option<String>,
-) -> PyResult<String> {
-    py.detach(|| -> Result<String> {
-        let hooks = hooks
-            .iter()
-            .map(|h| h.parse())
-            .collect::<Result<Vec<weightcast::hooks::Hook>>>()?;
-        let policy = weightcast::hooks::HookPolicy::with(timeout, budget, sglang_pause.as_deref())?;
-        let event = weightcast::hooks::Event {
-            version,
-            dir: dir.into(),
-            changed_tensors,
-        };
-        let report = block_on(weightcast::hooks::run(&hooks, &event, &policy))?;
-        Ok(json(&report))
-    })
-    .py()
-}
-
-/// The full digest of one tensor (a pass over it), as the library computes
-/// it for headers: for checks outside a subscriber.
-#[pyfunction]
-fn tensor_digest(py: Python<'_>, tensor: Spec) -> PyResult<String> {
-    py.detach(|| -> Result<String> {
-        let lent = lend(vec![tensor], false)?;
-        let l = &lent[0];
-        Ok(tensor_digest_of(&l.name, l.dtype, &l.shape, l.buf.bytes())?.to_string())
-    })
-    .py()
-}
-
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let _ = pyo3_log::try_init();
-    m.add_class::<NativePublisher>()?;
+    m.add_class::<publisher::NativePublisher>()?;
     m.add_class::<NativeSubscriber>()?;
     m.add_class::<NativeUpdate>()?;
-    m.add_function(wrap_pyfunction!(run_hooks, m)?)?;
-    m.add_function(wrap_pyfunction!(tensor_digest, m)?)?;
+    m.add_function(wrap_pyfunction!(tools::run_hooks, m)?)?;
+    m.add_function(wrap_pyfunction!(tools::tensor_digest, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

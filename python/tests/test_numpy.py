@@ -436,3 +436,33 @@ def test_two_ranks_publish_one_version_per_step(tmp_path):
         assert same(mine, full), f"step {step}"
     with pytest.raises(weightcast.Error, match="rank"):
         weightcast.Publisher(url, state_dir=str(tmp_path / "s"), rank=2, world=2)
+
+
+def test_an_update_is_bound_to_the_tensors_its_subscriber_manages(bucket):
+    """Issue #30, case 5: one subscriber's update applied to another
+    subscriber's tensors was accepted (the base values it checks agreed) and
+    advanced the wrong subscriber. It is refused, nothing written, nothing
+    advanced, and the update still applies to its own subscriber's tensors."""
+    url, state = bucket
+    pub = weightcast.Publisher(url, state_dir=state)
+    w, rng = model(), np.random.default_rng(11)
+    pub.publish(w, step=1)
+    a, b = weightcast.Subscriber(url), weightcast.Subscriber(url)
+    mine_a, mine_b = zeros_like(w), zeros_like(w)
+    a.poll().apply_to(mine_a)
+    b.poll().apply_to(mine_b)
+    train_step(w, rng)
+    pub.publish(w, step=2)
+    ua = a.poll()
+    before = {k: as_bytes(_arr(v)) for k, v in mine_b.items()}
+    with pytest.raises(weightcast.BadRequest, match="not the memory this subscriber"):
+        ua.apply_to(mine_b)
+    assert {k: as_bytes(_arr(v)) for k, v in mine_b.items()} == before, "nothing written"
+    assert a.version == 0 and b.version == 0
+    # Also through prepare: refused before anything is decoded.
+    with pytest.raises(weightcast.BadRequest, match="not the memory this subscriber"):
+        ua.prepare(mine_b)
+    ua.apply_to(mine_a)
+    assert same(mine_a, w) and a.version == 1 and b.version == 0
+    b.poll().apply_to(mine_b)
+    assert same(mine_b, w) and b.version == 1

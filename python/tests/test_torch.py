@@ -121,11 +121,37 @@ def minilm_dir():
     return d
 
 
-class FakeWorker(weightcast.vllm.WorkerExtension):
-    """What vLLM's worker extension sees: self.model_runner.model."""
+class GraphWrapper:
+    """What vLLM's GPU model runner holds in ``model`` once CUDA graphs are
+    captured (CUDAGraphWrapper / UBatchWrapper): a callable around the
+    model, without its ``state_dict`` or ``load_weights``."""
 
     def __init__(self, model):
-        self.model_runner = type("Runner", (), {"model": model})()
+        self._runnable = model
+
+    def __call__(self, *args, **kwargs):
+        return self._runnable(*args, **kwargs)
+
+    def unwrap(self):
+        return self._runnable
+
+
+class FakeRunner:
+    """vLLM's GPUModelRunner as a worker extension sees it: ``model`` may be
+    a wrapper; ``get_model()`` is the model."""
+
+    def __init__(self, model):
+        self.model = GraphWrapper(model)
+
+    def get_model(self):
+        return self.model.unwrap()
+
+
+class FakeWorker(weightcast.vllm.WorkerExtension):
+    """What vLLM's worker extension sees: self.model_runner."""
+
+    def __init__(self, model):
+        self.model_runner = FakeRunner(model)
 
 
 class LoadWeights(object):
@@ -219,3 +245,65 @@ def test_sglang_follower_hands_changed_tensors(torch, bucket):
     assert report["version"] == 1 and report["kind"] == "delta"
     assert calls[-1] == (["a"], True)
     assert torch.equal(f.host["a"], w["a"]) and f.version == 1
+
+
+def tied_model(torch, dtype):
+    """An embedding and an output projection sharing one weight (as
+    ``tie_word_embeddings`` does): ``state_dict()`` names it twice."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Embedding(512, 32), torch.nn.LayerNorm(32),
+                            torch.nn.Linear(32, 512, bias=False)).to(dtype)
+    m[2].weight = m[0].weight
+    return m
+
+
+def test_tied_weights_are_published_once_and_applied_to_every_name(torch, bucket):
+    """Issue #30, case 9: a trainer publishing ``model.state_dict()`` with
+    tied names could not be followed (the shared memory was refused, and
+    ``state_dict_of`` refused the anchor). The storage is published once and
+    written once, through every name that shares it: in place by a Follower
+    over the module or over ``state_dict_of``, and by the scatter path."""
+    from weightcast.engine import Follower, state_dict_of
+
+    url, state = bucket
+    trainer = tied_model(torch, torch.bfloat16)
+    sd = trainer.state_dict()
+    assert sd["0.weight"].data_ptr() == sd["2.weight"].data_ptr()
+    pub = weightcast.Publisher(url, state_dir=state, anchor_every=3)
+
+    def engine():
+        e = tied_model(torch, torch.bfloat16)
+        with torch.no_grad():
+            for p in e.parameters():
+                p.zero_()
+        return e
+
+    followers = []
+    for params in ("module", "state_dict_of"):
+        e = engine()
+        followers.append((e, Follower(url, params=e if params == "module" else state_dict_of(e))))
+    scattered, sub = engine(), weightcast.Subscriber(url)
+    out = pub.publish(trainer.state_dict(), step=0)
+    assert out["total"] == sum(t.numel() for n, t in sd.items() if n != "2.weight"), out
+
+    def check(e, step):
+        got = e.state_dict()
+        assert got["0.weight"].data_ptr() == got["2.weight"].data_ptr(), "still tied"
+        for name, t in trainer.state_dict().items():
+            assert as_bytes(got[name]) == as_bytes(t), f"{name} at version {step}"
+
+    for step in range(5):
+        if step:
+            next(steps)
+            pub.publish(trainer.state_dict(), step=step)
+        else:
+            steps = train(torch, trainer, 4)
+        for e, f in followers:
+            while f.step() is not None:
+                pass
+            assert f.version == step
+            check(e, step)
+        u = sub.poll()
+        u.apply_to(scattered.state_dict(), via="scatter")
+        assert sub.version == step
+        check(scattered, step)

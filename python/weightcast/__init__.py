@@ -40,7 +40,9 @@ from ._errors import (
     NotFound,
     Unavailable,
 )
-from ._tensors import Raw, from_bytes, group_files, is_torch, lend, lend_all, on_cpu, word_view
+from ._tensors import (
+    Raw, from_bytes, group_files, is_torch, lend, lend_all, on_cpu, untie, word_view,
+)
 
 __all__ = [
     "Publisher",
@@ -122,6 +124,7 @@ class Publisher:
         )
         # Pinned host buffers reused for CUDA tensors, by (file, name).
         self._staging: Dict[Tuple[str, str], Any] = {}
+        self._tied: Dict[str, Dict[str, str]] = {}
 
     @property
     def version(self) -> Optional[int]:
@@ -174,6 +177,13 @@ class Publisher:
         synced = False
         for file, group in groups.items():
             lst = []
+            group, tied = untie(group)
+            if tied and tied != self._tied.get(file):
+                # Published once, under the first name: writing it in an
+                # engine whose names share the storage writes them all.
+                logger.info("%s: tied tensors published once: %s", file,
+                            ", ".join(f"{a} -> {k}" for a, k in sorted(tied.items())))
+                self._tied[file] = tied
             for name, t in group.items():
                 if not on_cpu(t):
                     t = self._host(file, str(name), t)
@@ -274,7 +284,7 @@ class Update:
         ``changed_tensors``, ``seconds``). The subscriber's version advances
         only when this succeeds.
         """
-        params = _as_mapping(params)
+        params = self._untied(params)
         started = time.perf_counter()
         via = self._via(params, via)
         if via == "buffers":
@@ -299,7 +309,7 @@ class Update:
         Holds about 6 bytes per changed bf16 element until the commit.
         Returns False when there was nothing to do ahead (an anchor, a
         TRL-encoded delta): :meth:`commit` then applies it whole."""
-        params = _as_mapping(params)
+        params = self._untied(params)
         via = self._via(params, via)
         ready, staged = False, None
         if self.kind == "delta" and via == "buffers":
@@ -334,6 +344,12 @@ class Update:
             report = self._write_staged(*staged)
         self._prepared = None  # a refused commit can be retried
         return self._applied_report(report, via, params, started)
+
+    def _untied(self, params: Union[Tensors, Any]) -> Tensors:
+        """``params`` with one name per storage (tied weights): the name this
+        update writes is kept, so writing it writes every name of its
+        storage."""
+        return untie(_as_mapping(params), set(self.tensor_names()))[0]
 
     def _via(self, params: Tensors, via: str) -> str:
         if via not in ("auto", "buffers", "scatter"):
@@ -436,13 +452,20 @@ class Update:
             if (dtype_of(name, t), shape_of(t)) != (dtype, list(shape)):
                 raise BaseMismatch(f"tensor `{name}` is {dtype_of(name, t)} {shape_of(t)}, "
                                    f"version {self.version} has {dtype} {list(shape)}")
+        import ctypes
+
         for name, dtype, shape in info:
             t = params[name]
-            src = from_bytes(self._native.tensor_bytes(name), dtype, list(shape), is_torch(t))
+            # The staged anchor's memory read in place (no copy on the host):
+            # valid until this update is committed, which follows.
+            at, n = self._native.tensor_address(name)
+            buf = (ctypes.c_uint8 * n).from_address(at) if n else bytearray()
+            src = from_bytes(buf, dtype, list(shape), is_torch(t))
             if is_torch(t):
                 t.detach().copy_(src)
             else:
                 word_view(name, t, 1)[:] = word_view(name, src, 1)
+            del src, buf
         self._native.commit_resolved()
         return {
             "version": self.version,
@@ -628,7 +651,8 @@ Hook = Union[str, Callable[[Dict[str, Any]], Any]]
 
 def run_hooks(hooks: Sequence[Hook], version: int, dir: Union[str, "os.PathLike[str]"],
               changed_tensors: Sequence[str] = (), *, timeout: Optional[float] = None,
-              budget: Optional[float] = None, sglang_pause: Optional[str] = None) -> Dict[str, Any]:
+              budget: Optional[float] = None, sglang_pause: Optional[str] = None,
+              vllm_pause: Optional[str] = None) -> Dict[str, Any]:
     """Runs engine hooks for a version materialized in ``dir`` (e.g. by
     :meth:`Update.save_to`), as ``weightcast subscribe`` does after a
     switch: the library's kinds as strings (``sglang:URL``, ``vllm:URL``,
@@ -636,14 +660,20 @@ def run_hooks(hooks: Sequence[Hook], version: int, dir: Union[str, "os.PathLike[
     the event (``version``, ``dir``, ``changed_tensors``). Failures are
     logged and counted, not raised. Returns ``pause_seconds`` (longest
     engine pause), ``failed`` and ``failures``. ``timeout`` (per request),
-    ``budget`` (per hook, retries included) and ``sglang_pause`` are the
-    library's hook policy (``weightcast subscribe``'s defaults)."""
+    ``budget`` (per hook, retries included), ``sglang_pause`` (``abort``,
+    ``retract``, ``in_place``) and ``vllm_pause`` (``auto``, ``keep``,
+    ``wait``, ``abort``) are the library's hook policy (``weightcast
+    subscribe``'s defaults); the bearer tokens for servers started with
+    ``--api-key`` come from ``WEIGHTCAST_VLLM_API_KEY`` and
+    ``WEIGHTCAST_SGLANG_API_KEY``. A refused update (an error, or
+    ``{"success": false}``) is a failure: the engine did not take the
+    version."""
     event = {"version": version, "dir": os.fspath(dir), "changed_tensors": list(changed_tensors)}
     kinds = [h for h in hooks if isinstance(h, str)]
     report: Dict[str, Any] = {"pause_seconds": 0.0, "failed": 0}
     if kinds:
         report = json.loads(_native.run_hooks(kinds, version, event["dir"], event["changed_tensors"],
-                                              timeout, budget, sglang_pause))
+                                              timeout, budget, sglang_pause, vllm_pause))
     for h in hooks:
         if isinstance(h, str):
             continue

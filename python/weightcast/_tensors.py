@@ -160,6 +160,48 @@ def lend(name: str, x: Any, *, write: bool) -> Tuple[Spec, Any]:
     return (name, dtype, shape, ptr, nbytes), arr
 
 
+def _storage(x: Any) -> Optional[Tuple[Any, ...]]:
+    """What identifies a tensor's memory (address, bytes, device, dtype,
+    shape), or None for an empty one."""
+    if isinstance(x, Raw):
+        x = x.data
+    if is_torch(x):
+        n = x.numel() * x.element_size()
+        return (x.data_ptr(), n, str(x.device), str(x.dtype), tuple(x.shape)) if n else None
+    if isinstance(x, np.ndarray) and x.nbytes:
+        return (int(x.__array_interface__["data"][0]), int(x.nbytes), "cpu", str(x.dtype),
+                tuple(x.shape))
+    return None
+
+
+def untie(tensors: Mapping[str, Any], prefer: Any = ()) -> Tuple[Dict[str, Any], Dict[str, str]]:
+    """``tensors`` with one name per storage: names that are the very same
+    memory (tied weights, e.g. ``lm_head.weight`` and
+    ``model.embed_tokens.weight``) keep one name — one in ``prefer`` when
+    there is one, else the first in order. Returns the mapping and
+    ``{dropped: kept}``. Writing the kept name writes every name of its
+    storage."""
+    kept: Dict[Tuple[Any, ...], str] = {}
+    out: Dict[str, Any] = {}
+    aliases: Dict[str, str] = {}
+    for name, t in tensors.items():
+        key = _storage(t)
+        if key is None or key not in kept:
+            if key is not None:
+                kept[key] = name
+            out[name] = t
+            continue
+        first = kept[key]
+        if name in prefer and first not in prefer:
+            del out[first]
+            aliases[first] = name
+            kept[key] = name
+            out[name] = t
+        else:
+            aliases[name] = first
+    return out, aliases
+
+
 def lend_all(tensors: Mapping[str, Any], *, write: bool) -> Tuple[List[Spec], List[Any]]:
     specs, keep = [], []
     for name, x in tensors.items():

@@ -49,6 +49,11 @@ pub struct PublisherStats {
     pub changed_elements: u64,
     /// Seconds the last successful publish took.
     pub last_publish_seconds: f64,
+    /// Bytes the publishes caused to be written to local storage (state
+    /// directory; `/proc/self/io` write_bytes).
+    pub local_write_bytes: u64,
+    /// The same for the last publish.
+    pub last_local_write_bytes: u64,
     /// Failed publishes, by error kind.
     pub errors: std::collections::BTreeMap<&'static str, u64>,
     /// The last error.
@@ -69,6 +74,8 @@ pub struct PublisherShared {
     pub root: std::path::PathBuf,
     /// How checkpoint directories are read (links must stay under `root`).
     pub checkpoint: crate::publisher::CheckpointOptions,
+    /// The graceful shutdown as the publish handler sees it.
+    pub drain: super::Drain,
 }
 
 impl PublisherShared {
@@ -102,6 +109,7 @@ impl PublisherShared {
             token_hash: blake3::hash(token.as_bytes()),
             root,
             checkpoint,
+            drain: super::Drain::default(),
         }))
     }
 }
@@ -149,15 +157,39 @@ pub fn router(shared: Arc<PublisherShared>) -> Router {
         .route("/metrics", get(metrics))
         .route("/v1/status", get(status))
         .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(axum::Extension(Arc::new(super::Exposition::new(Metrics(
+            shared.clone(),
+        )))))
         .with_state(shared)
 }
 
-/// Serves the publisher daemon until `shutdown` completes.
+/// How long a publish in flight may go on after a shutdown signal, by
+/// default (`weightcast publisher --shutdown-grace`).
+pub const DEFAULT_SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Serves the publisher daemon until `shutdown` completes, then shuts down
+/// gracefully with [`DEFAULT_SHUTDOWN_GRACE`] (see [`serve_with_grace`]).
 pub async fn serve(
     listener: TcpListener,
     shared: Arc<PublisherShared>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    serve_with_grace(listener, shared, shutdown, DEFAULT_SHUTDOWN_GRACE).await
+}
+
+/// Serves the publisher daemon until `shutdown` completes, then shuts down
+/// gracefully: requests arriving from then on are answered 503
+/// `unavailable`; a publish in flight may finish within `grace`; after it, a
+/// publish whose commit has not begun is stopped (nothing of it is
+/// committed; its caller gets 503 `unavailable`) and one whose commit has
+/// begun runs to its end, so that its caller learns the version.
+pub async fn serve_with_grace(
+    listener: TcpListener,
+    shared: Arc<PublisherShared>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    grace: std::time::Duration,
+) -> std::io::Result<()> {
+    let drain = shared.drain.clone();
     // A publish of an anchor can take many minutes: only the headers are
     // timed (slowloris), the request may take up to a day.
     super::serve_hardened(
@@ -165,6 +197,8 @@ pub async fn serve(
         router(shared),
         std::time::Duration::from_secs(24 * 3600),
         shutdown,
+        drain,
+        grace,
     )
     .await
 }
@@ -196,12 +230,50 @@ async fn publish(
         Ok(p) => p,
         Err(why) => return error(StatusCode::FORBIDDEN, why),
     };
-    let mut p = shared.publisher.lock().await;
+    // Publishes are serialized; one queued behind another when the daemon
+    // starts shutting down never starts.
+    let mut p = tokio::select! {
+        p = shared.publisher.lock() => p,
+        () = shared.drain.expired() => return super::shutting_down(),
+    };
+    if shared.drain.is_draining() {
+        return super::shutting_down();
+    }
     let opts = crate::publisher::PublishOptions { step: req.step };
     let started = std::time::Instant::now();
-    let published = match crate::publisher::Checkpoint::open(&path, &shared.checkpoint) {
-        Ok(cp) => p.publish(cp, &opts).await,
-        Err(e) => Err(e),
+    let gate = p.commit_gate();
+    let publish = async {
+        match crate::publisher::Checkpoint::open(&path, &shared.checkpoint) {
+            Ok(cp) => p.publish(cp, &opts).await,
+            Err(e) => Err(e),
+        }
+    };
+    tokio::pin!(publish);
+    let published = tokio::select! {
+        r = &mut publish => r,
+        () = shared.drain.expired() => {
+            if gate.stop() {
+                // No commit has begun: what was uploaded is never
+                // referenced, and the state directory is as it was.
+                tracing::warn!(
+                    checkpoint = %path.display(),
+                    "shutdown: publish stopped before its commit; nothing was committed"
+                );
+                Err(crate::Error::Unavailable(format!(
+                    "the publisher shut down before `{}` was committed: nothing of it is \
+                     visible; publish it again once the publisher is back",
+                    req.checkpoint.display()
+                )))
+            } else {
+                let _hold = shared.drain.hold();
+                tracing::warn!(
+                    checkpoint = %path.display(),
+                    "shutdown: the grace period is over but this publish is committing; \
+                     waiting for it"
+                );
+                publish.await
+            }
+        }
     };
     let mut stats = shared.stats.lock().unwrap_or_else(|e| e.into_inner());
     match published {
@@ -229,6 +301,10 @@ async fn publish(
             stats.bytes += out.bytes;
             stats.changed_elements += out.changed;
             stats.last_publish_seconds = started.elapsed().as_secs_f64();
+            if let Some(w) = out.local_write_bytes {
+                stats.local_write_bytes += w;
+                stats.last_local_write_bytes = w;
+            }
             stats.unhealthy = None;
             (StatusCode::OK, axum::Json(out)).into_response()
         }
@@ -282,89 +358,97 @@ async fn status(
     }
 }
 
-async fn metrics(State(shared): State<Arc<PublisherShared>>) -> axum::response::Response {
-    let s = shared
-        .stats
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .clone();
-    let mut m = super::Prometheus::default();
-    m.single(
-        "weightcast_publisher_version",
-        "gauge",
-        "The last committed version (-1: none yet).",
-        s.version.map_or(-1.0, |v| v as f64),
-    );
-    m.single(
-        "weightcast_publisher_step",
-        "gauge",
-        "The trainer step of the last version (-1: unknown).",
-        s.step.map_or(-1.0, |v| v as f64),
-    );
-    m.family(
-        "weightcast_publisher_versions_total",
-        "counter",
-        "Versions committed, by kind (unchanged: identical content, nothing written).",
-    )
-    .sample(
-        "weightcast_publisher_versions_total",
-        &[("kind", "anchor")],
-        s.anchors as f64,
-    )
-    .sample(
-        "weightcast_publisher_versions_total",
-        &[("kind", "delta")],
-        s.deltas as f64,
-    )
-    .sample(
-        "weightcast_publisher_versions_total",
-        &[("kind", "unchanged")],
-        s.unchanged as f64,
-    );
-    m.single(
-        "weightcast_publisher_bytes_total",
-        "counter",
-        "Bytes written to the bucket.",
-        s.bytes as f64,
-    );
-    m.single(
-        "weightcast_publisher_changed_elements_total",
-        "counter",
-        "Changed elements published.",
-        s.changed_elements as f64,
-    );
-    m.single(
-        "weightcast_publisher_publish_seconds",
-        "gauge",
-        "Duration of the last successful publish.",
-        s.last_publish_seconds,
-    );
-    m.family(
-        "weightcast_publisher_errors_total",
-        "counter",
-        "Failed publishes, by error kind.",
-    );
-    for kind in [
-        ErrorKind::NotFound,
-        ErrorKind::Precondition,
-        ErrorKind::Corrupt,
-        ErrorKind::BadRequest,
-        ErrorKind::Unavailable,
-        ErrorKind::Config,
-        ErrorKind::Io,
-    ] {
-        let n = s.errors.get(kind.as_str()).copied().unwrap_or(0);
-        m.sample(
-            "weightcast_publisher_errors_total",
-            &[("kind", kind.as_str())],
-            n as f64,
-        );
+async fn metrics(
+    axum::Extension(exposition): axum::Extension<Arc<super::Exposition>>,
+) -> axum::response::Response {
+    exposition.response()
+}
+
+/// The publisher daemon's families, read from its stats at each scrape.
+struct Metrics(Arc<PublisherShared>);
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("publisher metrics")
     }
-    m.single(
-        "weightcast_publisher_healthy",
-        "gauge",
-        "1 when healthy, 0 when /healthz answers 503.",
-        if s.unhealthy.is_none() { 1.0 } else { 0.0 },
-    );
-    m.response()
+}
+
+impl prometheus_client::collector::Collector for Metrics {
+    fn encode(&self, encoder: prometheus_client::encoding::DescriptorEncoder) -> std::fmt::Result {
+        let s = self
+            .0
+            .stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let mut m = super::Families::new(encoder);
+        m.gauge(
+            "weightcast_publisher_version",
+            "The last committed version (-1: none yet).",
+            super::version_gauge(s.version),
+        )?;
+        m.gauge(
+            "weightcast_publisher_step",
+            "The trainer step of the last version (-1: unknown).",
+            super::version_gauge(s.step),
+        )?;
+        m.counters(
+            "weightcast_publisher_versions",
+            "Versions committed, by kind (unchanged: identical content, nothing written).",
+            "kind",
+            &[
+                ("anchor", s.anchors),
+                ("delta", s.deltas),
+                ("unchanged", s.unchanged),
+            ],
+        )?;
+        m.counter(
+            "weightcast_publisher_bytes",
+            "Bytes written to the bucket.",
+            s.bytes,
+        )?;
+        m.counter(
+            "weightcast_publisher_changed_elements",
+            "Changed elements published.",
+            s.changed_elements,
+        )?;
+        m.gauge(
+            "weightcast_publisher_publish_seconds",
+            "Duration of the last successful publish.",
+            s.last_publish_seconds,
+        )?;
+        m.counter(
+            "weightcast_publisher_local_written_bytes",
+            "Bytes written to local storage by the publishes (/proc/self/io write_bytes).",
+            s.local_write_bytes,
+        )?;
+        m.gauge(
+            "weightcast_publisher_last_local_written_bytes",
+            "Bytes written to local storage by the last publish.",
+            s.last_local_write_bytes,
+        )?;
+        let errors: Vec<(&str, u64)> = [
+            ErrorKind::NotFound,
+            ErrorKind::Precondition,
+            ErrorKind::Corrupt,
+            ErrorKind::BadRequest,
+            ErrorKind::Unavailable,
+            ErrorKind::Config,
+            ErrorKind::Io,
+        ]
+        .into_iter()
+        .map(|k| (k.as_str(), s.errors.get(k.as_str()).copied().unwrap_or(0)))
+        .collect();
+        m.counters(
+            "weightcast_publisher_errors",
+            "Failed publishes, by error kind.",
+            "kind",
+            &errors,
+        )?;
+        m.gauge(
+            "weightcast_publisher_healthy",
+            "1 when healthy, 0 when /healthz answers 503.",
+            u64::from(s.unhealthy.is_none()),
+        )
+    }
 }

@@ -43,13 +43,13 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
         .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(axum::Extension(Arc::new(super::Exposition::new(Metrics(
+            shared.clone(),
+        )))))
         .with_state(shared)
 }
 
-/// Connections served at once.
-pub const MAX_CONNECTIONS: usize = 64;
-/// Time a client has to send its request headers.
-pub const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+pub use super::{HEADER_TIMEOUT, MAX_CONNECTIONS};
 /// Time a whole request may take.
 pub const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -123,7 +123,16 @@ pub async fn serve(
     shared: Arc<Shared>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    super::serve_hardened(listener, router(shared), REQUEST_TIMEOUT, shutdown).await
+    // Nothing here takes long: in-flight requests get a few seconds.
+    super::serve_hardened(
+        listener,
+        router(shared),
+        REQUEST_TIMEOUT,
+        shutdown,
+        super::Drain::default(),
+        std::time::Duration::from_secs(5),
+    )
+    .await
 }
 
 async fn notify(
@@ -243,125 +252,151 @@ async fn healthz(State(shared): State<Arc<Shared>>) -> axum::response::Response 
     }
 }
 
-async fn metrics(State(shared): State<Arc<Shared>>) -> axum::response::Response {
-    let s = shared.status.lock().map(|s| s.clone()).unwrap_or_default();
-    let mut m = super::Prometheus::default();
-    let series: [(&str, &str, &str, f64); 18] = [
-        (
+async fn metrics(
+    axum::Extension(exposition): axum::Extension<Arc<super::Exposition>>,
+) -> axum::response::Response {
+    exposition.response()
+}
+
+/// The subscriber's (and the relay's) families, read from its status at each
+/// scrape.
+struct Metrics(Arc<Shared>);
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("subscriber metrics")
+    }
+}
+
+impl prometheus_client::collector::Collector for Metrics {
+    fn encode(&self, encoder: prometheus_client::encoding::DescriptorEncoder) -> std::fmt::Result {
+        let s = self.0.status.lock().map(|s| s.clone()).unwrap_or_default();
+        let mut m = super::Families::new(encoder);
+        m.gauge(
             "weightcast_version",
-            "gauge",
             "Verified version in the output (-1: none).",
-            s.version.map_or(-1.0, |v| v as f64),
-        ),
-        (
+            super::version_gauge(s.version),
+        )?;
+        m.gauge(
             "weightcast_newest_version",
-            "gauge",
             "Newest committed version seen (-1: none).",
-            s.newest.map_or(-1.0, |v| v as f64),
-        ),
-        (
+            super::version_gauge(s.newest),
+        )?;
+        m.gauge(
             "weightcast_lag_versions",
-            "gauge",
             "Committed versions not yet applied.",
-            s.lag.unwrap_or(0) as f64,
-        ),
-        (
-            "weightcast_versions_applied_total",
-            "counter",
+            s.lag.unwrap_or(0),
+        )?;
+        m.counter(
+            "weightcast_versions_applied",
             "Versions applied.",
-            s.versions_applied as f64,
-        ),
-        (
-            "weightcast_bytes_downloaded_total",
-            "counter",
+            s.versions_applied,
+        )?;
+        m.counter(
+            "weightcast_bytes_downloaded",
             "Bytes downloaded from the store.",
-            s.bytes_downloaded as f64,
-        ),
-        (
-            "weightcast_output_written_bytes_total",
-            "counter",
+            s.bytes_downloaded,
+        )?;
+        m.counter(
+            "weightcast_output_written_bytes",
             "Bytes written into the output slots.",
-            s.bytes_written as f64,
-        ),
-        (
-            "weightcast_journal_applied_bytes_total",
-            "counter",
+            s.bytes_written,
+        )?;
+        m.counter(
+            "weightcast_local_written_bytes",
+            "Bytes written to local storage by the catch-ups (/proc/self/io write_bytes).",
+            s.local_write_bytes,
+        )?;
+        m.gauge(
+            "weightcast_last_version_local_written_bytes",
+            "Bytes written to local storage for the last version (its standby slot included).",
+            s.last_local_write_bytes,
+        )?;
+        m.counter(
+            "weightcast_journal_applied_bytes",
             "Bytes of journal objects applied to bring slots forward.",
-            s.bytes_journal as f64,
-        ),
-        (
-            "weightcast_store_requests_total",
-            "counter",
+            s.bytes_journal,
+        )?;
+        m.counter(
+            "weightcast_store_requests",
             "Requests made to the store.",
-            s.store_requests as f64,
-        ),
-        (
-            "weightcast_repairs_total",
-            "counter",
+            s.store_requests,
+        )?;
+        m.counter(
+            "weightcast_repairs",
             "Re-bootstraps after a failed replay or damaged output.",
-            s.repairs as f64,
-        ),
-        (
-            "weightcast_failures_total",
-            "counter",
-            "Catch-ups that failed.",
-            s.failures as f64,
-        ),
-        (
-            "weightcast_notifications_total",
-            "counter",
+            s.repairs,
+        )?;
+        m.counter("weightcast_failures", "Catch-ups that failed.", s.failures)?;
+        m.counter(
+            "weightcast_notifications",
             "Accepted notifications.",
-            s.notifications as f64,
-        ),
-        (
-            "weightcast_notifications_refused_total",
-            "counter",
+            s.notifications,
+        )?;
+        m.counter(
+            "weightcast_notifications_refused",
             "Refused notifications.",
-            s.refused as f64,
-        ),
-        (
+            s.refused,
+        )?;
+        m.gauge(
             "weightcast_apply_seconds",
-            "gauge",
             "Duration of the last catch-up that changed the version.",
             s.last_apply_seconds,
-        ),
-        (
+        )?;
+        m.gauge(
             "weightcast_engine_pause_seconds",
-            "gauge",
             "Engine pause window of the last version (pause answered to resume answered).",
             s.last_pause_seconds,
-        ),
-        (
-            "weightcast_hook_runs_total",
-            "counter",
-            "Hook runs.",
-            s.hook_runs as f64,
-        ),
-        (
-            "weightcast_hook_failures_total",
-            "counter",
+        )?;
+        m.gauges(
+            "weightcast_version_seconds",
+            "Where the last version's time went, by phase: fetch (waiting on the store), \
+             prepare (decode, verify, write off the serving path), pause (the engine's), apply \
+             (commit and switch).",
+            "phase",
+            &[
+                ("fetch", s.fetch_s),
+                ("prepare", s.prepare_s),
+                ("pause", s.pause_s),
+                ("apply", s.apply_s),
+            ],
+        )?;
+        let last = s.last_version.clone().unwrap_or_default();
+        m.gauges(
+            "weightcast_version_bytes",
+            "The last version's bytes, by kind: downloaded from the store, written locally.",
+            "kind",
+            &[
+                ("downloaded", last.bytes_downloaded as f64),
+                ("written", last.bytes_written as f64),
+            ],
+        )?;
+        m.counter("weightcast_hook_runs", "Hook runs.", s.hook_runs)?;
+        m.counter(
+            "weightcast_hook_failures",
             "Hooks that failed.",
-            s.hook_failures as f64,
-        ),
-        (
+            s.hook_failures,
+        )?;
+        m.gauge(
             "weightcast_quarantined_versions",
-            "gauge",
             "Versions that could not be verified and are skipped (retried with backoff).",
-            s.quarantined.len() as f64,
-        ),
-        (
+            s.quarantined.len() as u64,
+        )?;
+        m.gauge(
+            "weightcast_ranks",
+            "Ranks of a tensor-parallel engine this node subscriber follows for (0: not one).",
+            s.rank_versions.len() as u64,
+        )?;
+        m.gauge(
+            "weightcast_ranks_inconsistent",
+            "1 when the engine's ranks hold different versions (an error), else 0.",
+            u64::from(s.ranks_differ()),
+        )?;
+        let healthy = s.last_error.is_none() && s.last_hook_error.is_none();
+        m.gauge(
             "weightcast_healthy",
-            "gauge",
             "1 when healthy, 0 when /healthz answers 503.",
-            if s.last_error.is_none() && s.last_hook_error.is_none() {
-                1.0
-            } else {
-                0.0
-            },
-        ),
-    ];
-    for (name, kind, help, value) in series {
-        m.single(name, kind, help, value);
+            u64::from(healthy),
+        )
     }
-    m.response()
 }

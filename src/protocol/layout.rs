@@ -15,9 +15,32 @@
 //! listing, and `<writer>` (random per publish attempt) keeps two publishers
 //! racing for one version from ever writing the same key.
 
+use serde::{Deserialize, Serialize};
+
 use crate::error::{Error, Result};
 
-use super::manifest::{ObjectRole, VersionKind};
+/// What kind of version a manifest commits (anchors and deltas live under
+/// different prefixes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VersionKind {
+    /// Full weights: replaying starts here.
+    Anchor,
+    /// Changes relative to `base_version`.
+    Delta,
+}
+
+/// What one object of a version is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ObjectRole {
+    /// A full safetensors file (weightcast anchor format), under `anchors/`.
+    Anchor,
+    /// A delta for the safetensors file `name`, under `deltas/`.
+    Delta,
+    /// A non-tensor file (config, tokenizer, index), copied as is, under `files/`.
+    File,
+}
 
 /// Key of the newest-version hint.
 pub const LATEST_KEY: &str = "latest.json";

@@ -5,6 +5,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
+// The layout names keys; the manifest lists them. The dependency is one-way:
+// the kinds of versions and objects are the layout's (re-exported here).
+pub use super::layout::{ObjectRole, VersionKind};
 use super::layout::{is_safe_file_name, parse_object_key, role_allowed};
 
 /// Value of [`Manifest::format`].
@@ -17,28 +20,6 @@ pub const MAX_MANIFEST_BYTES: usize = 16 << 20;
 /// few GB). With at most [`MAX_MANIFEST_BYTES`] of entries, a version's
 /// total stays far below `u64::MAX`, so readers can add sizes up safely.
 pub const MAX_OBJECT_BYTES: u64 = 1 << 40;
-
-/// What kind of version a manifest commits.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum VersionKind {
-    /// Full weights: replaying starts here.
-    Anchor,
-    /// Changes relative to `base_version`.
-    Delta,
-}
-
-/// What one object of a version is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ObjectRole {
-    /// A full safetensors file (weightcast anchor format), under `anchors/`.
-    Anchor,
-    /// A delta for the safetensors file `name`, under `deltas/`.
-    Delta,
-    /// A non-tensor file (config, tokenizer, index), copied as is, under `files/`.
-    File,
-}
 
 /// One object of a version.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -54,7 +54,7 @@ pub use manifest::{
     FileRef, MANIFEST_FORMAT, MAX_MANIFEST_BYTES, MAX_OBJECT_BYTES, Manifest, ObjectEntry,
     ObjectRole, VersionKind,
 };
-pub use registry::{Fleet, FleetMember, Registration, fleet, register, registrations};
+pub use registry::{Fleet, FleetMember, Registration, fleet, register, registrations, valid_id};
 pub use retention::{Collected, Retention, collect_garbage};
 
 /// Which bucket layout a publisher writes and a subscriber reads.

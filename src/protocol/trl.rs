@@ -304,6 +304,24 @@ pub fn in_object(key: &str, e: Error) -> Error {
     }
 }
 
+/// Whether the bucket holds the object a TRL commit token names (`"<key>
+/// <size>"`: what a TRL-layout publisher records as its writer).
+pub async fn token_present(store: &Store, token: &str) -> Result<bool> {
+    let Some((key, size)) = token.rsplit_once(' ') else {
+        return Ok(false);
+    };
+    let size: u64 = size.parse().unwrap_or(u64::MAX);
+    // object_store lists by path segments: list the key's folder, starting
+    // just before the key (the key is the newest step: little comes after).
+    let folder = key.rsplit_once('/').map_or("", |(d, _)| d);
+    let before = key.strip_suffix(".safetensors").unwrap_or(key);
+    Ok(store
+        .list_after(folder, before)
+        .await?
+        .iter()
+        .any(|l| l.key == key && l.size == size))
+}
+
 // ---------------------------------------------------------------------------
 // Writing (`publish --layout trl`).
 

@@ -17,6 +17,15 @@
 //!
 //! From memory ([`Checkpoint::from_sets`]): named [`TensorSet`]s, e.g. over
 //! buffers the caller lends ([`TensorSet::from_external`]), plus file bytes.
+//!
+//! A single-file checkpoint's identity is its tensors, not its file name: a
+//! publisher alone publishes a checkpoint with one safetensors file (and no
+//! `*.safetensors.index.json` naming it) as [`SINGLE_FILE_NAME`] in its
+//! directory ([`Checkpoint::name_single_file`]), so a trainer that saves
+//! `step-1.safetensors`, `step-2.safetensors`, … publishes deltas and every
+//! replica keeps one stable file name. A sharded checkpoint's file names are
+//! its identity: a version whose set of safetensors names differs from the
+//! last one's is an anchor.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -38,6 +47,10 @@ pub const DEFAULT_EXCLUDES: &[&str] = &[
     "**/global_step*/**",
     "**/*.distcp",
 ];
+
+/// The name a single-file checkpoint is published under (Hugging Face's
+/// name for an unsharded checkpoint), whatever its name on disk.
+pub const SINGLE_FILE_NAME: &str = "model.safetensors";
 
 /// Which files of a checkpoint directory are published.
 #[derive(Clone, Debug, Default)]
@@ -106,8 +119,7 @@ impl Checkpoint {
             ),
             None => None,
         };
-        let meta = std::fs::metadata(path)
-            .map_err(|e| Error::BadRequest(format!("checkpoint {}: {e}", path.display())))?;
+        let meta = std::fs::metadata(path).map_err(|e| missing_or_bad("checkpoint", path, e))?;
         let mut entries = Vec::new();
         if meta.is_dir() {
             walk(path, "", &filter, &mut entries, 0)?;
@@ -126,7 +138,7 @@ impl Checkpoint {
         for (name, p) in entries {
             let real = p
                 .canonicalize()
-                .map_err(|e| Error::BadRequest(format!("checkpoint file {}: {e}", p.display())))?;
+                .map_err(|e| missing_or_bad("checkpoint file", &p, e))?;
             if let Some(root) = &root
                 && !real.starts_with(root)
             {
@@ -206,6 +218,33 @@ impl Checkpoint {
         })
     }
 
+    /// Names a single-file checkpoint [`SINGLE_FILE_NAME`] (in the directory
+    /// its file is in): one safetensors file, and no index file that names
+    /// it. A sharded checkpoint (several files, or an index) keeps its names.
+    /// Returns whether it renamed the file.
+    pub fn name_single_file(&mut self) -> bool {
+        if self.tensors.len() != 1
+            || self
+                .files
+                .keys()
+                .any(|f| f.ends_with(".safetensors.index.json"))
+        {
+            return false;
+        }
+        let name = self.tensors.keys().next().expect("one file").clone();
+        let stable = match name.rsplit_once('/') {
+            Some((dir, _)) => format!("{dir}/{SINGLE_FILE_NAME}"),
+            None => SINGLE_FILE_NAME.to_string(),
+        };
+        if name == stable || self.files.contains_key(&stable) {
+            return false;
+        }
+        let set = self.tensors.remove(&name).expect("listed");
+        tracing::debug!(file = %name, published_as = %stable, "a single-file checkpoint");
+        self.tensors.insert(stable, set);
+        true
+    }
+
     /// The tensor files, by name.
     pub fn tensor_files(&self) -> &BTreeMap<String, TensorSet> {
         &self.tensors
@@ -236,6 +275,17 @@ impl Checkpoint {
             || "in-memory checkpoint".into(),
             |p| p.display().to_string(),
         )
+    }
+}
+
+/// The error for a checkpoint path that cannot be read: not found (the same
+/// exit code and HTTP status as anything named that does not exist), else a
+/// bad request naming it.
+fn missing_or_bad(what: &str, path: &Path, e: std::io::Error) -> Error {
+    if e.kind() == std::io::ErrorKind::NotFound {
+        Error::NotFound(format!("{what} {}: {e}", path.display()))
+    } else {
+        Error::BadRequest(format!("{what} {}: {e}", path.display()))
     }
 }
 
@@ -490,6 +540,30 @@ mod tests {
             ..Default::default()
         };
         assert!(Checkpoint::open(d.path(), &bad).is_err());
+    }
+
+    #[test]
+    fn a_single_file_is_named_by_its_tensors_and_shards_keep_their_names() {
+        let d = tempfile::tempdir().unwrap();
+        write_tensors(&d.path().join("step-7.safetensors"));
+        let mut cp =
+            Checkpoint::open(&d.path().join("step-7.safetensors"), &Default::default()).unwrap();
+        assert!(cp.name_single_file());
+        assert_eq!(names(&cp), [SINGLE_FILE_NAME]);
+        // In a directory, with a config beside it.
+        std::fs::write(d.path().join("config.json"), b"{}").unwrap();
+        let mut cp = Checkpoint::open(d.path(), &Default::default()).unwrap();
+        assert!(cp.name_single_file());
+        assert_eq!(names(&cp), [SINGLE_FILE_NAME, "config.json"]);
+        // An index names its shards: kept, and so are several files.
+        std::fs::write(d.path().join("model.safetensors.index.json"), b"{}").unwrap();
+        let mut cp = Checkpoint::open(d.path(), &Default::default()).unwrap();
+        assert!(!cp.name_single_file());
+        std::fs::remove_file(d.path().join("model.safetensors.index.json")).unwrap();
+        write_tensors(&d.path().join("step-8.safetensors"));
+        let mut cp = Checkpoint::open(d.path(), &Default::default()).unwrap();
+        assert!(!cp.name_single_file());
+        assert_eq!(cp.tensors.len(), 2);
     }
 
     #[test]

@@ -22,6 +22,7 @@
 
 pub mod checkpoint;
 pub mod dist;
+mod gate;
 pub mod state;
 mod trl;
 
@@ -40,8 +41,12 @@ use crate::protocol::{
 };
 use crate::store::{ConditionalWrites, Source, Store};
 
-pub use checkpoint::{Checkpoint, CheckpointOptions, DEFAULT_EXCLUDES, FileSource};
+pub use checkpoint::{
+    Checkpoint, CheckpointOptions, DEFAULT_EXCLUDES, FileSource, SINGLE_FILE_NAME,
+};
 pub use dist::{DEFAULT_RANK_TIMEOUT, Distributed};
+pub use gate::CommitGate;
+pub use state::StateMode;
 use state::{Committed, FileDigests, Snapshot, State};
 
 /// When to write an anchor instead of a delta.
@@ -124,6 +129,11 @@ pub struct PublisherConfig {
     /// publishing its own shard files, and the W ranks commit one version per
     /// step together ([`dist`]). `None`: it publishes alone.
     pub distributed: Option<Distributed>,
+    /// How the snapshot in `state_dir` follows the versions: patched in
+    /// place, or kept as the last anchor wrote it with the deltas since
+    /// beside it (an overlay); by default in place on tmpfs and ramfs, an
+    /// overlay elsewhere ([`StateMode`]).
+    pub state_mode: StateMode,
 }
 
 impl PublisherConfig {
@@ -145,6 +155,7 @@ impl PublisherConfig {
             layout: crate::protocol::Layout::default(),
             trl: crate::format::TrlOptions::default(),
             distributed: None,
+            state_mode: StateMode::Auto,
         }
     }
 }
@@ -194,6 +205,35 @@ pub struct Published {
     /// What automatic retention removed after this version, when it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub collected: Option<crate::protocol::Collected>,
+    /// Egress: bytes this publish sent to the store (the version's objects,
+    /// its manifest and the `latest.json` hint).
+    pub egress_bytes: u64,
+    /// Fan-out per subscriber: bytes a subscriber that holds the previous
+    /// version downloads for this one (its manifest, deltas or an anchor's
+    /// bridges, changed files; a whole anchor when it has no bridges). The
+    /// fleet downloads this times its subscribers (or per region, behind
+    /// relays).
+    pub fanout_bytes: u64,
+    /// Fan-out: the subscribers this version's notification went to
+    /// (registered ones and `--notify` URLs); absent while it is still being
+    /// sent in the background, as `notified`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fanout_subscribers: Option<usize>,
+    /// Bytes this publish caused to be written to local storage: the state
+    /// directory's journal, overlay and snapshot, pages of files it dirtied
+    /// (`write_bytes` of `/proc/self/io`; 0 on tmpfs, absent where the kernel
+    /// does not say). A `file://` bucket on a disk counts here too.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub local_write_bytes: Option<u64>,
+}
+
+/// Bytes of the `latest.json` hint written at a commit.
+fn latest_bytes(version: u64, anchor_version: u64) -> u64 {
+    serde_json::to_vec(&Latest {
+        version,
+        anchor_version,
+    })
+    .map_or(0, |b| b.len() as u64)
 }
 
 impl Published {
@@ -215,6 +255,10 @@ impl Published {
             bridge_bytes: 0,
             notified: Some(0),
             collected: None,
+            egress_bytes: 0,
+            fanout_bytes: 0,
+            fanout_subscribers: Some(0),
+            local_write_bytes: None,
         }
     }
 }
@@ -240,8 +284,12 @@ pub struct Publisher {
     /// The last state read (numbering, even when the snapshot is not trusted).
     state: Option<State>,
     /// Notifications being sent in the background (each: how many
-    /// subscribers acknowledged).
-    notifications: tokio::task::JoinSet<usize>,
+    /// subscribers acknowledged, and how many it went to).
+    notifications: tokio::task::JoinSet<(usize, usize)>,
+    /// Subscribers the last notification that finished went to.
+    last_fanout: usize,
+    /// Stops publishes before their commit (graceful shutdown).
+    gate: std::sync::Arc<CommitGate>,
 }
 
 impl Publisher {
@@ -250,6 +298,13 @@ impl Publisher {
     /// snapshot, resolving a commit that was in flight when the previous
     /// process stopped.
     pub async fn open(store: Store, cfg: PublisherConfig) -> Result<Publisher> {
+        if !matches!(cfg.encoding, Encoding::Compact | Encoding::Trl) {
+            return Err(Error::Config(format!(
+                "delta encoding `{}`: expected compact or trl (`full` and `planes` are anchor \
+                 encodings: --anchor-encoding)",
+                cfg.encoding
+            )));
+        }
         if store.probe_conditional_writes().await? == ConditionalWrites::Ignored
             && !cfg.single_writer
         {
@@ -272,19 +327,25 @@ impl Publisher {
             .map_err(|e| Error::io(format!("creating {}", cfg.state_dir.display()), e))?;
         let s = store.clone();
         let layout = cfg.layout;
-        let (snapshot, state) = Snapshot::load(&cfg.state_dir, |version, writer| async move {
-            let ours = match layout {
-                crate::protocol::Layout::Weightcast => read_manifest(&s, version)
-                    .await?
-                    .is_some_and(|m| m.writer == writer),
-                crate::protocol::Layout::Trl => trl::token_present(&s, &writer).await?,
-            };
-            Ok(if ours {
-                Committed::Ours
-            } else {
-                Committed::NotOurs
-            })
-        })
+        let (snapshot, state) = Snapshot::load(
+            &cfg.state_dir,
+            cfg.state_mode,
+            |version, writer| async move {
+                let ours = match layout {
+                    crate::protocol::Layout::Weightcast => read_manifest(&s, version)
+                        .await?
+                        .is_some_and(|m| m.writer == writer),
+                    crate::protocol::Layout::Trl => {
+                        crate::protocol::trl::token_present(&s, &writer).await?
+                    }
+                };
+                Ok(if ours {
+                    Committed::Ours
+                } else {
+                    Committed::NotOurs
+                })
+            },
+        )
         .await;
         Ok(Publisher {
             store,
@@ -292,7 +353,15 @@ impl Publisher {
             snapshot,
             state,
             notifications: tokio::task::JoinSet::new(),
+            last_fanout: 0,
+            gate: Default::default(),
         })
+    }
+
+    /// Its trusted snapshot, if any: how its files were checked
+    /// ([`state::Check`]) and how it follows the versions ([`StateMode`]).
+    pub fn snapshot(&self) -> Option<(state::Check, StateMode)> {
+        self.snapshot.as_ref().map(|s| (s.check(), s.mode()))
     }
 
     /// The last committed version this publisher knows of, if any.
@@ -317,12 +386,39 @@ impl Publisher {
         self.publish(cp, opts).await
     }
 
+    /// The gate that stops this publisher's publishes before their commit.
+    pub fn commit_gate(&self) -> std::sync::Arc<CommitGate> {
+        self.gate.clone()
+    }
+
+    /// Notifications still being sent in the background.
+    pub fn notifications_in_flight(&self) -> usize {
+        self.notifications.len()
+    }
+
     /// Publishes `cp` as the next version.
     pub async fn publish(&mut self, cp: Checkpoint, opts: &PublishOptions) -> Result<Published> {
+        let written = crate::fsio::written_bytes();
+        let mut p = self.publish_counted(cp, opts).await?;
+        p.local_write_bytes = written
+            .zip(crate::fsio::written_bytes())
+            .map(|(a, b)| b.saturating_sub(a));
+        Ok(p)
+    }
+
+    async fn publish_counted(
+        &mut self,
+        cp: Checkpoint,
+        opts: &PublishOptions,
+    ) -> Result<Published> {
+        self.gate.begin_publish()?;
         if self.cfg.layout == crate::protocol::Layout::Trl {
             return self.publish_trl(cp, opts).await;
         }
         let mut cp = cp;
+        if self.cfg.distributed.is_none() {
+            cp.name_single_file();
+        }
         if self.cfg.distributed.is_some() && opts.step.is_none() {
             return Err(Error::BadRequest(
                 "a distributed publish (--world 2 or more) needs the trainer's step (--step, or \
@@ -351,6 +447,8 @@ impl Publisher {
                 // Another writer took the version: resync and try once more,
                 // as an anchor after the bucket's newest version.
                 tracing::warn!(version = next, "lost the commit race; resyncing");
+                // Nothing was committed: the retry may be stopped again.
+                self.gate.begin_publish()?;
                 self.snapshot = None;
                 let pos = self.position().await?;
                 let next = pos.next()?;
@@ -659,6 +757,9 @@ impl Publisher {
                 .iter()
                 .map(|(n, s)| (n.clone(), FileDigests::of(s)))
                 .collect(),
+            overlay: Vec::new(),
+            snapshot_files: BTreeMap::new(),
+            stamps: BTreeMap::new(),
             pending: None,
         };
         let snap = self.snapshot.as_mut().expect("checked above");
@@ -699,10 +800,11 @@ impl Publisher {
         }
         self.state = Some(after);
         let notified = self.notify(next, base.anchor_version);
+        let written = bytes + manifest_bytes;
         Ok(Published {
             version: next,
             kind: VersionKind::Delta,
-            bytes: bytes + manifest_bytes,
+            bytes: written,
             changed,
             total: cp.total_elements(),
             step: opts.step,
@@ -711,6 +813,12 @@ impl Publisher {
             bridge_bytes: 0,
             notified,
             collected: None,
+            egress_bytes: written + latest_bytes(next, base.anchor_version),
+            // A subscriber one version behind reads the manifest and every
+            // object of the version.
+            fanout_bytes: written,
+            fanout_subscribers: notified,
+            local_write_bytes: None,
         })
     }
 
@@ -848,7 +956,7 @@ impl Publisher {
                 blake3,
             });
         }
-        state::sync_dir(&next_dir)?;
+        crate::fsio::sync_dir(&next_dir)?;
         let bridged = !bridges.is_empty();
         let mut bridge_bytes = 0u64;
         for (name, d) in bridges {
@@ -868,7 +976,8 @@ impl Publisher {
             next,
             opts.step,
         );
-        let bytes = anchor_bytes + bridge_bytes + file_bytes + manifest_size(&manifest);
+        let manifest_bytes = manifest_size(&manifest);
+        let bytes = anchor_bytes + bridge_bytes + file_bytes + manifest_bytes;
         let after = State {
             version: next,
             writer: writer.clone(),
@@ -879,6 +988,9 @@ impl Publisher {
             world: self.cfg.distributed.as_ref().map(|d| d.world),
             files,
             tensor_files,
+            overlay: Vec::new(),
+            snapshot_files: BTreeMap::new(),
+            stamps: BTreeMap::new(),
             pending: None,
         };
         // Record the commit in flight (in the old state, which stays valid if
@@ -902,10 +1014,21 @@ impl Publisher {
         crate::failpoint::hit("publisher.after_latest");
         // The old snapshot's mappings go before its files are replaced.
         self.snapshot = None;
-        self.snapshot = Some(state::install_anchor(&dir, after.clone())?);
+        self.snapshot = Some(state::install_anchor(
+            &dir,
+            self.cfg.state_mode,
+            after.clone(),
+        )?);
         self.state = Some(after);
         let notified = self.notify(next, next);
         let collected = self.collect().await;
+        // A subscriber one version behind replays the bridges (and the
+        // changed files); without bridges it loads the anchor.
+        let fanout_bytes = if bridged {
+            bridge_bytes + file_bytes + manifest_bytes
+        } else {
+            bytes
+        };
         Ok(Published {
             version: next,
             kind: VersionKind::Anchor,
@@ -918,6 +1041,10 @@ impl Publisher {
             bridge_bytes,
             notified,
             collected,
+            egress_bytes: bytes + latest_bytes(next, next),
+            fanout_bytes,
+            fanout_subscribers: notified,
+            local_write_bytes: None,
         })
     }
 
@@ -972,6 +1099,7 @@ impl Publisher {
     /// Commits a manifest and updates the hint. A distributed rank commits
     /// its share of the version with the other ranks' (see [`dist::commit`]).
     async fn commit(&self, manifest: &Manifest, cp: &Checkpoint) -> Result<()> {
+        self.gate.begin_commit()?;
         if let Some(d) = &self.cfg.distributed {
             let tensors = cp
                 .tensors
@@ -1061,7 +1189,7 @@ impl Publisher {
                 subscribers = urls.len(),
                 "notifications sent"
             );
-            ok
+            (ok, urls.len())
         });
         None
     }
@@ -1071,7 +1199,9 @@ impl Publisher {
     pub async fn notifications_settled(&mut self) -> usize {
         let mut ok = 0;
         while let Some(r) = self.notifications.join_next().await {
-            ok += r.unwrap_or(0);
+            let (acks, targets) = r.unwrap_or((0, 0));
+            ok += acks;
+            self.last_fanout = targets;
         }
         ok
     }
@@ -1086,6 +1216,7 @@ impl Publisher {
         let mut p = self.publish(cp, opts).await?;
         if p.notified.is_none() {
             p.notified = Some(self.notifications_settled().await);
+            p.fanout_subscribers = Some(self.last_fanout);
         }
         Ok(p)
     }
@@ -1192,6 +1323,8 @@ fn write_plain_file(path: &Path, set: &crate::tensors::TensorSet) -> Result<u64>
     let mut w = std::io::BufWriter::with_capacity(8 << 20, file);
     set.write_to(set.metadata(), &mut w)?;
     w.flush().map_err(|e| io("writing", e))?;
+    // Durable before the state records its stamp (a start trusts it by that).
+    w.get_ref().sync_all().map_err(|e| io("syncing", e))?;
     let len = w.get_ref().metadata().map_err(|e| io("writing", e))?.len();
     Ok(len - set.total_bytes())
 }

@@ -1,32 +1,62 @@
-//! The publisher's persisted state: a snapshot of the last committed version,
-//! kept up to date **in place**, and `state.json`.
+//! The publisher's persisted state: a snapshot of the last committed
+//! version, `state.json`, and — on a disk — the overlay of the delta versions
+//! since the snapshot's own.
 //!
 //! ```text
-//! <state>/state.json                 version, anchor bookkeeping, per-tensor digests, pending commit
-//! <state>/snapshot/<file>            plain safetensors files of the last committed version
-//! <state>/journal/<version>/<file>   the delta objects of a version being committed
-//! <state>/next/<file>                an anchor's files while it is being committed
+//! <state>/state.json                  version, anchor bookkeeping, per-tensor digests, stamps, overlay, pending commit
+//! <state>/snapshot/<file>             plain safetensors files (the last anchor's, or the last version's)
+//! <state>/overlay/<version>/<file>.delta  the delta objects of the versions since the snapshot's (overlay mode)
+//! <state>/journal/<version>/<file>.delta  the delta objects of a version being committed
+//! <state>/next/<file>                 an anchor's files while it is being committed
 //! ```
 //!
-//! A delta version costs its changes here, not the model: after the commit,
-//! the version's own delta objects (the journal, written and fsynced before
-//! the commit) are applied to the memory-mapped snapshot files in place. An
-//! anchor writes the new snapshot files once, under `next/`, uploads the
-//! anchor objects from them, and swaps the directories after the commit.
+//! A delta version costs its changes here, not the model. Its delta objects
+//! are written to the journal (fsynced) before the commit; after it they are
+//! applied to the memory-mapped snapshot, all or nothing, verified against
+//! the digests they record. Where that apply lands is the [`StateMode`]:
+//!
+//! - **in place** (the default on tmpfs and ramfs): the snapshot's files are
+//!   mapped shared and patched, so they always hold the last version. On a
+//!   disk this writes back every page a version changes — at an RL step's
+//!   1–2% density, every page of the trained tensors, the whole model per
+//!   version.
+//! - **overlay** (the default elsewhere): the snapshot's files stay as the
+//!   last anchor wrote them; each delta version's objects move from the
+//!   journal to `overlay/<version>/` and are applied to a private
+//!   copy-on-write map of the files. The disk takes the delta (once, in the
+//!   journal) and `state.json`; memory holds the pages the versions since the
+//!   anchor changed. The next anchor replaces the snapshot and empties the
+//!   overlay (its compaction).
+//!
+//! An anchor writes the new snapshot files once, under `next/` (fsynced),
+//! uploads the anchor objects from them, and swaps the directories after the
+//! commit.
+//!
+//! **Trust by stamp.** `state.json` records each snapshot file's stamp
+//! (size, inode, modification and change times, and the BLAKE3 of its
+//! header bytes), taken once the file was durable. A start that finds every
+//! stamp as recorded trusts the files without reading them (the way git
+//! trusts its index); any difference, a state of an older release without
+//! stamps, or a commit left in flight, means one full digest pass over the
+//! files. The overlay's objects are checked against their recorded size and
+//! BLAKE3 and applied with the codec's own checks (base and result digests)
+//! at every start. What a version touches is verified as it is applied: O(changed)
+//! digests. `weightcast verify --state` verifies everything, whatever the
+//! stamps say.
 //!
 //! Crash safety. `state.json` is replaced atomically (write, fsync, rename,
 //! fsync) and names a *pending* commit before the manifest is created. On
-//! [`Snapshot::load`] every snapshot file is verified with a full digest pass
-//! (the only whole-model read, once per process start) and the pending commit
-//! is resolved against the bucket: if the manifest of the pending version
-//! exists with this publisher's writer token, the commit happened — the
-//! snapshot is brought to it (the journal's deltas applied if they were not,
-//! or `next/` swapped in) and verified against the digests recorded for it;
-//! if the manifest is absent or another writer's, the pending commit is
-//! dropped. Anything that does not verify leaves no trusted snapshot: the
-//! next version is an anchor. A process kill never loses the page cache, so
-//! the journal's in-place apply is interrupted at worst mid-way; that state
-//! verifies as neither side and costs one anchor, never a wrong delta.
+//! [`Snapshot::load`] the pending commit is resolved against the bucket: if
+//! the manifest of the pending version exists with this publisher's writer
+//! token, the commit happened — the snapshot is brought to it (the journal's
+//! deltas applied if they were not, or `next/` swapped in) and verified
+//! against the digests recorded for it; if the manifest is absent or another
+//! writer's, the pending commit is dropped. Anything that does not verify —
+//! a file whose content changed, an overlay object torn or missing — leaves
+//! no trusted snapshot: the next version is an anchor. A process kill never
+//! loses the page cache, so an in-place apply is interrupted at worst
+//! mid-way; that state verifies as neither side and costs one anchor, never a
+//! wrong delta.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -36,8 +66,49 @@ use serde::{Deserialize, Serialize};
 use crate::codec::apply_delta;
 use crate::digest::Digest;
 use crate::error::{Error, Result};
+use crate::fsio::{Stamp, io_err, sync_dir, write_atomic, write_atomic_after};
 use crate::protocol::VersionKind;
 use crate::tensors::{Digests, TensorSet};
+
+/// How the snapshot follows the versions (`--state-mode`; see the module
+/// documentation).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StateMode {
+    /// In place where the state directory is in memory (tmpfs, ramfs), an
+    /// overlay elsewhere.
+    #[default]
+    Auto,
+    /// Each delta patched into the snapshot's files.
+    InPlace,
+    /// The snapshot's files kept as the last anchor wrote them; the deltas
+    /// since beside them, applied to a private copy-on-write map.
+    Overlay,
+}
+
+impl std::str::FromStr for StateMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(StateMode::Auto),
+            "in-place" => Ok(StateMode::InPlace),
+            "overlay" => Ok(StateMode::Overlay),
+            other => Err(Error::Config(format!(
+                "state mode `{other}`: expected auto, in-place or overlay"
+            ))),
+        }
+    }
+}
+
+impl StateMode {
+    /// `InPlace` or `Overlay` for the state directory `dir`.
+    pub fn resolve(self, dir: &Path) -> StateMode {
+        match self {
+            StateMode::Auto if crate::fsio::in_memory(dir) => StateMode::InPlace,
+            StateMode::Auto => StateMode::Overlay,
+            other => other,
+        }
+    }
+}
 
 /// Digests of one snapshot tensor file: per tensor, in name order.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -72,8 +143,29 @@ pub struct Pending {
     pub writer: String,
     /// Anchor (files under `next/`) or delta (objects under `journal/`).
     pub kind: VersionKind,
-    /// What the state becomes once the commit is recorded.
+    /// What the state becomes once the commit is recorded (its snapshot
+    /// fields — overlay, stamps — are the snapshot's to fill in).
     pub after: Box<State>,
+}
+
+/// A delta version of the overlay: its objects, `overlay/<version>/<file>.delta`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OverlayVersion {
+    /// The version.
+    pub version: u64,
+    /// Tensor file → (size, BLAKE3) of its delta object.
+    pub objects: BTreeMap<String, (u64, String)>,
+}
+
+/// What a snapshot file looked like once it was durable.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileStamp {
+    /// Its size.
+    pub size: u64,
+    /// Inode, modification and change times.
+    pub stamp: Stamp,
+    /// BLAKE3 of its length and header bytes.
+    pub header_blake3: String,
 }
 
 /// `state.json`.
@@ -101,11 +193,45 @@ pub struct State {
     pub world: Option<u32>,
     /// Non-tensor files of the last version: name → (size, BLAKE3).
     pub files: BTreeMap<String, (u64, String)>,
-    /// Tensor files of the snapshot and their digests.
+    /// Tensor files of the last version and their digests.
     pub tensor_files: BTreeMap<String, FileDigests>,
+    /// The delta versions after the snapshot files' own version, in order
+    /// (overlay mode): their objects bring the files to `version`. Empty:
+    /// the files hold `version`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub overlay: Vec<OverlayVersion>,
+    /// Digests of the snapshot files as they are on disk, when the overlay
+    /// is not empty (otherwise `tensor_files`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub snapshot_files: BTreeMap<String, FileDigests>,
+    /// Stamps of the snapshot files, recorded once they were durable (none:
+    /// verified in full at the next start).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub stamps: BTreeMap<String, FileStamp>,
     /// A commit in flight.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending: Option<Pending>,
+}
+
+impl State {
+    /// Digests of the snapshot files as they are on disk.
+    fn disk_digests(&self) -> &BTreeMap<String, FileDigests> {
+        if self.overlay.is_empty() {
+            &self.tensor_files
+        } else {
+            &self.snapshot_files
+        }
+    }
+
+    /// `self` with no snapshot of its own: the next version is an anchor.
+    fn without_snapshot(mut self) -> State {
+        self.pending = None;
+        self.tensor_files.clear();
+        self.overlay.clear();
+        self.snapshot_files.clear();
+        self.stamps.clear();
+        self
+    }
 }
 
 /// Whether the bucket has a pending commit's manifest, by whom.
@@ -117,39 +243,51 @@ pub enum Committed {
     NotOurs,
 }
 
+/// What `weightcast verify --state` found.
+#[derive(Clone, Debug, Serialize)]
+pub struct Verified {
+    /// The version the state records.
+    pub version: u64,
+    /// Snapshot files read in full.
+    pub files: usize,
+    /// Bytes of tensor data read.
+    pub bytes: u64,
+    /// Overlay versions applied on top of them.
+    pub overlay_versions: usize,
+    /// Whether everything verified.
+    pub ok: bool,
+    /// Why not (the snapshot is then no longer trusted: the next version is
+    /// an anchor).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// How a start checked the snapshot's files.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Check {
+    /// Trusted by their stamps: nothing read.
+    Stamps,
+    /// One full digest pass (a stamp differed, none was recorded, or a
+    /// commit was in flight).
+    Full,
+    /// Written by this process (an anchor's files, digests computed from
+    /// the bytes written).
+    Written,
+}
+
 /// The snapshot of the last committed version.
 pub struct Snapshot {
     dir: PathBuf,
+    /// `InPlace` or `Overlay`.
+    mode: StateMode,
+    /// How its files were checked when it was opened.
+    check: Check,
     /// The recorded state (no pending commit once loaded).
     pub state: State,
-    /// The snapshot's tensor files, mapped for writing, digests set.
+    /// The snapshot's tensor files at `state.version`, mapped (shared in
+    /// place, private over an overlay), digests set.
     pub sets: BTreeMap<String, TensorSet>,
-}
-
-fn io_err(what: &str, p: &Path, e: std::io::Error) -> Error {
-    Error::io(format!("{what} {}", p.display()), e)
-}
-
-/// Writes `bytes` to `path` durably and atomically (temporary file, fsync,
-/// rename, fsync of the directory).
-pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    use std::io::Write;
-    let tmp = path.with_extension("tmp");
-    let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::File::create(&tmp)
-        .and_then(|mut f| {
-            f.write_all(bytes)?;
-            f.sync_all()
-        })
-        .map_err(|e| io_err("writing", &tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| io_err("renaming", &tmp, e))?;
-    sync_dir(dir)
-}
-
-pub(crate) fn sync_dir(p: &Path) -> Result<()> {
-    std::fs::File::open(p)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| io_err("syncing directory", p, e))
 }
 
 impl Snapshot {
@@ -171,6 +309,20 @@ impl Snapshot {
         dir.join("journal").join(format!("{version:020}"))
     }
 
+    fn overlay_dir(dir: &Path, version: u64) -> PathBuf {
+        dir.join("overlay").join(format!("{version:020}"))
+    }
+
+    /// How this snapshot follows the versions (`InPlace` or `Overlay`).
+    pub fn mode(&self) -> StateMode {
+        self.mode
+    }
+
+    /// How its files were checked when it was opened.
+    pub fn check(&self) -> Check {
+        self.check
+    }
+
     /// Reads `state.json` without verifying anything (`None` if absent or
     /// unreadable).
     pub fn read_state(dir: &Path) -> Option<State> {
@@ -184,15 +336,21 @@ impl Snapshot {
         }
     }
 
-    /// Loads and verifies the snapshot, resolving a pending commit with
-    /// `committed` (asked of the bucket for the pending version and writer).
-    /// `Ok(None)`: no trusted snapshot (a fresh start, or anything in doubt);
-    /// the state read, if any, is returned for its numbering.
-    pub async fn load<F, Fut>(dir: &Path, committed: F) -> (Option<Snapshot>, Option<State>)
+    /// Loads the snapshot (trusted by its stamps, else verified in full; the
+    /// overlay applied), resolving a pending commit with `committed` (asked
+    /// of the bucket for the pending version and writer). `Ok(None)`: no
+    /// trusted snapshot (a fresh start, or anything in doubt); the state
+    /// read, if any, is returned for its numbering.
+    pub async fn load<F, Fut>(
+        dir: &Path,
+        mode: StateMode,
+        committed: F,
+    ) -> (Option<Snapshot>, Option<State>)
     where
         F: FnOnce(u64, String) -> Fut,
         Fut: std::future::Future<Output = Result<Committed>>,
     {
+        let mode = mode.resolve(dir);
         let Some(mut state) = Self::read_state(dir) else {
             return (None, None);
         };
@@ -205,6 +363,7 @@ impl Snapshot {
                         version = p.version,
                         "a pending commit did not happen; dropped"
                     );
+                    let _ = std::fs::remove_dir_all(Self::overlay_dir(dir, p.version));
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot resolve the pending commit; the next version will be an anchor");
@@ -213,7 +372,7 @@ impl Snapshot {
             }
         }
         let base = state.clone();
-        match Self::verify(dir, state, target) {
+        match Self::open(dir, mode, state, target, false) {
             Ok(s) => {
                 let recorded = s.state.clone();
                 (Some(s), Some(recorded))
@@ -225,78 +384,371 @@ impl Snapshot {
         }
     }
 
-    fn verify(dir: &Path, state: State, target: Option<(State, VersionKind)>) -> Result<Snapshot> {
+    /// The snapshot of `state` (a committed `target` brought in): its files
+    /// trusted by stamp or (`full`, a commit in flight, any stamp differing)
+    /// verified with one digest pass, the overlay applied, recorded.
+    fn open(
+        dir: &Path,
+        mode: StateMode,
+        state: State,
+        target: Option<(State, VersionKind)>,
+        full: bool,
+    ) -> Result<Snapshot> {
         let mut state = state;
+        let mut target = target;
         if let Some((after, VersionKind::Anchor)) = &target {
             // The commit happened: `next/` becomes the snapshot (unless the
             // swap already did).
-            let next = Self::next_dir(dir);
-            if next.exists() {
+            if Self::next_dir(dir).exists() {
                 Self::swap_in_next(dir)?;
             }
             state = after.clone();
+            state.overlay.clear();
+            state.snapshot_files.clear();
+            target = None;
+            let _ = std::fs::remove_dir_all(dir.join("overlay"));
         }
-        let mut sets = Self::map_verified(dir, &state.tensor_files).or_else(|e| match &target {
-            // Already swapped or applied: the snapshot is at the target.
-            Some((after, _)) => {
-                state = after.clone();
-                Self::map_verified(dir, &after.tensor_files)
-            }
-            None => Err(e),
-        })?;
-        if let Some((after, VersionKind::Delta)) = target
-            && state.version != after.version
-        {
-            // The snapshot is at the base: apply the journal.
-            let journal = Self::journal_dir(dir, after.version);
+        if state.disk_digests().is_empty() {
+            return Err(Error::NotFound("the state lists no snapshot file".into()));
+        }
+        let trusted = !full && target.is_none() && Self::stamps_hold(dir, &state);
+        let mut sets = BTreeMap::new();
+        for name in state.disk_digests().keys() {
+            let path = Self::files_dir(dir).join(name);
+            let digests = if trusted {
+                Digests::Skip
+            } else {
+                Digests::Compute
+            };
+            let set = match mode {
+                StateMode::InPlace => TensorSet::map(&path, true, digests)?,
+                _ => TensorSet::map_private(&path, digests)?,
+            };
+            sets.insert(name.clone(), set);
+        }
+        if trusted {
             for (name, set) in sets.iter_mut() {
-                let p = journal.join(format!("{name}.delta"));
-                let delta = std::fs::read(&p).map_err(|e| io_err("reading", &p, e))?;
-                apply_delta(set, &delta)?;
-                if FileDigests::of(set) != after.tensor_files[name] {
-                    return Err(Error::Integrity {
-                        scope: format!("publisher snapshot {name} after replaying the journal"),
-                        expected: "the digests recorded for the commit".into(),
-                        actual: "others".into(),
-                    });
-                }
-                set.flush()?;
+                let digests = state.disk_digests()[name].parsed().ok_or_else(|| {
+                    Error::metadata(
+                        "state.json",
+                        format!("`{name}`: digests are not 16 hex digits"),
+                    )
+                })?;
+                set.assume_digests(&digests)?;
             }
-            state = after;
+        } else {
+            let found: BTreeMap<String, FileDigests> = sets
+                .iter()
+                .map(|(n, s)| (n.clone(), FileDigests::of(s)))
+                .collect();
+            if found != *state.disk_digests() {
+                match &target {
+                    // A delta committed and applied in place before the crash.
+                    Some((after, VersionKind::Delta)) if found == after.tensor_files => {
+                        state = after.clone();
+                        state.overlay.clear();
+                        state.snapshot_files.clear();
+                        target = None;
+                    }
+                    _ => {
+                        return Err(Error::Integrity {
+                            scope: "publisher snapshot".into(),
+                            expected: "the digests in state.json".into(),
+                            actual: "others".into(),
+                        });
+                    }
+                }
+            }
         }
-        let snap = Snapshot {
+        let mut snap = Snapshot {
             dir: dir.to_path_buf(),
+            mode,
+            check: if trusted { Check::Stamps } else { Check::Full },
             state,
             sets,
         };
-        snap.record()?;
+        // Over an overlay, every version patches private pages (at RL
+        // densities, all of them): fault them in writable now, before a
+        // diff maps them for reading (see `TensorSet::populate_private`).
+        if snap.mode != StateMode::InPlace {
+            for set in snap.sets.values_mut() {
+                set.populate_private();
+            }
+        }
+        // The overlay: the delta versions since the files' own.
+        for ov in snap.state.overlay.clone() {
+            snap.apply_overlay_version(&ov)?;
+        }
+        snap.check_digests(&snap.state.tensor_files, "state.json")?;
+        if let Some((after, _)) = target
+            && snap.state.version != after.version
+        {
+            // A committed delta not applied yet: its objects are in the
+            // journal (or already moved to the overlay).
+            let mut deltas = Vec::new();
+            for name in snap.sets.keys() {
+                let file = format!("{name}.delta");
+                let journal = Self::journal_dir(dir, after.version).join(&file);
+                let p = if journal.exists() {
+                    journal
+                } else {
+                    Self::overlay_dir(dir, after.version).join(&file)
+                };
+                let delta = std::fs::read(&p).map_err(|e| io_err("reading", &p, e))?;
+                deltas.push((name.clone(), delta));
+            }
+            snap.advance(&deltas, after)?;
+        } else {
+            if snap.mode == StateMode::InPlace && !snap.state.overlay.is_empty() {
+                // In place now: the overlay was applied to the files; they
+                // hold the version.
+                snap.settle_in_place()?;
+            } else if !trusted {
+                snap.state.stamps = Self::take_stamps(dir, snap.sets.keys())?;
+            }
+            snap.record()?;
+        }
         let _ = std::fs::remove_dir_all(dir.join("journal"));
+        if snap.state.overlay.is_empty() {
+            let _ = std::fs::remove_dir_all(dir.join("overlay"));
+        }
         Ok(snap)
     }
 
-    /// Maps every snapshot file for writing and checks it against `files`
-    /// with a full digest pass.
-    fn map_verified(
+    /// `weightcast verify --state`: verifies the snapshot in full, whatever
+    /// its stamps say — one digest pass over every file, each overlay object
+    /// against its size and BLAKE3, the overlay applied (in private memory:
+    /// nothing is written) and the result against the last version's
+    /// digests. A snapshot that does not verify stops being trusted, in
+    /// `state.json` too: the next version is an anchor. A commit left in
+    /// flight is refused (a publish resolves it against the bucket).
+    pub fn verify(dir: &Path) -> Result<Verified> {
+        let Some(state) = Self::read_state(dir) else {
+            return Err(Error::Config(format!(
+                "{} holds no readable state.json: pass the --state of a publisher",
+                dir.display()
+            )));
+        };
+        if let Some(p) = &state.pending {
+            return Err(Error::Conflict(format!(
+                "{} has a commit of version {} in flight; run the publisher (`weightcast \
+                 publish`, or the daemon) once to resolve it against the bucket, then verify",
+                dir.display(),
+                p.version
+            )));
+        }
+        let mut report = Verified {
+            version: state.version,
+            files: state.disk_digests().len(),
+            bytes: 0,
+            overlay_versions: state.overlay.len(),
+            ok: true,
+            error: None,
+        };
+        let checked = (|| -> Result<u64> {
+            let mut snap = Snapshot {
+                dir: dir.to_path_buf(),
+                mode: StateMode::Overlay,
+                check: Check::Full,
+                state: state.clone(),
+                sets: BTreeMap::new(),
+            };
+            if state.disk_digests().is_empty() {
+                return Err(Error::NotFound(
+                    "the state lists no snapshot file (the next version is an anchor)".into(),
+                ));
+            }
+            let mut bytes = 0;
+            for (name, want) in state.disk_digests() {
+                let path = Self::files_dir(dir).join(name);
+                let set = TensorSet::map_private(&path, Digests::Compute)?;
+                bytes += set.total_bytes();
+                if FileDigests::of(&set) != *want {
+                    return Err(Error::Integrity {
+                        scope: format!("publisher snapshot {}", path.display()),
+                        expected: "the digests in state.json".into(),
+                        actual: "others".into(),
+                    });
+                }
+                snap.sets.insert(name.clone(), set);
+            }
+            for ov in &state.overlay {
+                snap.apply_overlay_version(ov)?;
+            }
+            snap.check_digests(&state.tensor_files, "state.json")?;
+            Ok(bytes)
+        })();
+        match checked {
+            Ok(bytes) => report.bytes = bytes,
+            Err(e) => {
+                tracing::warn!(error = %e, "publisher snapshot does not verify; the next version will be an anchor");
+                Self::distrust(dir, &state)?;
+                report.ok = false;
+                report.error = Some(e.to_string());
+            }
+        }
+        Ok(report)
+    }
+
+    /// Whether every snapshot file the state lists still has its recorded
+    /// stamp, taken before `state.json` was written.
+    fn stamps_hold(dir: &Path, state: &State) -> bool {
+        let record = Self::state_path(dir);
+        let files = state.disk_digests();
+        !state.stamps.is_empty()
+            && state.stamps.len() == files.len()
+            && files.keys().all(|name| {
+                let path = Self::files_dir(dir).join(name);
+                state.stamps.get(name).is_some_and(|want| {
+                    Stamp::of(&path) == Some((want.size, want.stamp))
+                        && want.stamp.older_than(&record)
+                        && header_blake3(&path).as_deref() == Some(want.header_blake3.as_str())
+                })
+            })
+    }
+
+    /// The stamps of the snapshot files `names` as they are now (call once
+    /// they are durable).
+    fn take_stamps<'a>(
         dir: &Path,
-        files: &BTreeMap<String, FileDigests>,
-    ) -> Result<BTreeMap<String, TensorSet>> {
-        let mut sets = BTreeMap::new();
-        for (name, want) in files {
+        names: impl Iterator<Item = &'a String>,
+    ) -> Result<BTreeMap<String, FileStamp>> {
+        let mut out = BTreeMap::new();
+        for name in names {
             let path = Self::files_dir(dir).join(name);
-            let set = TensorSet::map(&path, true, Digests::Compute)?;
-            if FileDigests::of(&set) != *want {
+            let missing = || io_err("reading", &path, std::io::ErrorKind::NotFound.into());
+            let (size, stamp) = Stamp::of(&path).ok_or_else(missing)?;
+            let header_blake3 = header_blake3(&path).ok_or_else(missing)?;
+            out.insert(
+                name.clone(),
+                FileStamp {
+                    size,
+                    stamp,
+                    header_blake3,
+                },
+            );
+        }
+        Ok(out)
+    }
+
+    /// Applies one overlay version's objects (checked against their
+    /// recorded size and BLAKE3 first) to the sets.
+    fn apply_overlay_version(&mut self, ov: &OverlayVersion) -> Result<()> {
+        let odir = Self::overlay_dir(&self.dir, ov.version);
+        if ov.objects.len() != self.sets.len() {
+            return Err(Error::Integrity {
+                scope: format!("publisher overlay {}", odir.display()),
+                expected: format!("{} delta objects", self.sets.len()),
+                actual: format!("{}", ov.objects.len()),
+            });
+        }
+        for (name, (size, blake3)) in &ov.objects {
+            let p = odir.join(format!("{name}.delta"));
+            let bytes = std::fs::read(&p).map_err(|e| io_err("reading", &p, e))?;
+            let hash = blake3::hash(&bytes).to_hex();
+            if bytes.len() as u64 != *size || hash.as_str() != blake3 {
                 return Err(Error::Integrity {
-                    scope: format!("publisher snapshot {name}"),
-                    expected: "the digests in state.json".into(),
-                    actual: "others".into(),
+                    scope: format!("publisher overlay object {}", p.display()),
+                    expected: format!("{size} bytes, BLAKE3 {blake3}"),
+                    actual: format!("{} bytes, BLAKE3 {hash}", bytes.len()),
                 });
             }
-            sets.insert(name.clone(), set);
+            let set = self.sets.get_mut(name).ok_or_else(|| {
+                Error::NotFound(format!("publisher snapshot has no file `{name}`"))
+            })?;
+            apply_delta(set, &bytes)?;
         }
-        if files.is_empty() {
-            return Err(Error::NotFound("the state lists no snapshot file".into()));
+        Ok(())
+    }
+
+    /// Checks the sets' digests against `want`.
+    fn check_digests(&self, want: &BTreeMap<String, FileDigests>, what: &str) -> Result<()> {
+        let found: BTreeMap<String, FileDigests> = self
+            .sets
+            .iter()
+            .map(|(n, s)| (n.clone(), FileDigests::of(s)))
+            .collect();
+        if found != *want {
+            return Err(Error::Integrity {
+                scope: format!("publisher snapshot of version {}", self.state.version),
+                expected: format!("the digests {what} records"),
+                actual: "others".into(),
+            });
         }
-        Ok(sets)
+        Ok(())
+    }
+
+    /// In place: the files, patched, hold the version — flushed, stamped,
+    /// and the overlay (if any) gone.
+    fn settle_in_place(&mut self) -> Result<()> {
+        for set in self.sets.values() {
+            set.flush()?;
+        }
+        self.state.overlay.clear();
+        self.state.snapshot_files.clear();
+        self.state.stamps = Self::take_stamps(&self.dir, self.sets.keys())?;
+        Ok(())
+    }
+
+    /// After a delta commit: applies its objects to the sets (verified: all
+    /// or nothing per file) and records `after` — in place, the files
+    /// flushed and stamped; over the overlay, the objects moved from the
+    /// journal into it.
+    fn advance(&mut self, deltas: &[(String, Vec<u8>)], after: State) -> Result<()> {
+        for (name, bytes) in deltas {
+            let set = self.sets.get_mut(name).ok_or_else(|| {
+                Error::NotFound(format!("publisher snapshot has no file `{name}`"))
+            })?;
+            apply_delta(set, bytes)?;
+        }
+        let mut after = after;
+        after.pending = None;
+        let version = after.version;
+        match self.mode {
+            StateMode::InPlace => {
+                self.state = after;
+                self.settle_in_place()?;
+            }
+            _ => {
+                let disk = self.state.disk_digests().clone();
+                let stamps = std::mem::take(&mut self.state.stamps);
+                let mut overlay = std::mem::take(&mut self.state.overlay);
+                let (journal, odir) = (
+                    Self::journal_dir(&self.dir, version),
+                    Self::overlay_dir(&self.dir, version),
+                );
+                if journal.exists() {
+                    let parent = self.dir.join("overlay");
+                    std::fs::create_dir_all(&parent).map_err(|e| io_err("creating", &parent, e))?;
+                    let _ = std::fs::remove_dir_all(&odir);
+                    std::fs::rename(&journal, &odir)
+                        .map_err(|e| io_err("renaming", &journal, e))?;
+                    sync_dir(&parent)?;
+                }
+                overlay.retain(|o| o.version < version);
+                overlay.push(OverlayVersion {
+                    version,
+                    objects: deltas
+                        .iter()
+                        .map(|(n, d)| {
+                            let entry = (d.len() as u64, blake3::hash(d).to_hex().to_string());
+                            (n.clone(), entry)
+                        })
+                        .collect(),
+                });
+                self.state = State {
+                    overlay,
+                    snapshot_files: disk,
+                    stamps,
+                    ..after
+                };
+            }
+        }
+        self.check_digests(&self.state.tensor_files.clone(), "the version")?;
+        crate::failpoint::hit("publisher.before_record");
+        self.record()?;
+        let _ = std::fs::remove_dir_all(self.dir.join("journal"));
+        Ok(())
     }
 
     fn swap_in_next(dir: &Path) -> Result<()> {
@@ -315,7 +767,7 @@ impl Snapshot {
         Ok(())
     }
 
-    /// Writes `state.json` (no pending commit).
+    /// Writes `state.json` (no pending commit), later than the stamps it records.
     fn record(&self) -> Result<()> {
         write_state(&self.dir, &self.state)
     }
@@ -346,16 +798,6 @@ impl Snapshot {
         })
     }
 
-    /// Records an anchor commit about to happen (its files are in `next/`).
-    pub fn prepare_anchor(&mut self, version: u64, writer: &str, after: State) -> Result<()> {
-        self.set_pending(Pending {
-            version,
-            writer: writer.to_string(),
-            kind: VersionKind::Anchor,
-            after: Box::new(after),
-        })
-    }
-
     fn set_pending(&mut self, p: Pending) -> Result<()> {
         let mut s = self.state.clone();
         s.pending = Some(p);
@@ -368,10 +810,9 @@ impl Snapshot {
     /// the next version is an anchor, from a full read of its checkpoint.
     /// Called when something failed its integrity check.
     pub fn distrust(dir: &Path, state: &State) -> Result<()> {
-        let mut s = state.clone();
-        s.pending = None;
-        s.tensor_files.clear();
+        let s = state.clone().without_snapshot();
         let _ = std::fs::remove_dir_all(dir.join("journal"));
+        let _ = std::fs::remove_dir_all(dir.join("overlay"));
         let _ = std::fs::remove_dir_all(Self::next_dir(dir));
         write_state(dir, &s)
     }
@@ -383,39 +824,51 @@ impl Snapshot {
         self.record()
     }
 
-    /// After a delta commit: applies the journal's deltas to the mapped
-    /// snapshot in place and records the new state.
+    /// After a delta commit: applies the journal's deltas to the snapshot
+    /// (in place, or over the overlay) and records the new state.
     pub fn finish_delta(&mut self, deltas: &[(String, Vec<u8>)], after: State) -> Result<()> {
-        for (name, bytes) in deltas {
-            let set = self.sets.get_mut(name).ok_or_else(|| {
-                Error::NotFound(format!("publisher snapshot has no file `{name}`"))
-            })?;
-            apply_delta(set, bytes)?;
-        }
-        for set in self.sets.values() {
-            set.flush()?;
-        }
-        self.state = after;
-        self.record()?;
-        let _ = std::fs::remove_dir_all(self.dir.join("journal"));
-        Ok(())
+        self.advance(deltas, after)
     }
 }
 
-/// Writes `state.json` atomically.
+/// BLAKE3 of a safetensors file's length and header bytes (`None`: not
+/// readable as one).
+fn header_blake3(path: &Path) -> Option<String> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(path).ok()?;
+    let mut len = [0u8; 8];
+    f.read_exact_at(&mut len, 0).ok()?;
+    let n = u64::from_le_bytes(len);
+    if n > 100 << 20 {
+        return None;
+    }
+    let mut head = vec![0u8; 8 + n as usize];
+    f.read_exact_at(&mut head, 0).ok()?;
+    Some(blake3::hash(&head).to_hex().to_string())
+}
+
+/// Writes `state.json` atomically, later than every stamp it records
+/// ([`write_atomic_after`]).
 pub(crate) fn write_state(dir: &Path, state: &State) -> Result<()> {
     let body = serde_json::to_vec_pretty(state).expect("state serializes");
-    write_atomic(&Snapshot::state_path(dir), &body)
+    let newest = state.stamps.values().map(|s| s.stamp.ctime_ns).max();
+    write_atomic_after(&Snapshot::state_path(dir), &body, newest.unwrap_or(0))
 }
 
 /// After an anchor commit: swaps `next/` in as the snapshot and loads it
-/// (digests known, no pass over the data).
-pub fn install_anchor(dir: &Path, after: State) -> Result<Snapshot> {
+/// (digests known, no pass over the data), its files stamped (they were
+/// fsynced when written).
+pub fn install_anchor(dir: &Path, mode: StateMode, after: State) -> Result<Snapshot> {
+    let mode = mode.resolve(dir);
     Snapshot::swap_in_next(dir)?;
+    let _ = std::fs::remove_dir_all(dir.join("overlay"));
     let mut sets = BTreeMap::new();
     for (name, d) in &after.tensor_files {
         let path = Snapshot::files_dir(dir).join(name);
-        let mut set = TensorSet::map(&path, true, Digests::Skip)?;
+        let mut set = match mode {
+            StateMode::InPlace => TensorSet::map(&path, true, Digests::Skip)?,
+            _ => TensorSet::map_private(&path, Digests::Skip)?,
+        };
         let digests = d.parsed().ok_or_else(|| {
             Error::metadata(
                 "state.json",
@@ -423,13 +876,24 @@ pub fn install_anchor(dir: &Path, after: State) -> Result<Snapshot> {
             )
         })?;
         set.assume_digests(&digests)?;
+        if mode != StateMode::InPlace {
+            set.populate_private();
+        }
         sets.insert(name.clone(), set);
     }
+    let mut state = after;
+    state.pending = None;
+    state.overlay.clear();
+    state.snapshot_files.clear();
+    state.stamps = Snapshot::take_stamps(dir, sets.keys())?;
     let snap = Snapshot {
         dir: dir.to_path_buf(),
-        state: after,
+        mode,
+        check: Check::Written,
+        state,
         sets,
     };
+    crate::failpoint::hit("publisher.before_record");
     snap.record()?;
     Ok(snap)
 }

@@ -36,23 +36,6 @@ pub(super) fn commit_token(key: &str, size: u64) -> String {
     format!("{key} {size}")
 }
 
-/// Whether the bucket holds the object a commit token names.
-pub(super) async fn token_present(store: &crate::store::Store, token: &str) -> Result<bool> {
-    let Some((key, size)) = token.rsplit_once(' ') else {
-        return Ok(false);
-    };
-    let size: u64 = size.parse().unwrap_or(u64::MAX);
-    // object_store lists by path segments: list the key's folder, starting
-    // just before the key (the key is the newest step: little comes after).
-    let folder = key.rsplit_once('/').map_or("", |(d, _)| d);
-    let before = key.strip_suffix(".safetensors").unwrap_or(key);
-    Ok(store
-        .list_after(folder, before)
-        .await?
-        .iter()
-        .any(|l| l.key == key && l.size == size))
-}
-
 impl Publisher {
     pub(super) async fn publish_trl(
         &mut self,
@@ -83,7 +66,7 @@ impl Publisher {
         if let Some(snap) = &self.snapshot {
             let our_step = snap.state.version + 1;
             let ok = newest_step.is_some_and(|n| n <= our_step)
-                && token_present(&self.store, &snap.state.writer).await?;
+                && crate::protocol::trl::token_present(&self.store, &snap.state.writer).await?;
             if !ok {
                 tracing::warn!(
                     our_step,
@@ -144,6 +127,9 @@ impl Publisher {
         total: u64,
         opts: &PublishOptions,
     ) -> Result<Published> {
+        // TRL's layout commits by writing the step's object: from here the
+        // publish runs to its end.
+        self.gate.begin_commit()?;
         let step = next + 1;
         let snap = self.snapshot.as_mut().expect("a delta implies a snapshot");
         let base = snap.state.clone();
@@ -167,6 +153,9 @@ impl Publisher {
             files: Default::default(),
             tensor_files: [(FILE.to_string(), FileDigests::of(&set))].into(),
             world: None,
+            overlay: Vec::new(),
+            snapshot_files: Default::default(),
+            stamps: Default::default(),
             pending: None,
         };
         let deltas = vec![(FILE.to_string(), bytes)];
@@ -208,6 +197,10 @@ impl Publisher {
             bridge_bytes: 0,
             notified: Some(0),
             collected: None,
+            egress_bytes: if write { size } else { 0 },
+            fanout_bytes: if write { size } else { 0 },
+            fanout_subscribers: Some(0),
+            local_write_bytes: None,
         })
     }
 
@@ -218,6 +211,8 @@ impl Publisher {
         total: u64,
         opts: &PublishOptions,
     ) -> Result<Published> {
+        // The anchor object's upload is the commit (see the delta's).
+        self.gate.begin_commit()?;
         let dir = self.cfg.state_dir.clone();
         let step = next + 1;
         let next_dir = Snapshot::next_dir(&dir);
@@ -227,7 +222,7 @@ impl Publisher {
         // the checkpoint again (see `Publisher::publish_anchor`).
         let (written, data_start) = write_snapshot_file(&path, &set)?;
         let set = written;
-        state::sync_dir(&next_dir)?;
+        crate::fsio::sync_dir(&next_dir)?;
         let prefix = crate::codec::trl::anchor_prefix(&set, next, &self.cfg.trl)?;
         let key = anchor_key(step);
         let sources = [
@@ -250,6 +245,9 @@ impl Publisher {
             files: Default::default(),
             tensor_files: [(FILE.to_string(), FileDigests::of(&set))].into(),
             world: None,
+            overlay: Vec::new(),
+            snapshot_files: Default::default(),
+            stamps: Default::default(),
             pending: None,
         };
         let mut pending = self.state.clone().unwrap_or_default();
@@ -269,7 +267,11 @@ impl Publisher {
         }
         crate::failpoint::hit("publisher.after_commit");
         self.snapshot = None;
-        self.snapshot = Some(state::install_anchor(&dir, after.clone())?);
+        self.snapshot = Some(state::install_anchor(
+            &dir,
+            self.cfg.state_mode,
+            after.clone(),
+        )?);
         self.state = Some(after);
         Ok(Published {
             version: next,
@@ -290,6 +292,10 @@ impl Publisher {
             bridge_bytes: 0,
             notified: Some(0),
             collected: None,
+            egress_bytes: size,
+            fanout_bytes: size,
+            fanout_subscribers: Some(0),
+            local_write_bytes: None,
         })
     }
 }

@@ -13,7 +13,7 @@ use crate::store::Store;
 use super::dir::{DEFAULT_SLOTS, DirSink};
 use super::fetch::Fetcher;
 use super::register::Registrar;
-use super::sink::Sink;
+use super::sink::{Produced, Sink};
 use super::source::VersionSource;
 use super::status::Shared;
 use super::step::{CaughtUp, Subscriber};
@@ -82,7 +82,23 @@ pub struct Daemon {
 
 impl Daemon {
     /// Opens the output directory (verifying the current slot in full).
+    /// A relative output directory is taken from the working directory and
+    /// named by its absolute path from then on (hooks, their environment,
+    /// webhooks and the status name it to processes elsewhere); an invalid
+    /// registration id is refused here, before anything runs unregistered.
     pub fn open(store: &Store, cfg: &DaemonConfig) -> Result<Daemon> {
+        if let Some(id) = cfg.id.as_deref()
+            && !crate::protocol::valid_id(id)
+        {
+            return Err(crate::Error::Config(format!(
+                "subscriber id `{id}` is not usable: use 1 to 128 of A-Z a-z 0-9 . _ - (not \
+                 starting with a dot), e.g. the pod or host name"
+            )));
+        }
+        let mut cfg = cfg.clone();
+        cfg.out = std::path::absolute(&cfg.out)
+            .map_err(|e| crate::Error::io(format!("resolving {}", cfg.out.display()), e))?;
+        let cfg = &cfg;
         std::fs::create_dir_all(&cfg.out)
             .map_err(|e| crate::Error::io(format!("creating {}", cfg.out.display()), e))?;
         let sink = DirSink::open(&cfg.out, cfg.slots)?;
@@ -113,11 +129,12 @@ impl Daemon {
         thorough: bool,
     ) -> Result<Option<(CaughtUp, hooks::Report)>> {
         let started = Instant::now();
+        let written = crate::fsio::written_bytes();
         // An engine that has not confirmed the current version may still read
         // the previous one's files: nothing changes until its hooks succeed.
         if let Some(event) = self.hooks_owed.clone() {
             let report = hooks::run(&self.cfg.hooks, &event, &self.cfg.hook_policy).await;
-            self.record_hooks(shared, &report);
+            self.record_hooks(shared, &report, event.version);
             if report.failed > 0 {
                 return Err(crate::Error::Conflict(format!(
                     "the engine has not confirmed version {} ({}); the previous version is \
@@ -149,7 +166,7 @@ impl Daemon {
         if let Ok(mut s) = shared.status.lock() {
             s.store_requests = requests;
         }
-        let Some(c) = caught? else {
+        let Some(mut c) = caught? else {
             // Registered while the bucket is still empty, so the publisher's
             // first version is pushed here instead of waiting for a poll.
             self.register(
@@ -176,6 +193,7 @@ impl Daemon {
             s.bytes_written += c.written_bytes;
             s.bytes_journal += c.journal_bytes;
             s.repairs += c.repairs;
+            s.dir = Some(self.sub.sink.current_dir());
             if changed || switched {
                 s.versions_applied += c.deltas_applied.max(1);
                 s.last_apply_seconds = started.elapsed().as_secs_f64();
@@ -200,9 +218,23 @@ impl Daemon {
                 changed_tensors: c.changed_tensors.clone(),
             };
             report = hooks::run(&self.cfg.hooks, &event, &self.cfg.hook_policy).await;
-            self.record_hooks(shared, &report);
+            self.record_hooks(shared, &report, c.version);
+            c.pause_s = report.pause_seconds;
             if report.failed > 0 {
                 self.hooks_owed = Some(event);
+            }
+            tracing::info!(
+                version = c.version,
+                fetch_s = c.fetch_s,
+                prepare_s = c.prepare_s,
+                pause_s = c.pause_s,
+                apply_s = c.apply_s,
+                bytes_downloaded = c.bytes_downloaded,
+                bytes_written = c.bytes_written,
+                "version accounted"
+            );
+            if let Ok(mut s) = shared.status.lock() {
+                s.account(super::status::VersionAccount::of(&c));
             }
         }
         let quarantined: Vec<u64> = c.quarantined.iter().map(|q| q.version).collect();
@@ -227,15 +259,34 @@ impl Daemon {
                 s.bytes_journal += p.journal_bytes;
             }
         }
+        if let Some(d) = written
+            .zip(crate::fsio::written_bytes())
+            .map(|(a, b)| b.saturating_sub(a))
+            && let Ok(mut s) = shared.status.lock()
+        {
+            s.local_write_bytes += d;
+            if switched {
+                s.last_local_write_bytes = d;
+            }
+        }
         Ok(Some((c, report)))
     }
 
-    fn record_hooks(&self, shared: &Shared, report: &hooks::Report) {
+    /// Records a hook run for `version`: served only when every hook
+    /// succeeded (an engine that refused it still serves the previous one).
+    fn record_hooks(&self, shared: &Shared, report: &hooks::Report, version: u64) {
+        // No hooks configured: nothing ran, nothing to count.
+        if self.cfg.hooks.is_empty() {
+            return;
+        }
         if let Ok(mut s) = shared.status.lock() {
             s.last_pause_seconds = report.pause_seconds;
             s.hook_failures += report.failed as u64;
             s.hook_runs += 1;
             s.last_hook_error = report.error();
+            if report.failed == 0 {
+                s.served_version = Some(version);
+            }
         }
     }
 
@@ -270,6 +321,10 @@ pub async fn run(
         };
         match done {
             None => {
+                tracing::warn!(
+                    "stopping mid-iteration: the update or hook in progress is abandoned; the \
+                     next start continues from the verified version"
+                );
                 d.sub.sink.abort();
                 return Ok(());
             }
@@ -293,10 +348,45 @@ pub async fn run(
 /// directory (verifying the current slot, and repairing it if damaged),
 /// catches up, runs the hooks after a switch, registers when configured.
 /// `None` when the bucket has no version yet.
+///
+/// Then the daemon's idle work, where a one-shot run may do it: the slot the
+/// next run writes is brought forward to the new version
+/// ([`Sink::prepare`]: the journal's objects, or a copy of the current slot)
+/// when hooks ran and confirmed the version (the engine reads the new slot
+/// now), or when that slot holds no file at all (after a first bootstrap:
+/// nothing can read it). Without hooks an engine may still read the
+/// previous version's slot after this process exits, so it is left to the
+/// next run; with more than two slots (`--slots`) nothing is, since the
+/// others hold older versions on purpose. `standby` reports what it cost; `local_write_bytes` what the
+/// whole run wrote.
 pub async fn once(store: &Store, cfg: &DaemonConfig) -> Result<Option<(CaughtUp, hooks::Report)>> {
+    let written = crate::fsio::written_bytes();
     let shared = Shared::new(store.url(), None);
     let mut d = Daemon::open(store, cfg)?;
-    d.iterate(&shared, true).await
+    let Some((mut c, report)) = d.iterate(&shared, true).await? else {
+        return Ok(None);
+    };
+    let confirmed = !cfg.hooks.is_empty() && report.failed == 0;
+    // With more than two slots the others keep older versions for engines
+    // that still read them, and the next version goes into an empty slot
+    // first anyway: nothing is brought forward.
+    if cfg.slots == 2 && (confirmed || d.sub.sink.standby_is_empty()) {
+        let started = Instant::now();
+        let p = d.sub.sink.prepare()?;
+        tracing::debug!(
+            journal_bytes = p.journal_bytes,
+            cloned_bytes = p.cloned_bytes,
+            seconds = started.elapsed().as_secs_f64(),
+            "standby slot brought forward"
+        );
+        if p != Produced::default() {
+            c.standby = Some(p);
+        }
+    }
+    c.local_write_bytes = written
+        .zip(crate::fsio::written_bytes())
+        .map(|(a, b)| b.saturating_sub(a));
+    Ok(Some((c, report)))
 }
 
 /// Catches the output directory `out` up to the newest committed version of

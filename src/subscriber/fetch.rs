@@ -9,6 +9,12 @@
 //! into its place in a file (or a buffer): memory is a few network chunks
 //! per part in flight, whatever the object's size. The file's BLAKE3 is then
 //! computed over a memory map on every core.
+//!
+//! A size declared in a manifest is trusted for nothing: an object declared
+//! larger than [`Fetcher::max_object_size`] is refused before any request;
+//! the store's own size for it must match the declared one at its first
+//! answer; and buffers and files grow with the bytes actually received,
+//! never from the declared size.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -38,12 +44,16 @@ pub struct Fetcher {
     pub part_size: u64,
     /// Ranged GETs in flight ([`PARTS_IN_FLIGHT`]).
     pub parts_in_flight: usize,
+    /// The largest object read, in memory or into a file (the store's
+    /// [`Store::max_object_size`] by default; `--max-object-size`).
+    pub max_object_size: u64,
 }
 
 impl Fetcher {
     /// A fetcher of `store` with the default part sizes.
     pub fn new(store: Store) -> Fetcher {
         Fetcher {
+            max_object_size: store.max_object_size(),
             store,
             requests: Arc::new(AtomicU64::new(0)),
             large_object: LARGE_OBJECT,
@@ -86,10 +96,23 @@ impl Fetcher {
         read_latest(&self.store, known).await
     }
 
+    /// Refuses an object declared larger than [`Fetcher::max_object_size`].
+    fn within_limit(&self, o: &ObjectEntry) -> Result<()> {
+        if o.size > self.max_object_size {
+            return Err(Error::TooLarge {
+                key: o.key.clone(),
+                size: o.size,
+                max: self.max_object_size,
+            });
+        }
+        Ok(())
+    }
+
     /// Downloads an object into memory and checks it against its entry.
-    /// Large objects come down in ranged parts into a buffer sized from the
-    /// entry (refused cleanly if that much memory cannot be had).
+    /// Large objects come down in ranged parts into a buffer that grows with
+    /// the bytes received (refused cleanly if that memory cannot be had).
     pub async fn bytes(&self, o: &ObjectEntry) -> Result<Bytes> {
+        self.within_limit(o)?;
         let body = if o.size < self.large_object {
             self.count(1);
             let progress = self.store.download_progress();
@@ -108,15 +131,10 @@ impl Fetcher {
             }
             body
         } else {
-            let mut buf = Vec::new();
-            buf.try_reserve_exact(o.size as usize).map_err(|_| {
-                Error::io(
-                    format!("buffering object {} ({} bytes)", o.key, o.size),
-                    std::io::Error::from(std::io::ErrorKind::OutOfMemory),
-                )
-            })?;
-            buf.resize(o.size as usize, 0);
-            let buf = std::sync::Mutex::new(buf);
+            // Never sized from the manifest: the store's size is checked at
+            // its first answer, and the buffer grows only to the end of the
+            // bytes received so far (parts arrive in any order).
+            let buf = std::sync::Mutex::new(Vec::<u8>::new());
             let n = self
                 .store
                 .download_ranges(
@@ -126,7 +144,18 @@ impl Fetcher {
                     self.parts_in_flight,
                     |at, b| {
                         let mut buf = buf.lock().expect("not poisoned");
-                        buf[at as usize..at as usize + b.len()].copy_from_slice(b);
+                        let (at, end) = (at as usize, at as usize + b.len());
+                        let have = buf.len();
+                        if have < end {
+                            buf.try_reserve(end - have).map_err(|_| {
+                                Error::io(
+                                    format!("buffering object {} ({} bytes)", o.key, o.size),
+                                    std::io::Error::from(std::io::ErrorKind::OutOfMemory),
+                                )
+                            })?;
+                            buf.resize(end, 0);
+                        }
+                        buf[at..end].copy_from_slice(b);
                         Ok(())
                     },
                 )
@@ -145,6 +174,7 @@ impl Fetcher {
     /// The file is not synced: the caller decides when it must be durable.
     pub async fn to_file(&self, o: &ObjectEntry, path: &Path) -> Result<()> {
         use std::os::unix::fs::FileExt;
+        self.within_limit(o)?;
         let io = |e| Error::io(format!("writing {}", path.display()), e);
         let file = std::fs::File::create(path).map_err(io)?;
         if o.size < self.large_object {
@@ -152,7 +182,9 @@ impl Fetcher {
             file.write_all_at(&body, 0).map_err(io)?;
             return Ok(());
         }
-        file.set_len(o.size).map_err(io)?;
+        // The file grows with the parts written (never set to the declared
+        // size: a manifest cannot make this take disk the store does not
+        // hold).
         let n = self
             .store
             .download_to(&o.key, o.size, &file, self.part_size, self.parts_in_flight)

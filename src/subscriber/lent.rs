@@ -49,6 +49,7 @@ use crate::tensors::{ExternalBuffer, TensorSet};
 
 use super::sink::{AnchorDest, AnchorObject, MemorySink, Produced, Sink, check_version};
 use super::step::{CaughtUp, Subscriber};
+use super::update::StepOptions;
 
 /// A tensor the caller lends for one call: name, dtype, shape and memory.
 pub struct LentTensor {
@@ -294,6 +295,15 @@ impl LentSink {
         }
     }
 
+    /// The bytes of tensor `name` of the staged anchor.
+    pub fn staged_tensor(&self, name: &str) -> Result<&[u8]> {
+        self.staged_tensors()
+            .into_iter()
+            .flat_map(|m| m.values())
+            .find_map(|set| set.position(name).map(|i| set.data(i)))
+            .ok_or_else(|| Error::NotFound(format!("tensor `{name}` is not in the staged anchor")))
+    }
+
     /// The staged anchor's tensor files (empty for a delta).
     pub fn staged_tensors(&self) -> Option<&BTreeMap<String, TensorSet>> {
         match &self.work {
@@ -533,7 +543,7 @@ impl LentSink {
         Ok((checked, unknown, missing))
     }
 
-    fn commit_replay(&mut self, r: &mut Replay, hand: Hand) -> Result<LentReport> {
+    fn commit_replay(&mut self, r: &mut Replay, hand: &mut Hand) -> Result<LentReport> {
         let mut report = LentReport {
             version: r.version,
             kind: "delta",
@@ -543,6 +553,7 @@ impl LentSink {
         match hand {
             Hand::None => return Err(not_lent(r.version)),
             Hand::Written(memory) => {
+                let memory = std::mem::take(memory);
                 if !r.resolved {
                     return Err(Error::BadRequest(format!(
                         "version {} was not resolved: resolve the delta, write it, then commit",
@@ -573,15 +584,16 @@ impl LentSink {
                 }
             }
             Hand::Tensors {
-                mut tensors,
+                tensors,
                 single_pass,
             } => {
-                check_structure(&r.deltas, &tensors)?;
+                let single_pass = *single_pass;
+                check_structure(&r.deltas, tensors)?;
                 let memory: HashMap<&str, (usize, usize)> = tensors
                     .iter()
                     .map(|l| (l.name.as_str(), l.memory()))
                     .collect();
-                let info = structure(&tensors);
+                let info = structure(tensors);
                 let mem: Vec<(String, (usize, usize))> = tensors
                     .iter()
                     .map(|l| (l.name.clone(), l.memory()))
@@ -599,29 +611,43 @@ impl LentSink {
                     self.check_bound(&names, &memory)?;
                     let p = r.prepared.take().expect("checked above");
                     report.prepared = true;
-                    let reports = p.prepared.commit(&mut targets(&mut tensors)?)?;
+                    let reports = p.prepared.commit(&mut targets(tensors)?)?;
                     Some((reports, p.info))
                 } else if let Err(e) = self.check_bound(&names, &memory) {
                     return Err(e);
                 } else if single_pass
-                    && let Some(digests) = self.single_pass_digests(&r.deltas, &tensors)
+                    && let Some(digests) = self.single_pass_digests(&r.deltas, tensors)
                 {
                     let (file, object) = &r.deltas[0];
-                    let set = TensorSet::from_external(
-                        tensors
-                            .into_iter()
-                            .map(|l| (l.name, l.dtype, l.shape, l.buf)),
-                    );
+                    let items = std::mem::take(tensors)
+                        .into_iter()
+                        .map(|l| (l.name, l.dtype, l.shape, l.buf));
+                    let set = TensorSet::from_external(items);
                     let mut set = set.map_err(|e| e.in_input(format!("tensor file `{file}`")))?;
                     set.assume_digests(&digests)?;
                     // The payload is BLAKE3-checked first, so a tensor whose
                     // digest does not come out is the local base's fault.
-                    let a = crate::codec::apply_delta(&mut set, object).map_err(base_mismatch)?;
+                    let applied =
+                        crate::codec::apply_delta(&mut set, object).map_err(base_mismatch);
                     let changes: Vec<_> = set
                         .tensors()
                         .iter()
-                        .filter(|t| a.changed_tensors.contains(&t.name))
                         .map(|t| (t.name.clone(), t.dtype, t.shape.clone(), t.digest))
+                        .collect();
+                    *tensors = set
+                        .into_external()
+                        .into_iter()
+                        .map(|(name, dtype, shape, buf)| LentTensor {
+                            name,
+                            dtype,
+                            shape,
+                            buf,
+                        })
+                        .collect();
+                    let a = applied?;
+                    let changes: Vec<_> = changes
+                        .into_iter()
+                        .filter(|c| a.changed_tensors.contains(&c.0))
                         .collect();
                     report.single_pass = true;
                     report.changed = a.changed;
@@ -631,7 +657,7 @@ impl LentSink {
                 } else {
                     let objects: Vec<&[u8]> = r.deltas.iter().map(|d| &d.1[..]).collect();
                     let reports = apply_in_place_all(
-                        &mut targets(&mut tensors)?,
+                        &mut targets(tensors)?,
                         &objects,
                         &InPlaceOptions::default(),
                     )
@@ -681,7 +707,7 @@ impl LentSink {
         Ok(())
     }
 
-    fn commit_anchor(&mut self, m: &MemorySink, hand: Hand) -> Result<LentReport> {
+    fn commit_anchor(&mut self, m: &MemorySink, hand: &mut Hand) -> Result<LentReport> {
         let (sets, files) = (m.tensors(), m.files());
         let version = m.held().ok_or_else(|| {
             Error::BadRequest("the staged anchor update did not finish a version".into())
@@ -700,8 +726,8 @@ impl LentSink {
         let mut memory = BTreeMap::new();
         match hand {
             Hand::None => return Err(not_lent(version)),
-            Hand::Written(m) => memory = m,
-            Hand::Tensors { mut tensors, .. } => {
+            Hand::Written(m) => memory = std::mem::take(m),
+            Hand::Tensors { tensors, .. } => {
                 let by_name: HashMap<&str, usize> = tensors
                     .iter()
                     .enumerate()
@@ -711,11 +737,24 @@ impl LentSink {
                 let mut pairs = Vec::with_capacity(index.len());
                 for (name, (set, i)) in &index {
                     let t = &set.tensors()[*i];
-                    let k = *by_name.get(name).ok_or_else(|| {
-                        Error::BadRequest(format!(
+                    let Some(&k) = by_name.get(name) else {
+                        // A tied copy (the same bytes under another name
+                        // given: one storage in the engine) is written
+                        // with it.
+                        let tied = index.iter().any(|(other, (s, j))| {
+                            let o = &s.tensors()[*j];
+                            other != name
+                                && by_name.contains_key(other)
+                                && (o.dtype, &o.shape, o.digest) == (t.dtype, &t.shape, t.digest)
+                                && s.data(*j) == set.data(*i)
+                        });
+                        if tied {
+                            continue;
+                        }
+                        return Err(Error::BadRequest(format!(
                             "tensor `{name}` of version {version} is not among the tensors given"
-                        ))
-                    })?;
+                        )));
+                    };
                     let l = &tensors[k];
                     if (l.dtype, &l.shape) != (t.dtype, &t.shape) {
                         return Err(Error::BaseMismatch(format!(
@@ -725,7 +764,7 @@ impl LentSink {
                     }
                     pairs.push((k, *set, *i));
                 }
-                for l in &tensors {
+                for l in tensors.iter() {
                     if index.contains_key(l.name.as_str()) {
                         memory.insert(l.name.clone(), l.memory());
                     }
@@ -814,21 +853,141 @@ impl LentSink {
     }
 }
 
+/// An update staged for the caller's tensors, described.
+#[derive(Clone, Debug)]
+pub struct StagedUpdate {
+    /// The version it produces.
+    pub version: u64,
+    /// The version a delta applies to (`None`: an anchor).
+    pub base: Option<u64>,
+    /// `delta` or `anchor`.
+    pub kind: &'static str,
+    /// Bytes it holds: a delta's objects, an anchor's decoded tensors.
+    pub nbytes: u64,
+    /// (name, dtype, shape) of every tensor it writes.
+    pub writes: Vec<(String, Dtype, Vec<usize>)>,
+    /// The non-tensor files: every one for an anchor, the changed ones for a
+    /// delta.
+    pub files: Vec<(String, Bytes)>,
+}
+
+/// What [`LentSink::verify`] found, as a report.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Verified {
+    /// The version checked against.
+    pub version: Option<u64>,
+    /// Tensors whose full digest matched.
+    pub checked: usize,
+    /// Tensors given that the version does not record.
+    pub unknown: Vec<String>,
+    /// Tensors the version records that were not given.
+    pub not_given: Vec<String>,
+}
+
 impl Subscriber<LentSink> {
-    /// Commits the staged update into `tensors`, lent for this call only
-    /// (they are dropped before it returns, whatever the outcome). With
+    /// The next update, staged ([`Subscriber::next_update`] then
+    /// [`Subscriber::stage`]) and described; `None` when nothing is new.
+    pub async fn next_staged(&mut self, opts: &StepOptions) -> Result<Option<StagedUpdate>> {
+        let Some(u) = self.next_update(opts).await? else {
+            return Ok(None);
+        };
+        let base = u.base;
+        self.stage(u).await?;
+        let version = self.staged().expect("staged above");
+        let sink = &self.sink;
+        let nbytes = match sink.staged_tensors() {
+            Some(sets) => sets.values().map(|s| s.total_bytes()).sum(),
+            None => sink.staged_deltas().iter().map(|d| d.1.len() as u64).sum(),
+        };
+        Ok(Some(StagedUpdate {
+            version,
+            base: base.filter(|_| sink.staged_kind() == Some("delta")),
+            kind: sink.staged_kind().unwrap_or("delta"),
+            nbytes,
+            writes: sink.staged_writes()?,
+            files: sink
+                .staged_files()
+                .into_iter()
+                .map(|(n, b)| (n.to_string(), Bytes::copy_from_slice(b)))
+                .collect(),
+        }))
+    }
+
+    /// [`LentSink::prepare`]; tensors that fail verification make the next
+    /// update an anchor.
+    pub fn prepare(&mut self, tensors: &mut [LentTensor]) -> Result<bool> {
+        let r = self.sink.prepare(tensors);
+        if r.as_ref()
+            .is_err_and(|e| e.kind() == crate::error::ErrorKind::Corrupt)
+        {
+            self.distrust_held();
+        }
+        r
+    }
+
+    /// [`LentSink::resolve`]; old values that fail verification make the
+    /// next update an anchor.
+    pub fn resolve(&mut self, gather: &mut Gather<'_>) -> Result<Vec<Resolved>> {
+        let r = self.sink.resolve(gather);
+        if r.as_ref()
+            .is_err_and(|e| e.kind() == crate::error::ErrorKind::Corrupt)
+        {
+            self.distrust_held();
+        }
+        r
+    }
+
+    /// Records the held version in a subscriber endpoint's status
+    /// (`/v1/status`, `/metrics`).
+    pub fn report_to(&self, status: &super::status::Shared) {
+        if let Ok(mut s) = status.status.lock() {
+            let version = self.sink.held();
+            if s.version != version {
+                s.versions_applied += 1;
+            }
+            s.version = version;
+            s.newest = self.newest();
+            s.lag = s.newest.zip(s.version).map(|(n, v)| n.saturating_sub(v));
+            s.quarantined = self.quarantined();
+            s.store_requests = self.fetcher.requests();
+        }
+    }
+
+    /// Checks whole tensors against the digests recorded for the held
+    /// version ([`LentSink::verify`]).
+    pub fn verify(&self, tensors: &[LentTensor]) -> Result<Verified> {
+        let (checked, unknown, not_given) = self.sink.verify(tensors)?;
+        Ok(Verified {
+            version: self.sink.held(),
+            checked: checked.len(),
+            unknown,
+            not_given,
+        })
+    }
+
+    /// Commits the staged update into `tensors`, lent for this call, and
+    /// gives them back, whatever the outcome (nothing keeps them). With
     /// `single_pass`, a delta onto one whole tensor file with recorded
     /// digests applies in one pass, undoing on failure, instead of
     /// verifying first.
-    pub fn commit_into(&mut self, tensors: Vec<LentTensor>, single_pass: bool) -> Result<CaughtUp> {
-        check_disjoint(&tensors)?;
+    pub fn commit_into(
+        &mut self,
+        tensors: Vec<LentTensor>,
+        single_pass: bool,
+    ) -> (Vec<LentTensor>, Result<CaughtUp>) {
+        if let Err(e) = check_disjoint(&tensors) {
+            return (tensors, Err(e));
+        }
         self.sink.hand = Hand::Tensors {
             tensors,
             single_pass,
         };
         let r = self.commit();
-        self.sink.hand = Hand::None;
-        r
+        let back = match std::mem::take(&mut self.sink.hand) {
+            Hand::Tensors { tensors, .. } => tensors,
+            _ => Vec::new(),
+        };
+        (back, r)
     }
 
     /// Commits the staged update, which the caller wrote into its tensors
@@ -1029,7 +1188,13 @@ impl Sink for LentSink {
     fn version_done(&mut self, m: &Manifest) -> Result<()> {
         let held = &self.held;
         match &mut self.work {
-            Some(Work::Bootstrap(s)) => s.version_done(m),
+            // The staging is private: each version it finishes is committed
+            // there at once (its tensors are what the caller copies from).
+            Some(Work::Bootstrap(s)) => {
+                s.version_done(m)?;
+                s.commit()?;
+                s.begin(Some(m.version))
+            }
             Some(Work::Replay(r)) => {
                 r.version = m.version;
                 let got: BTreeSet<String> = r.deltas.iter().map(|d| d.0.clone()).collect();
@@ -1072,7 +1237,7 @@ impl Sink for LentSink {
     }
 
     fn commit(&mut self) -> Result<Produced> {
-        let hand = std::mem::take(&mut self.hand);
+        let mut hand = std::mem::take(&mut self.hand);
         let work = self
             .work
             .take()
@@ -1083,23 +1248,31 @@ impl Sink for LentSink {
             // commit keeps the update staged, for a retry with the right
             // tensors (the loop makes the next update an anchor when the
             // tensors failed verification).
-            Work::Replay(mut r) if r.done => match self.commit_replay(&mut r, hand) {
-                Ok(rep) => rep,
-                Err(e) => {
-                    self.work = Some(Work::Replay(r));
-                    return Err(e);
+            Work::Replay(mut r) if r.done => {
+                let done = self.commit_replay(&mut r, &mut hand);
+                self.hand = hand;
+                match done {
+                    Ok(rep) => rep,
+                    Err(e) => {
+                        self.work = Some(Work::Replay(r));
+                        return Err(e);
+                    }
                 }
-            },
+            }
             Work::Replay(_) => {
                 return Err(Error::BadRequest("the staged version is incomplete".into()));
             }
-            Work::Bootstrap(m) => match self.commit_anchor(&m, hand) {
-                Ok(rep) => rep,
-                Err(e) => {
-                    self.work = Some(Work::Bootstrap(m));
-                    return Err(e);
+            Work::Bootstrap(m) => {
+                let done = self.commit_anchor(&m, &mut hand);
+                self.hand = hand;
+                match done {
+                    Ok(rep) => rep,
+                    Err(e) => {
+                        self.work = Some(Work::Bootstrap(m));
+                        return Err(e);
+                    }
                 }
-            },
+            }
         };
         tracing::info!(
             version = report.version,

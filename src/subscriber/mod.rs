@@ -77,7 +77,7 @@ pub mod trl;
 pub mod update;
 
 pub use daemon::{Daemon, DaemonConfig, catch_up, once, run};
-pub use dir::DirSink;
+pub use dir::{DirSink, MAX_SLOTS};
 pub use fetch::Fetcher;
 pub use lent::LentSink;
 pub use plan::Plan;

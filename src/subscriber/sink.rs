@@ -188,15 +188,40 @@ pub(crate) fn check_version(
         .collect())
 }
 
-/// In-memory tensors and files, patched in place.
+/// In-memory tensors and files: deltas patched in place, an anchor
+/// assembled apart and swapped in at the commit.
+///
+/// A replay patches the held tensors in place (memory in proportion to the
+/// changes); each version the update finishes is held from then on, so a
+/// replay that fails at a later version keeps the last one it finished, and
+/// only a version left half-applied (one of its files patched, another
+/// refused) leaves nothing held. A bootstrap decodes its anchors and the
+/// versions after them into new sets while the old ones stay held, and the
+/// commit swaps them in — or, for memory the caller owns with the same
+/// structure, copies them in — so a failed bootstrap changes nothing.
 #[derive(Debug, Default)]
 pub struct MemorySink {
     version: Option<u64>,
     tensors: BTreeMap<String, TensorSet>,
     files: BTreeMap<String, Vec<u8>>,
+    work: Option<MemoryWork>,
+}
+
+/// Tensor files and non-tensor files, by name.
+type Files = (BTreeMap<String, TensorSet>, BTreeMap<String, Vec<u8>>);
+
+/// The update in progress.
+#[derive(Debug, Default)]
+struct MemoryWork {
+    /// A bootstrap's tensors and files, assembled apart.
+    fresh: Option<Files>,
+    /// The version the update has reached.
+    version: Option<u64>,
+    /// The held tensors were patched since the last finished version.
+    dirty: bool,
     touched: BTreeSet<String>,
+    /// The next version starts from an anchor (its objects are anchors).
     bootstrap: bool,
-    working: bool,
     written: u64,
 }
 
@@ -229,7 +254,7 @@ impl MemorySink {
             version,
             tensors,
             files,
-            ..MemorySink::default()
+            work: None,
         })
     }
 
@@ -244,10 +269,15 @@ impl MemorySink {
     }
 
     /// The held version, the tensor files and the non-tensor files, taken
-    /// out of the sink (a caller that moves a bootstrapped version elsewhere:
-    /// the Python binding's anchor updates).
+    /// out of the sink (a caller that moves a bootstrapped version elsewhere).
     pub fn into_parts(self) -> MemoryParts {
         (self.version, self.tensors, self.files)
+    }
+
+    fn work(&mut self) -> Result<&mut MemoryWork> {
+        self.work
+            .as_mut()
+            .ok_or_else(|| Error::BadRequest("no update in progress (call begin first)".into()))
     }
 }
 
@@ -275,16 +305,19 @@ impl Sink for MemorySink {
     }
 
     fn begin(&mut self, base: Option<u64>) -> Result<()> {
+        self.abort();
         if base.is_some() && base != self.version {
             return Err(Error::BadRequest(format!(
                 "update from version {base:?}, the sink holds {:?}",
                 self.version
             )));
         }
-        self.working = true;
-        self.bootstrap = base.is_none();
-        self.touched.clear();
-        self.written = 0;
+        self.work = Some(MemoryWork {
+            fresh: base.is_none().then(Default::default),
+            version: base,
+            bootstrap: base.is_none(),
+            ..MemoryWork::default()
+        });
         Ok(())
     }
 
@@ -298,88 +331,138 @@ impl Sink for MemorySink {
             object => decode_anchor(name, object)?.1,
         };
         set.set_metadata(output_metadata(set.metadata()));
-        self.written += set.total_bytes();
-        self.touched.insert(name.to_string());
-        match self.tensors.get_mut(name) {
-            // Memory someone else owns (caller buffers) with the same
-            // tensors: copied into, not replaced.
-            Some(held) if held.is_shared() && held.same_structure(&set).is_ok() => {
-                for i in 0..set.len() {
-                    held.data_mut(i).copy_from_slice(set.data(i));
-                }
-                let digests: Vec<Digest> = set.tensors().iter().map(|t| t.digest).collect();
-                held.assume_digests(&digests)
-            }
-            _ => {
-                self.tensors.insert(name.to_string(), set);
-                Ok(())
-            }
-        }
+        let w = self.work()?;
+        let Some((fresh, _)) = w.fresh.as_mut() else {
+            return Err(Error::BadRequest(
+                "an anchor object outside a bootstrap".into(),
+            ));
+        };
+        w.written += set.total_bytes();
+        w.touched.insert(name.to_string());
+        fresh.insert(name.to_string(), set);
+        Ok(())
     }
 
     fn delta(&mut self, version: u64, name: &str, delta: &[u8]) -> Result<ApplyReport> {
-        let set = self.tensors.get_mut(name).ok_or_else(|| {
+        let w = self
+            .work
+            .as_mut()
+            .ok_or_else(|| Error::BadRequest("no update in progress (call begin first)".into()))?;
+        let set = match w.fresh.as_mut() {
+            Some((fresh, _)) => fresh.get_mut(name),
+            None => self.tensors.get_mut(name),
+        }
+        .ok_or_else(|| {
             Error::metadata(
                 "manifest",
                 format!("delta for `{name}`, which the base does not have"),
             )
         })?;
         let report = apply_checked(set, version, name, delta)?;
-        self.written += patched_bytes(set, delta);
-        self.touched.insert(name.to_string());
+        w.written += patched_bytes(set, delta);
+        w.dirty |= w.fresh.is_none();
+        w.touched.insert(name.to_string());
         Ok(report)
     }
 
     fn file(&mut self, _version: u64, name: &str, body: &[u8]) -> Result<()> {
-        self.written += body.len() as u64;
-        self.files.insert(name.to_string(), body.to_vec());
+        let w = self
+            .work
+            .as_mut()
+            .ok_or_else(|| Error::BadRequest("no update in progress (call begin first)".into()))?;
+        w.written += body.len() as u64;
+        match w.fresh.as_mut() {
+            Some((_, files)) => files.insert(name.to_string(), body.to_vec()),
+            None => {
+                w.dirty = true;
+                self.files.insert(name.to_string(), body.to_vec())
+            }
+        };
         Ok(())
     }
 
     fn version_done(&mut self, m: &Manifest) -> Result<()> {
+        let w = self
+            .work
+            .as_mut()
+            .ok_or_else(|| Error::BadRequest("no update in progress (call begin first)".into()))?;
         let anchors = m.objects.iter().any(|o| o.role == ObjectRole::Anchor);
-        let bootstrap = self.bootstrap && anchors;
+        let bootstrap = w.bootstrap && anchors;
+        let in_place = w.fresh.is_none();
+        let (tensors, files) = match w.fresh.as_mut() {
+            Some((t, f)) => (t, f),
+            None => (&mut self.tensors, &mut self.files),
+        };
         if bootstrap {
-            let touched = &self.touched;
-            self.tensors.retain(|n, _| touched.contains(n));
+            let touched = &w.touched;
+            tensors.retain(|n, _| touched.contains(n));
         }
-        let have = self
-            .files
+        let have = files
             .iter()
             .map(|(n, b)| {
                 let h = blake3::hash(b).to_hex().to_string();
                 (n.clone(), (b.len() as u64, h))
             })
             .collect();
-        let gone = check_version(
-            m,
-            bootstrap,
-            self.tensors.keys().cloned(),
-            &self.touched,
-            &have,
-        )?;
+        let gone = check_version(m, bootstrap, tensors.keys().cloned(), &w.touched, &have)?;
         for n in gone {
-            self.files.remove(&n);
+            files.remove(&n);
+            w.dirty |= in_place;
         }
-        self.version = Some(m.version);
-        self.bootstrap = false;
-        self.touched.clear();
+        w.version = Some(m.version);
+        w.bootstrap = false;
+        w.touched.clear();
+        if in_place {
+            // Patched in place: the sink holds this version from now on.
+            self.version = Some(m.version);
+            w.dirty = false;
+        }
         Ok(())
     }
 
     fn commit(&mut self) -> Result<Produced> {
-        self.working = false;
+        let w = self
+            .work
+            .take()
+            .ok_or_else(|| Error::BadRequest("no update in progress".into()))?;
+        if let Some((fresh, files)) = w.fresh {
+            let version = w.version.ok_or_else(|| {
+                Error::BadRequest("a bootstrap committed without a version".into())
+            })?;
+            let names: BTreeSet<String> = fresh.keys().cloned().collect();
+            self.tensors.retain(|n, _| names.contains(n));
+            for (name, set) in fresh {
+                match self.tensors.get_mut(&name) {
+                    // Memory someone else owns (caller buffers) with the same
+                    // tensors: copied into, not replaced.
+                    Some(held) if held.is_shared() && held.same_structure(&set).is_ok() => {
+                        for i in 0..set.len() {
+                            held.data_mut(i).copy_from_slice(set.data(i));
+                        }
+                        let digests: Vec<Digest> = set.tensors().iter().map(|t| t.digest).collect();
+                        held.assume_digests(&digests)?;
+                    }
+                    _ => {
+                        self.tensors.insert(name, set);
+                    }
+                }
+            }
+            self.files = files;
+            self.version = Some(version);
+        }
         Ok(Produced {
-            written_bytes: std::mem::take(&mut self.written),
+            written_bytes: w.written,
             ..Produced::default()
         })
     }
 
     fn abort(&mut self) {
-        // Patched in place: a half-applied update leaves nothing to trust.
-        if self.working {
+        // A version left half-applied in place leaves nothing to trust; a
+        // finished one stays held; a bootstrap assembled apart is dropped.
+        if let Some(w) = self.work.take()
+            && w.dirty
+        {
             self.version = None;
-            self.working = false;
         }
     }
 }

@@ -28,6 +28,13 @@ pub struct Status {
     pub bytes_written: u64,
     /// Bytes of journal objects applied to bring slots forward since start.
     pub bytes_journal: u64,
+    /// Bytes the catch-ups caused to be written to local storage since start
+    /// (`write_bytes` of `/proc/self/io`: slots, journal and state on a disk;
+    /// nothing on tmpfs).
+    pub local_write_bytes: u64,
+    /// The same for the last catch-up that changed the version, its standby
+    /// slot brought forward included.
+    pub last_local_write_bytes: u64,
     /// Requests made to the store since start (listings, manifests, hints,
     /// object reads and ranged parts, registrations).
     pub store_requests: u64,
@@ -49,9 +56,101 @@ pub struct Status {
     pub hook_runs: u64,
     /// The last hook failures, cleared when the hooks succeed.
     pub last_hook_error: Option<String>,
+    /// The version the engine hooks last confirmed (every hook succeeded
+    /// for it); `None` until a hook run of this process confirms one. A
+    /// version an engine refused (an error, or `{"success": false}`) is not
+    /// served: this stays at the previous one while the hooks are owed.
+    pub served_version: Option<u64>,
     /// Versions that could not be verified and are skipped (retried with
     /// backoff), newest first.
     pub quarantined: Vec<crate::subscriber::Quarantined>,
+    /// The version each rank of a tensor-parallel engine holds, by rank,
+    /// when one node subscriber follows for all of them (empty otherwise).
+    /// Ranks that differ are an error (`last_error`, `/healthz` 503).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub rank_versions: Vec<Option<u64>>,
+    /// The directory engines load (`DIR/current`), absolute.
+    pub dir: Option<std::path::PathBuf>,
+    /// The last version's time waiting on the store, seconds
+    /// ([`crate::subscriber::CaughtUp::fetch_s`]).
+    pub fetch_s: f64,
+    /// The last version's time decoding, verifying and writing it where
+    /// nothing reads it yet, seconds.
+    pub prepare_s: f64,
+    /// The last version's engine pause, seconds (hooks; 0 without).
+    pub pause_s: f64,
+    /// The last version's time making it visible (commit and switch), seconds.
+    pub apply_s: f64,
+    /// The last version that changed the output, accounted: its time split
+    /// and its own bytes (the counters above are since start).
+    pub last_version: Option<VersionAccount>,
+}
+
+/// One version's account: where the time and the bytes went.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct VersionAccount {
+    /// The version.
+    pub version: u64,
+    /// Waiting on the store, seconds.
+    pub fetch_s: f64,
+    /// Decoding, verifying, writing off the serving path, seconds.
+    pub prepare_s: f64,
+    /// The engine's pause, seconds.
+    pub pause_s: f64,
+    /// Commit and switch, seconds.
+    pub apply_s: f64,
+    /// Bytes downloaded for it.
+    pub bytes_downloaded: u64,
+    /// Bytes written locally for it.
+    pub bytes_written: u64,
+}
+
+impl VersionAccount {
+    /// The account of a catch-up's version.
+    pub fn of(c: &crate::subscriber::CaughtUp) -> VersionAccount {
+        VersionAccount {
+            version: c.version,
+            fetch_s: c.fetch_s,
+            prepare_s: c.prepare_s,
+            pause_s: c.pause_s,
+            apply_s: c.apply_s,
+            bytes_downloaded: c.bytes_downloaded,
+            bytes_written: c.bytes_written,
+        }
+    }
+}
+
+impl Status {
+    /// Records the version each rank holds; ranks that differ are reported
+    /// as the last error (cleared when they agree again).
+    pub fn record_ranks(&mut self, versions: Vec<Option<u64>>) {
+        let differ = versions.windows(2).any(|w| w[0] != w[1]);
+        const PREFIX: &str = "ranks hold different versions";
+        if differ {
+            self.last_error = Some(format!("{PREFIX}: {versions:?}"));
+        } else if self
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.starts_with(PREFIX))
+        {
+            self.last_error = None;
+        }
+        self.rank_versions = versions;
+    }
+
+    /// Whether the ranks reported hold different versions.
+    pub fn ranks_differ(&self) -> bool {
+        self.rank_versions.windows(2).any(|w| w[0] != w[1])
+    }
+
+    /// Records a version's account as the last one.
+    pub fn account(&mut self, a: VersionAccount) {
+        self.fetch_s = a.fetch_s;
+        self.prepare_s = a.prepare_s;
+        self.pause_s = a.pause_s;
+        self.apply_s = a.apply_s;
+        self.last_version = Some(a);
+    }
 }
 
 /// State shared by the HTTP handlers and the catch-up loop.
@@ -80,5 +179,31 @@ impl Shared {
             store_url: store_url.into(),
             seen: Mutex::new(std::collections::VecDeque::new()),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_on_different_versions_are_an_error_until_they_agree() {
+        let mut s = Status::default();
+        s.record_ranks(vec![Some(3), Some(3)]);
+        assert!(!s.ranks_differ() && s.last_error.is_none());
+        s.record_ranks(vec![Some(3), Some(2), Some(3)]);
+        assert!(s.ranks_differ());
+        assert!(
+            s.last_error
+                .as_deref()
+                .unwrap()
+                .contains("[Some(3), Some(2), Some(3)]")
+        );
+        s.record_ranks(vec![Some(4), Some(4), Some(4)]);
+        assert!(!s.ranks_differ() && s.last_error.is_none());
+        // Another error stays.
+        s.last_error = Some("the store is unreachable".into());
+        s.record_ranks(vec![Some(4), Some(4)]);
+        assert_eq!(s.last_error.as_deref(), Some("the store is unreachable"));
     }
 }

@@ -67,8 +67,8 @@ pub struct CaughtUp {
     /// Repairs: replays that failed verification and were redone from an
     /// anchor, and held output found damaged.
     pub repairs: u64,
-    /// Tensors changed since the previous version, sorted (empty after an
-    /// anchor: everything may have changed).
+    /// Tensors changed since the previous version, sorted (after an anchor,
+    /// every tensor: any may have changed).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub changed_tensors: Vec<String>,
     /// Bytes written into the output: anchors, non-tensor files, changed
@@ -91,6 +91,33 @@ pub struct CaughtUp {
     /// first); retried with backoff, skipped meanwhile.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub quarantined: Vec<Quarantined>,
+    /// Where the time went, seconds: waiting on the store (the listing and
+    /// manifests, and object downloads the sink did not overlap).
+    pub fetch_s: f64,
+    /// Decoding, verifying and writing the version where nothing reads it
+    /// yet (the standby slot; the caller's staging), while the engine still
+    /// serves the previous one.
+    pub prepare_s: f64,
+    /// The engine's pause (its hooks: pause answered to resume answered; 0
+    /// without hooks).
+    pub pause_s: f64,
+    /// Making the version visible: the sink's commit (flush, record, the
+    /// switch of `DIR/current`; the writes into tensors a caller owns).
+    pub apply_s: f64,
+    /// Bytes of objects downloaded for this version (`downloaded`).
+    pub bytes_downloaded: u64,
+    /// Bytes written locally for this version (`written_bytes`).
+    pub bytes_written: u64,
+    /// The standby slot brought forward after the switch, when a one-shot
+    /// run did it (`subscribe --once`: after hooks that confirmed the
+    /// version, or into a slot that held nothing): what it cost.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub standby: Option<Produced>,
+    /// Bytes the run caused to be written to local storage: slots, journal,
+    /// state (`write_bytes` of `/proc/self/io`: pages dirtied in files on a
+    /// disk; 0 on tmpfs; absent where the kernel does not say).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub local_write_bytes: Option<u64>,
 }
 
 impl CaughtUp {
@@ -127,6 +154,11 @@ pub fn repairable(e: &Error) -> bool {
         e.kind(),
         ErrorKind::Unavailable | ErrorKind::Config | ErrorKind::Io
     )
+}
+
+/// Adds the time since `from` to `acc` (seconds).
+fn add_since(acc: &mut f64, from: Instant) {
+    *acc += from.elapsed().as_secs_f64();
 }
 
 /// An update staged in the sink and not yet committed.
@@ -403,8 +435,21 @@ impl<S: Sink> Subscriber<S> {
                     };
                     plan::complete(&self.fetcher, &plan, &mut chain).await?;
                 }
+                // A replay through a quarantined version would fail again:
+                // from the target's anchor instead.
+                if let Plan::Replay(vs) = &plan
+                    && vs.iter().any(|v| self.quarantine.contains_key(v))
+                {
+                    let a = chain[&target].anchor_version;
+                    plan = Plan::Bootstrap {
+                        anchor: a,
+                        replay: (a + 1..=target).collect(),
+                    };
+                    plan::complete(&self.fetcher, &plan, &mut chain).await?;
+                }
                 Update {
                     version: target,
+                    target,
                     base: matches!(plan, Plan::Replay(_)).then_some(held).flatten(),
                     plan,
                     chain,
@@ -446,10 +491,14 @@ impl<S: Sink> Subscriber<S> {
             structural_only: update.structural_only,
             ..CaughtUp::default()
         };
+        let target = update.target;
         match self.stage_repairing(update, &mut out).await {
-            Ok(()) => {
+            Ok(reached) => {
+                out.version = reached;
+                // What the sink did not take was waiting on the store.
+                out.fetch_s = (started.elapsed().as_secs_f64() - out.prepare_s).max(0.0);
                 self.staged = Some(Staged {
-                    version,
+                    version: reached,
                     out,
                     started,
                     requests,
@@ -460,14 +509,21 @@ impl<S: Sink> Subscriber<S> {
                 self.sink.abort();
                 self.repairs_found += out.repairs;
                 if repairable(&e) {
-                    self.quarantine_version(version, &e);
+                    // The repair aimed at the target: it is what cannot be
+                    // verified (the version too, when the step was shorter).
+                    self.quarantine_version(target, &e);
+                    if version != target {
+                        self.quarantine_version(version, &e);
+                    }
                 }
                 Err(e)
             }
         }
     }
 
-    async fn stage_repairing(&mut self, mut update: Update, out: &mut CaughtUp) -> Result<()> {
+    /// Stages the update, repairing a failed replay from the anchor of its
+    /// target; returns the version reached.
+    async fn stage_repairing(&mut self, mut update: Update, out: &mut CaughtUp) -> Result<u64> {
         if let Plan::Replay(versions) = &update.plan {
             let versions = versions.clone();
             match self
@@ -481,7 +537,7 @@ impl<S: Sink> Subscriber<S> {
                 )
                 .await
             {
-                Ok(()) => return Ok(()),
+                Ok(()) => return Ok(update.version),
                 Err(e) if repairable(&e) && self.log == Log::Weightcast => {
                     tracing::warn!(error = %e, "replay failed; repairing from the anchor");
                     self.sink.abort();
@@ -496,13 +552,15 @@ impl<S: Sink> Subscriber<S> {
         let (anchor, replay) = match &update.plan {
             Plan::Bootstrap { anchor, replay } => (*anchor, replay.clone()),
             _ => {
-                let anchor = update.chain[&update.version].anchor_version;
+                let t = update.target;
+                let anchor = update.chain[&t].anchor_version;
                 let boot = Plan::Bootstrap {
                     anchor,
-                    replay: (anchor + 1..=update.version).collect(),
+                    replay: (anchor + 1..=t).collect(),
                 };
                 plan::complete(&self.fetcher, &boot, &mut update.chain).await?;
-                (anchor, (anchor + 1..=update.version).collect())
+                update.version = t;
+                (anchor, (anchor + 1..=t).collect())
             }
         };
         out.from_anchor = true;
@@ -516,7 +574,7 @@ impl<S: Sink> Subscriber<S> {
         )
         .await?;
         out.changed_tensors.clear();
-        Ok(())
+        Ok(update.version)
     }
 
     async fn feed(
@@ -528,7 +586,9 @@ impl<S: Sink> Subscriber<S> {
         ready: &mut BTreeMap<String, Ready>,
         out: &mut CaughtUp,
     ) -> Result<()> {
+        let t = Instant::now();
         self.sink.begin(base)?;
+        add_since(&mut out.prepare_s, t);
         if let Some(a) = anchor {
             let m = &chain[&a];
             for o in m.bootstrap_objects() {
@@ -536,7 +596,9 @@ impl<S: Sink> Subscriber<S> {
                 let got = ready.remove(&o.key);
                 match (o.role, got) {
                     (ObjectRole::Anchor, Some(Ready::Tensors(set))) => {
+                        let t = Instant::now();
                         self.sink.anchor(&o.name, AnchorObject::Tensors(set))?;
+                        add_since(&mut out.prepare_s, t);
                     }
                     (ObjectRole::Anchor, _) => {
                         let object = match self.sink.anchor_dest(&o.name)? {
@@ -548,16 +610,26 @@ impl<S: Sink> Subscriber<S> {
                                 AnchorObject::File(p)
                             }
                         };
+                        let t = Instant::now();
                         self.sink.anchor(&o.name, object)?;
+                        add_since(&mut out.prepare_s, t);
                     }
-                    (_, Some(Ready::Bytes(body))) => self.sink.file(a, &o.name, &body)?,
+                    (_, Some(Ready::Bytes(body))) => {
+                        let t = Instant::now();
+                        self.sink.file(a, &o.name, &body)?;
+                        add_since(&mut out.prepare_s, t);
+                    }
                     _ => {
                         let body = self.fetcher.bytes(o).await?;
+                        let t = Instant::now();
                         self.sink.file(a, &o.name, &body)?;
+                        add_since(&mut out.prepare_s, t);
                     }
                 }
             }
+            let t = Instant::now();
             self.sink.version_done(m)?;
+            add_since(&mut out.prepare_s, t);
         }
         let objects = replay
             .iter()
@@ -583,6 +655,7 @@ impl<S: Sink> Subscriber<S> {
             for o in m.replay_objects() {
                 let body = prefetch.next().await?;
                 out.downloaded += o.size;
+                let t = Instant::now();
                 if o.role == ObjectRole::Delta {
                     let report = match self.sink.delta(*v, &o.name, &body) {
                         Ok(r) => r,
@@ -608,8 +681,11 @@ impl<S: Sink> Subscriber<S> {
                 } else {
                     self.sink.file(*v, &o.name, &body)?;
                 }
+                add_since(&mut out.prepare_s, t);
             }
+            let t = Instant::now();
             self.sink.version_done(m)?;
+            add_since(&mut out.prepare_s, t);
             out.deltas_applied += 1;
         }
         out.changed_tensors = changed.into_iter().collect();
@@ -623,8 +699,13 @@ impl<S: Sink> Subscriber<S> {
         let staged = self.staged.take().ok_or_else(|| {
             Error::BadRequest("no update is staged (stage one first, or it was dropped)".into())
         })?;
+        let t = Instant::now();
         match self.sink.commit() {
-            Ok(p) => Ok(self.committed(staged, p)),
+            Ok(p) => {
+                let mut c = self.committed(staged, p);
+                c.apply_s = t.elapsed().as_secs_f64();
+                Ok(c)
+            }
             Err(e) => {
                 if e.kind() == ErrorKind::Corrupt {
                     self.needs_anchor = true;
@@ -652,6 +733,15 @@ impl<S: Sink> Subscriber<S> {
         out.slot = p.slot;
         out.requests = self.fetcher.requests() - staged.requests;
         out.quarantined = self.quarantined();
+        out.bytes_downloaded = out.downloaded;
+        out.bytes_written = out.written_bytes;
+        if out.from_anchor {
+            // After an anchor any tensor may have changed: all are listed.
+            let mut all = self.sink.held_tensors().unwrap_or_default();
+            all.sort();
+            all.dedup();
+            out.changed_tensors = all;
+        }
         tracing::debug!(
             version = t,
             seconds = staged.started.elapsed().as_secs_f64(),
@@ -725,7 +815,10 @@ impl<S: Sink> Subscriber<S> {
                     break;
                 }
                 tried += 1;
-                let u = match self.plan(t, self.needs_anchor).await {
+                let planning = Instant::now();
+                let planned = self.plan(t, self.needs_anchor).await;
+                let plan_s = planning.elapsed().as_secs_f64();
+                let u = match planned {
                     Ok(Some(u)) => u,
                     // Nothing at or below `t` is newer than what is held.
                     Ok(None) => break,
@@ -745,6 +838,8 @@ impl<S: Sink> Subscriber<S> {
                 match reached {
                     Ok(mut c) => {
                         c.requests = self.fetcher.requests() - requests;
+                        // Planning read the listing and manifests.
+                        c.fetch_s += plan_s;
                         return Ok(Some(c));
                     }
                     Err(e) if repairable(&e) => {
@@ -794,6 +889,25 @@ impl<S: Sink> Subscriber<S> {
                 Instant::now() + wait,
             ),
         );
+    }
+
+    /// Materializes `version` in the output directory `dir` (created) as
+    /// `weightcast subscribe --out DIR` does: a subscriber over the same
+    /// store, with a directory sink of `slots` slots, brought to exactly that
+    /// version ([`Subscriber::catch_up_to`]).
+    pub async fn save_to(
+        &self,
+        dir: &std::path::Path,
+        slots: usize,
+        version: u64,
+    ) -> Result<CaughtUp> {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+        let sink = super::dir::DirSink::open(dir, slots)?;
+        let source = VersionSource::new(Duration::from_secs(1), 0.0);
+        let mut sub = Subscriber::new(self.fetcher.clone(), source, sink);
+        sub.follow(self.log);
+        sub.catch_up_to(version).await
     }
 
     /// Brings the sink to exactly version `target` (committed in the bucket),

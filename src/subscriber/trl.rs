@@ -186,6 +186,7 @@ pub async fn plan(
     };
     Ok(Some(Update {
         version,
+        target: version,
         base,
         plan,
         chain,

@@ -40,6 +40,10 @@ pub struct StepOptions {
 pub struct Update {
     /// The version the update reaches.
     pub version: u64,
+    /// The version planned for: [`Update::version`], or newer when a sink
+    /// that takes one version at a time got the first version of a replay
+    /// (a repair aims here, from this version's anchor).
+    pub target: u64,
     /// The version it applies to (`None`: it starts from an anchor).
     pub base: Option<u64>,
     /// The way there.

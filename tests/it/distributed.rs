@@ -236,6 +236,10 @@ fn moto_env() -> Vec<(String, String)> {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "failpoints"),
+    ignore = "needs --features failpoints (scripts/test.sh enables it)"
+)]
 fn four_ranks_on_moto_survive_a_rank_killed_mid_upload() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let url = "s3://dist4/run".to_string();

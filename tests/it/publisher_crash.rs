@@ -16,7 +16,19 @@ fn publish(
     ckpt: &Path,
     failpoint: Option<&str>,
 ) -> Option<serde_json::Value> {
+    publish_in(url, state, ckpt, failpoint, "auto")
+}
+
+/// `publish` with `--state-mode mode`.
+fn publish_in(
+    url: &str,
+    state: &Path,
+    ckpt: &Path,
+    failpoint: Option<&str>,
+    mode: &str,
+) -> Option<serde_json::Value> {
     let mut c = crate::common::publish_command(url, state, ckpt, failpoint);
+    c.args(["--state-mode", mode]);
     let out = c.output().expect("running weightcast publish");
     if failpoint.is_some() {
         assert!(
@@ -44,12 +56,22 @@ fn checkpoint(g: &Generator, dir: &Path) -> std::path::PathBuf {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "failpoints"),
+    ignore = "needs --features failpoints (scripts/test.sh enables it)"
+)]
 fn a_publisher_killed_at_any_commit_phase_recovers() {
-    for point in [
-        "publisher.before_commit",
-        "publisher.after_commit",
-        "publisher.after_latest",
-    ] {
+    // Both ways of keeping the snapshot: patched in place, or the anchor's
+    // files with the deltas since beside them (the overlay).
+    for (mode, point) in ["in-place", "overlay"].into_iter().flat_map(|m| {
+        [
+            "publisher.before_commit",
+            "publisher.after_commit",
+            "publisher.after_latest",
+            "publisher.before_record",
+        ]
+        .map(|p| (m, p))
+    }) {
         // Versions 0..=4 with anchors at 0 and 3: the crash hits version 2 (a
         // delta) in one run and version 3 (an anchor with bridges) in the next.
         for crash_at in [2u64, 3] {
@@ -66,13 +88,13 @@ fn a_publisher_killed_at_any_commit_phase_recovers() {
                 }
                 let ckpt = checkpoint(&g, &work.path().join(format!("ckpt-{v}")));
                 if v == crash_at {
-                    publish(&url, &state, &ckpt, Some(point));
+                    publish_in(&url, &state, &ckpt, Some(point), mode);
                 }
-                let out = publish(&url, &state, &ckpt, None).unwrap();
+                let out = publish_in(&url, &state, &ckpt, None, mode).unwrap();
                 let committed_before = point != "publisher.before_commit" && v == crash_at;
                 // Committed by the crashed run: the rerun finds the same
                 // content and answers that version; otherwise it commits it.
-                assert_eq!(out["version"], v, "{point} at {crash_at}: {out}");
+                assert_eq!(out["version"], v, "{mode} {point} at {crash_at}: {out}");
                 assert_eq!(
                     out["unchanged"].as_bool().unwrap_or(false),
                     committed_before,
@@ -80,7 +102,10 @@ fn a_publisher_killed_at_any_commit_phase_recovers() {
                 );
                 if !committed_before {
                     let want = if v % 3 == 0 { "anchor" } else { "delta" };
-                    assert_eq!(out["kind"], want, "{point} at {crash_at}, v{v}: {out}");
+                    assert_eq!(
+                        out["kind"], want,
+                        "{mode} {point} at {crash_at}, v{v}: {out}"
+                    );
                 }
                 last = Some(ckpt);
             }

@@ -215,6 +215,10 @@ async fn a_corrupt_origin_object_is_never_relayed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(feature = "failpoints"),
+    ignore = "needs --features failpoints (scripts/test.sh enables it)"
+)]
 async fn a_relay_killed_before_a_commit_resumes_without_recopying() {
     let (origin, _o) = common::local_store();
     let (dest, _d) = common::local_store();

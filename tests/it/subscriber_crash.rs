@@ -359,6 +359,10 @@ fn kill_9_at_any_instant_then_restart_continues_from_a_verified_version() {
 /// incremental update: what is left satisfies the invariants, and the next
 /// run reaches the newest version exactly.
 #[test]
+#[cfg_attr(
+    not(feature = "failpoints"),
+    ignore = "needs --features failpoints (scripts/test.sh enables it)"
+)]
 fn killed_at_every_named_phase_then_restart_converges() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let (store, bucket): (Store, _) = common::local_store();

@@ -70,6 +70,17 @@ impl ErrorKind {
         }
     }
 
+    /// Every kind, in the order of [`EXIT_CODES`].
+    pub const ALL: [ErrorKind; 7] = [
+        ErrorKind::BadRequest,
+        ErrorKind::NotFound,
+        ErrorKind::Unavailable,
+        ErrorKind::Io,
+        ErrorKind::Precondition,
+        ErrorKind::Corrupt,
+        ErrorKind::Config,
+    ];
+
     /// Whether retrying the same operation later can succeed.
     pub fn is_retryable(self) -> bool {
         matches!(self, ErrorKind::Unavailable | ErrorKind::Precondition)
@@ -87,6 +98,72 @@ impl ErrorKind {
             ErrorKind::Io => "io",
         }
     }
+}
+
+/// Exit code of a command line that does not parse, or of a flag value the
+/// command refuses (sysexits.h `EX_USAGE`).
+pub const EXIT_USAGE: i32 = 64;
+
+/// Exit code of a failure no [`ErrorKind`] describes (sysexits.h
+/// `EX_SOFTWARE`): a bug.
+pub const EXIT_SOFTWARE: i32 = 70;
+
+/// Every exit code of the `weightcast` command, the same for every command:
+/// (code, sysexits.h name, when). `README.md` and `weightcast --help` print
+/// this table; the library's [`ErrorKind::exit_code`] gives the codes from 65
+/// up.
+pub const EXIT_CODES: [(i32, &str, &str); 10] = [
+    (0, "", "success"),
+    (
+        EXIT_USAGE,
+        "EX_USAGE",
+        "a flag or argument is wrong (unknown, missing, or a value the command refuses): fix the command line",
+    ),
+    (
+        65,
+        "EX_DATAERR",
+        "the input handed in is invalid (a checkpoint that is not safetensors, a request body): fix it",
+    ),
+    (
+        66,
+        "EX_NOINPUT",
+        "something named does not exist (a local file or directory, a version): check the name",
+    ),
+    (
+        69,
+        "EX_UNAVAILABLE",
+        "the store or a peer (an engine's hook endpoint) is unreachable or failing: retry later",
+    ),
+    (
+        EXIT_SOFTWARE,
+        "EX_SOFTWARE",
+        "an internal error (a bug): report it",
+    ),
+    (74, "EX_IOERR", "local I/O failed (disk full, permissions)"),
+    (
+        75,
+        "EX_TEMPFAIL",
+        "a precondition failed (another writer, a step not newer, ranks that did not meet): resync and retry",
+    ),
+    (
+        76,
+        "EX_PROTOCOL",
+        "data from the bucket is corrupt or fails verification: repair or republish it",
+    ),
+    (
+        78,
+        "EX_CONFIG",
+        "the configuration is wrong (store URL, credentials, a missing bucket, an option): fix it",
+    ),
+];
+
+/// [`EXIT_CODES`] as a text table (what `weightcast --help` ends with).
+pub fn exit_code_table() -> String {
+    let mut out = String::from("Exit codes (the same for every command; sysexits.h):\n");
+    for (code, name, when) in EXIT_CODES {
+        out.push_str(&format!("  {code:>3}  {name:<15} {when}\n"));
+    }
+    out
 }
 
 impl std::fmt::Display for ErrorKind {
@@ -208,8 +285,10 @@ pub enum Error {
         hint: String,
     },
 
-    /// An object-store operation failed.
-    #[error("store {op} `{key}` at `{url}`: {source}{hint}")]
+    /// An object-store operation failed. Its message carries the backend's
+    /// cause chain once (each cause that does not repeat the one before it;
+    /// an XML error body reduced to its code and message), then the hint.
+    #[error("store {op} `{key}` at `{url}`: {}{hint}", chain_text(source.as_ref()))]
     Store {
         /// The operation.
         op: String,
@@ -226,6 +305,12 @@ pub enum Error {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+
+    /// The operation cannot be done now and was not done (the daemon is
+    /// shutting down, a bounded wait ran out); retrying later can succeed.
+    /// The message says what was not done.
+    #[error("unavailable: {0}")]
+    Unavailable(String),
 
     /// A bucket object is larger than the reader accepts for it.
     #[error("object `{key}` is {size} bytes, more than the {max} accepted for it")]
@@ -249,6 +334,76 @@ pub enum Error {
     },
 }
 
+/// Longest text a cause from outside weightcast (a backend, the OS)
+/// contributes to a one-line error message.
+const MAX_CAUSE_CHARS: usize = 400;
+
+/// Reduces an XML error body (S3, GCS, Azure answer with one) to its code
+/// and message, quoted once: `NoSuchBucket: "The specified bucket does not
+/// exist"`. Text without one is returned as is.
+pub fn shorten_xml(text: &str) -> String {
+    let Some(start) = text.find("<?xml").or_else(|| text.find("<Error>")) else {
+        return text.to_string();
+    };
+    let tag = |name: &str| {
+        let open = format!("<{name}>");
+        let close = format!("</{name}>");
+        let from = text[start..].find(&open)? + start + open.len();
+        let to = text[from..].find(&close)? + from;
+        Some(text[from..to].trim().to_string())
+    };
+    let summary = match (tag("Code"), tag("Message")) {
+        (Some(c), Some(m)) => format!("{c}: \"{m}\""),
+        (Some(c), None) => c,
+        (None, Some(m)) => format!("\"{m}\""),
+        (None, None) => "an XML error body".to_string(),
+    };
+    let before = text[..start].trim_end();
+    if before.is_empty() {
+        summary
+    } else {
+        format!("{before} {summary}")
+    }
+}
+
+/// Cuts `text` to [`MAX_CAUSE_CHARS`] characters (on a character boundary).
+fn bounded(text: String) -> String {
+    match text.char_indices().nth(MAX_CAUSE_CHARS) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text,
+    }
+}
+
+/// An error and its causes on one line, each cause once: a cause whose text
+/// the line already holds (an error that prints its source, as most do) adds
+/// nothing, XML bodies are reduced to their code and message
+/// ([`shorten_xml`]), and each cause from outside weightcast is bounded in
+/// length. What the CLI
+/// prints, and what a daemon reports as its last error.
+pub fn one_line(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut line = String::new();
+    let mut cause = Some(e);
+    while let Some(c) = cause {
+        // weightcast's own messages are written whole (what failed, where,
+        // the fix); a backend's text is bounded.
+        let text = shorten_xml(c.to_string().trim());
+        let text = if c.is::<Error>() { text } else { bounded(text) };
+        if !text.is_empty() && !line.contains(&text) {
+            if !line.is_empty() {
+                line.push_str(": ");
+            }
+            line.push_str(&text);
+        }
+        cause = c.source();
+    }
+    line.replace(['\n', '\r'], " ")
+}
+
+/// The cause chain of a backend error, once ([`one_line`]).
+fn chain_text(e: &(dyn std::error::Error + Send + Sync + 'static)) -> String {
+    one_line(e)
+}
+
 impl Error {
     /// What the caller should do about this error.
     pub fn kind(&self) -> ErrorKind {
@@ -268,6 +423,7 @@ impl Error {
             Error::NotFound(_) => ErrorKind::NotFound,
             Error::Conflict(_) => ErrorKind::Precondition,
             Error::Store { kind, .. } => *kind,
+            Error::Unavailable(_) => ErrorKind::Unavailable,
             Error::Io { source, .. } => match source.kind() {
                 std::io::ErrorKind::NotFound => ErrorKind::NotFound,
                 _ => ErrorKind::Io,
@@ -327,6 +483,69 @@ impl Error {
 mod tests {
     use super::*;
 
+    #[derive(Debug)]
+    struct Layer(String, Option<Box<Layer>>);
+    impl std::fmt::Display for Layer {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(&self.0)
+        }
+    }
+    impl std::error::Error for Layer {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.1
+                .as_deref()
+                .map(|l| l as &(dyn std::error::Error + 'static))
+        }
+    }
+
+    #[test]
+    fn a_cause_chain_is_one_line_with_each_cause_once_and_xml_reduced() {
+        let xml = "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>NoSuchBucket</Code>\
+                   <Message>The specified bucket does not exist</Message><BucketName>wieghts\
+                   </BucketName><RequestId>123</RequestId></Error>";
+        let inner = Layer(format!("404 Not Found: {xml}"), None);
+        let middle = Layer(
+            format!("Error performing list in 3ms - 404 Not Found: {xml}"),
+            Some(Box::new(inner)),
+        );
+        let outer = Layer(
+            format!("Generic S3 error: Error performing list in 3ms - 404 Not Found: {xml}"),
+            Some(Box::new(middle)),
+        );
+        let line = one_line(&outer);
+        assert_eq!(line.matches("NoSuchBucket").count(), 1, "{line}");
+        assert_eq!(line.matches("does not exist").count(), 1, "{line}");
+        assert!(!line.contains("<?xml") && !line.contains('\n'), "{line}");
+        assert!(line.len() < 200, "{line}");
+        // A cause that adds something is kept, after what it explains.
+        let e = Layer(
+            "error sending request".into(),
+            Some(Box::new(Layer(
+                "Connection refused (os error 111)".into(),
+                None,
+            ))),
+        );
+        assert_eq!(
+            one_line(&e),
+            "error sending request: Connection refused (os error 111)"
+        );
+        // A store error prints its backend's chain once, then the hint.
+        let e = Error::Store {
+            op: "list".into(),
+            key: "versions/".into(),
+            url: "s3://wieghts/policy".into(),
+            hint: " (the bucket does not exist: create it)".into(),
+            kind: ErrorKind::Config,
+            source: Box::new(outer),
+        };
+        let text = one_line(&e);
+        assert_eq!(text.matches("NoSuchBucket").count(), 1, "{text}");
+        assert!(
+            text.ends_with("(the bucket does not exist: create it)"),
+            "{text}"
+        );
+    }
+
     #[test]
     fn kinds_map_to_distinct_actions() {
         let cases = [
@@ -361,6 +580,17 @@ mod tests {
         let e = Error::Container("bad header".into()).in_input("ckpt/model.safetensors");
         assert_eq!(e.kind(), ErrorKind::BadRequest);
         assert!(e.to_string().contains("ckpt/model.safetensors"), "{e}");
+        // Every kind's code is in the one table, and the table's codes are
+        // distinct.
+        for k in ErrorKind::ALL {
+            assert!(
+                EXIT_CODES.iter().any(|(c, _, _)| *c == k.exit_code()),
+                "{k}"
+            );
+        }
+        let mut codes: Vec<i32> = EXIT_CODES.iter().map(|c| c.0).collect();
+        codes.dedup();
+        assert_eq!(codes.len(), EXIT_CODES.len());
         // Transient I/O passes through.
         let e = Error::io("x", std::io::Error::other("eio")).in_input("f");
         assert_eq!(e.kind(), ErrorKind::Io);

@@ -62,6 +62,12 @@ pub mod keys {
     /// 16 hex digits (`compact2` deltas made with context): the checksum of
     /// the context's members.
     pub const CONTEXT_CHECKSUM: &str = "weightcast.context_checksum";
+    /// JSON object of strings: the `__metadata__` a `full` anchor of the
+    /// version a delta produces would carry, less its `weightcast.*` keys
+    /// (the checkpoint file's own keys, and `format=pt`), on every delta; a
+    /// reader's output takes it in place of the base's (docs/format.md §6).
+    /// Anchors carry these keys as plain metadata instead.
+    pub const METADATA: &str = "weightcast.metadata";
 }
 
 /// Anchor (full weights) or delta (changed elements only).

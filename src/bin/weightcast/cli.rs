@@ -3,9 +3,22 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 use clap::{Parser, Subcommand};
 use weightcast::format::{Encoding, TrlGeneration, TrlIndexEncoding, TrlOptions};
+
+/// A command line the command refuses after the parser accepted it (a
+/// combination of flags): exit code 64, as the parser's own refusals.
+#[derive(Debug)]
+pub struct Usage(pub String);
+
+impl std::fmt::Display for Usage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Usage {}
 
 #[derive(Parser)]
 #[command(
@@ -23,6 +36,10 @@ pub struct Cli {
         default_value = "text"
     )]
     pub log_format: LogFormat,
+    /// Print JSON output indented over several lines (default: one line per
+    /// report, for scripts and log pipelines).
+    #[arg(long, global = true)]
+    pub pretty: bool,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -45,10 +62,10 @@ pub enum Command {
         #[arg(long, default_value_t = 8)]
         steps: u64,
         /// An anchor every N versions.
-        #[arg(long, default_value_t = 5)]
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
         anchor_every: u64,
-        /// Delta encoding: compact or trl.
-        #[arg(long, default_value = "compact")]
+        /// Delta encoding.
+        #[arg(long, default_value = "compact", value_parser = delta_encoding())]
         encoding: Encoding,
         /// Print the report as one JSON line at the end.
         #[arg(long)]
@@ -70,8 +87,8 @@ pub enum Command {
         /// Where to write the delta.
         #[arg(long)]
         out: PathBuf,
-        /// compact (default) or trl.
-        #[arg(long, default_value = "compact")]
+        /// Delta encoding.
+        #[arg(long, default_value = "compact", value_parser = delta_encoding())]
         encoding: Encoding,
         /// With --encoding trl: TRL's layout generation, v1 (.indices/.values,
         /// changed_params) or v3 (.idx/.val).
@@ -129,6 +146,12 @@ pub enum Command {
         /// Only checkpoints under this directory may be published.
         #[arg(long)]
         checkpoint_root: PathBuf,
+        /// On SIGTERM/SIGINT: seconds a publish in flight may go on (new
+        /// requests are answered 503 meanwhile); after it, a publish that has
+        /// not begun its commit is stopped (503, nothing committed) and one
+        /// committing is finished.
+        #[arg(long, default_value_t = 30.0, value_parser = non_negative_seconds)]
+        shutdown_grace: f64,
         #[command(flatten)]
         ranks: RankOpts,
         #[command(flatten)]
@@ -147,15 +170,15 @@ pub enum Command {
         #[arg(long)]
         once: bool,
         /// Seconds between polls.
-        #[arg(long, default_value_t = 5.0)]
+        #[arg(long, default_value_t = 5.0, value_parser = positive_seconds)]
         poll_interval: f64,
         /// Random spread of each poll interval, as a fraction of it (0.1:
         /// ±10%), so that a fleet started together does not poll in lockstep.
-        #[arg(long, default_value_t = 0.1)]
+        #[arg(long, default_value_t = 0.1, value_parser = fraction)]
         poll_jitter: f64,
-        /// Output slots (2 or more): a version's files stay untouched until
+        /// Output slots (2 to 26): a version's files stay untouched until
         /// this many minus one newer versions were switched in.
-        #[arg(long, default_value_t = 2)]
+        #[arg(long, default_value_t = 2, value_parser = slots)]
         slots: usize,
         /// Serve /v1/notify, /v1/status, /healthz and /metrics on this address.
         #[arg(long)]
@@ -164,9 +187,9 @@ pub enum Command {
         /// /v1/notify refuses everything.
         #[arg(long, env = "WEIGHTCAST_NOTIFY_KEY", hide_env_values = true)]
         notify_key: Option<String>,
-        /// Register in the bucket under this id (so publishers find and notify
-        /// it, and `weightcast status` lists it).
-        #[arg(long)]
+        /// Register in the bucket under this id, [A-Za-z0-9._-]{1,128} (so
+        /// publishers find and notify it, and `weightcast status` lists it).
+        #[arg(long, value_parser = subscriber_id)]
         id: Option<String>,
         /// The notify URL to register (default: http://<listen>/v1/notify;
         /// required with --id when --listen is 0.0.0.0 or [::]).
@@ -178,17 +201,37 @@ pub enum Command {
         hooks: Vec<weightcast::hooks::Hook>,
         /// Per-request timeout of the hooks, seconds (a reload of a large
         /// model takes minutes).
-        #[arg(long, default_value_t = 600.0)]
+        #[arg(long, default_value_t = 600.0, value_parser = positive_seconds)]
         hook_timeout: f64,
         /// Total time one hook may take, retries with backoff included,
         /// seconds; after it the engine has not confirmed the version: the
         /// previous version's files stay untouched and the hooks run again.
-        #[arg(long, default_value_t = 1800.0)]
+        #[arg(long, default_value_t = 1800.0, value_parser = positive_seconds)]
         hook_budget: f64,
-        /// SGLang's pause mode for the sglang hook: abort, retract (requests
-        /// kept, their KV cache recomputed with the new weights) or in_place.
-        #[arg(long, default_value = "retract")]
+        /// SGLang's pause mode for the sglang hook: abort (requests in flight
+        /// aborted; the update flushes the cache), retract (requests requeued
+        /// and recomputed) or in_place (requests keep their KV cache); after
+        /// retract and in_place the update does not flush the cache, which
+        /// would crash SGLang's scheduler with requests in flight.
+        #[arg(long, default_value = "abort")]
         sglang_pause_mode: weightcast::hooks::SglangPause,
+        /// vLLM's pause mode for the vllm hook: auto (keep where the server's
+        /// /openapi.json lists it, else wait), keep, wait or abort.
+        #[arg(long, default_value = "auto")]
+        vllm_pause_mode: weightcast::hooks::VllmPause,
+        /// Bearer token for the vllm hook (vLLM started with --api-key);
+        /// prefer the environment variable.
+        #[arg(long, env = "WEIGHTCAST_VLLM_API_KEY", hide_env_values = true)]
+        vllm_api_key: Option<String>,
+        /// Bearer token for the sglang hook (SGLang started with --api-key or
+        /// --admin-api-key); prefer the environment variable.
+        #[arg(long, env = "WEIGHTCAST_SGLANG_API_KEY", hide_env_values = true)]
+        sglang_api_key: Option<String>,
+        /// The largest object read from the bucket, in memory or into a file
+        /// (e.g. 64G, 512M, or bytes): an object a manifest declares larger
+        /// is refused before any request, naming it.
+        #[arg(long, default_value = "64G", value_parser = byte_size)]
+        max_object_size: u64,
         /// No download progress bar (it is drawn only when stderr is a
         /// terminal).
         #[arg(long, short)]
@@ -217,7 +260,7 @@ pub enum Command {
         #[arg(long)]
         once: bool,
         /// Seconds between polls of the origin.
-        #[arg(long, default_value_t = 5.0)]
+        #[arg(long, default_value_t = 5.0, value_parser = positive_seconds)]
         interval: f64,
         /// Subscriber notify URL of the region (repeatable), besides those
         /// registered in the destination.
@@ -234,12 +277,16 @@ pub enum Command {
         /// Retention at the destination after each relayed anchor: keep this
         /// many anchors, plus what the region's registered lagging subscribers
         /// still replay (off when absent; the origin is never touched).
-        #[arg(long)]
+        #[arg(long, value_parser = at_least_one)]
         keep_anchors: Option<usize>,
         /// With --keep-anchors: registrations older than this many seconds pin
         /// nothing (0: ignore registrations).
         #[arg(long, default_value_t = 86400)]
         registration_max_age: u64,
+        /// The largest object copied (e.g. 64G, 512M, or bytes): an origin
+        /// object its manifest declares larger is refused before any read.
+        #[arg(long, default_value = "64G", value_parser = byte_size)]
+        max_object_size: u64,
     },
     /// Retention: keep the newest K anchors and every version after the oldest
     /// of them, plus the deltas registered lagging subscribers still replay;
@@ -261,6 +308,19 @@ pub enum Command {
         #[arg(long, env = "WEIGHTCAST_STORE")]
         store: String,
     },
+    /// Verify local state in full, whatever its stamps say: a publisher's
+    /// --state (every snapshot file's digests, the overlay) and/or a
+    /// subscriber's --out (every slot recorded clean). What does not verify
+    /// stops being trusted: the next version is an anchor, the slot is
+    /// rebuilt. Prints one JSON line; non-zero if anything failed.
+    Verify {
+        /// A publisher's state directory.
+        #[arg(long, required_unless_present = "out")]
+        state: Option<PathBuf>,
+        /// A subscriber's output directory.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Print the header of an anchor or delta object as JSON.
     Inspect {
         /// The object.
@@ -276,7 +336,7 @@ pub enum Command {
 #[derive(clap::Args)]
 pub struct RetentionOpts {
     /// Anchors to keep (with every version after the oldest of them).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = at_least_one)]
     pub keep_anchors: usize,
     /// Keep what a registered subscriber behind the kept anchors needs to
     /// replay, if its registration is at most this many seconds old (0: ignore
@@ -293,7 +353,7 @@ impl RetentionOpts {
 
 pub fn retention(keep_anchors: usize, max_age: u64) -> Result<weightcast::protocol::Retention> {
     if keep_anchors == 0 {
-        bail!("--keep-anchors must be at least 1");
+        return Err(Usage("--keep-anchors must be at least 1".into()).into());
     }
     Ok(weightcast::protocol::Retention {
         keep_anchors,
@@ -324,7 +384,9 @@ impl RankOpts {
     pub fn distributed(&self) -> Result<Option<weightcast::publisher::Distributed>> {
         Ok(match (self.rank, self.world) {
             (0, 1) => None,
-            (rank, 1) => bail!("--rank {rank} needs --world (2 or more ranks)"),
+            (rank, 1) => {
+                return Err(Usage(format!("--rank {rank} needs --world (2 or more ranks)")).into());
+            }
             (rank, world) => Some(weightcast::publisher::Distributed {
                 timeout: std::time::Duration::from_secs(self.rank_timeout),
                 ..weightcast::publisher::Distributed::new(rank, world)?
@@ -344,8 +406,16 @@ pub struct PublishOpts {
     /// Publisher state directory (the snapshot of the last committed version).
     #[arg(long, env = "WEIGHTCAST_STATE", default_value = "weightcast-state")]
     pub state: PathBuf,
-    /// Delta encoding: compact or trl.
-    #[arg(long, default_value = "compact")]
+    /// How the snapshot in --state follows the versions: in-place (each
+    /// delta patched into its files: on a disk, every page a version changes
+    /// is written back), overlay (the files stay as the last anchor wrote
+    /// them, the deltas since are kept beside them and applied in memory:
+    /// the disk writes the delta), or auto (in-place on tmpfs and ramfs,
+    /// overlay elsewhere).
+    #[arg(long, default_value = "auto")]
+    pub state_mode: weightcast::publisher::StateMode,
+    /// Delta encoding.
+    #[arg(long, default_value = "compact", value_parser = delta_encoding())]
     pub encoding: Encoding,
     /// How anchors are stored: planes (byte planes + zstd, ~1.5x smaller on
     /// bf16) or raw (a loadable safetensors file).
@@ -365,7 +435,7 @@ pub struct PublishOpts {
     #[arg(long, default_value = "gap_delta")]
     pub trl_index: TrlIndexEncoding,
     /// An anchor at least every N versions.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     pub anchor_every: u64,
     /// Accept a store that ignores conditional writes: you guarantee that
     /// exactly one publisher writes this prefix.
@@ -379,7 +449,7 @@ pub struct PublishOpts {
     pub notify_key: Option<String>,
     /// Automatic retention after each anchor: keep this many anchors, plus what
     /// registered lagging subscribers still replay (off when absent).
-    #[arg(long)]
+    #[arg(long, value_parser = at_least_one)]
     pub keep_anchors: Option<usize>,
     /// With --keep-anchors: registrations older than this many seconds pin
     /// nothing (0: ignore registrations).
@@ -445,14 +515,12 @@ impl PublishOpts {
         ranks: &RankOpts,
     ) -> Result<weightcast::publisher::Publisher> {
         let distributed = ranks.distributed()?;
-        if self.anchor_every == 0 {
-            bail!("--anchor-every must be at least 1");
-        }
         if self.layout == weightcast::protocol::Layout::Trl && self.encoding != Encoding::Trl {
             // TRL's layout holds TRL deltas: --layout trl implies the encoding.
             tracing::debug!("--layout trl: deltas are TRL-encoded");
         }
         let mut store = weightcast::store::Store::open(&self.store)?;
+        store.check_contact().await?;
         if progress {
             store = store.with_progress(std::sync::Arc::new(Bars::new("uploading")));
         }
@@ -486,6 +554,7 @@ impl PublishOpts {
                 index: self.trl_index,
             },
             distributed,
+            state_mode: self.state_mode,
         };
         Ok(weightcast::publisher::Publisher::open(store, cfg).await?)
     }
@@ -504,8 +573,8 @@ pub enum BenchWhat {
         /// Generator learning rate.
         #[arg(long, default_value_t = 3e-6)]
         lr: f32,
-        /// Encodings, comma separated.
-        #[arg(long, default_value = "compact,trl", value_delimiter = ',')]
+        /// Delta encodings, comma separated.
+        #[arg(long, default_value = "compact,trl", value_delimiter = ',', value_parser = delta_encoding())]
         encodings: Vec<Encoding>,
         /// Worker threads (default: all cores).
         #[arg(long)]
@@ -547,6 +616,134 @@ pub enum BenchWhat {
     },
 }
 
+/// A delta encoding: `compact` or `trl` (the anchor encodings `full` and
+/// `planes` are no delta encodings: the parser lists the possible values).
+pub fn delta_encoding() -> impl clap::builder::TypedValueParser<Value = Encoding> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(["compact", "trl"])
+        .map(|s| s.parse::<Encoding>().expect("a possible value parses"))
+}
+
+/// A number of seconds above 0.
+fn positive_seconds(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v > 0.0 && v.is_finite() && v < 1e9 => Ok(v),
+        _ => Err(format!(
+            "`{s}` is not a number of seconds above 0 (e.g. 5, 0.5)"
+        )),
+    }
+}
+
+/// A number of seconds, 0 or more.
+fn non_negative_seconds(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v >= 0.0 && v.is_finite() && v < 1e9 => Ok(v),
+        _ => Err(format!(
+            "`{s}` is not a number of seconds, 0 or more (e.g. 30)"
+        )),
+    }
+}
+
+/// A fraction between 0 and 1.
+fn fraction(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        _ => Err(format!(
+            "`{s}` is not a fraction between 0 and 1 (e.g. 0.1)"
+        )),
+    }
+}
+
+/// A count of 1 or more.
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(v) if v >= 1 => Ok(v),
+        _ => Err(format!("`{s}` is not a count of 1 or more")),
+    }
+}
+
+/// Output slots: 2 to 26.
+fn slots(s: &str) -> Result<usize, String> {
+    let max = weightcast::subscriber::MAX_SLOTS;
+    match s.trim().parse::<usize>() {
+        Ok(v) if (2..=max).contains(&v) => Ok(v),
+        _ => Err(format!("`{s}` is not a number of slots from 2 to {max}")),
+    }
+}
+
+/// A registration id: `[A-Za-z0-9._-]{1,128}`, not starting with a dot.
+fn subscriber_id(s: &str) -> Result<String, String> {
+    if weightcast::protocol::valid_id(s) {
+        Ok(s.to_string())
+    } else {
+        Err(format!(
+            "`{s}` is not a subscriber id: use 1 to 128 of A-Z a-z 0-9 . _ - (not starting \
+             with a dot), e.g. the pod or host name"
+        ))
+    }
+}
+
+/// Checks across flags the parser cannot check one flag at a time; the error
+/// is a usage error, as the parser's.
+pub fn validate(cli: &Cli) -> Result<(), clap::Error> {
+    use clap::CommandFactory;
+    let fail = |kind, msg: String| Err(Cli::command().error(kind, msg));
+    match &cli.command {
+        Command::Relay {
+            from,
+            to,
+            from_option,
+            to_option,
+            ..
+        } if same_store(from, to) && from_option == to_option => fail(
+            clap::error::ErrorKind::ArgumentConflict,
+            format!(
+                "--from and --to are the same store (`{from}`): a relay copies from an origin \
+                 into another prefix (or another endpoint: --to-option aws_endpoint=...)"
+            ),
+        ),
+        Command::Publish { ranks, .. } | Command::Publisher { ranks, .. }
+            if ranks.world == 0 || ranks.rank >= ranks.world =>
+        {
+            fail(
+                clap::error::ErrorKind::ValueValidation,
+                format!(
+                    "--rank {} --world {}: the rank must be below the number of ranks (0..{})",
+                    ranks.rank, ranks.world, ranks.world
+                ),
+            )
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Whether two store URLs name the same store and prefix (case of the
+/// scheme and host, trailing slashes and `.`/`..` segments aside).
+pub fn same_store(a: &str, b: &str) -> bool {
+    fn norm(u: &str) -> String {
+        match url::Url::parse(u.trim()) {
+            Ok(p) => {
+                let path = match p.scheme() {
+                    "file" => p
+                        .to_file_path()
+                        .map(|f| std::fs::canonicalize(&f).unwrap_or(f).display().to_string())
+                        .unwrap_or_else(|_| p.path().to_string()),
+                    _ => p.path().to_string(),
+                };
+                format!(
+                    "{}://{}{}/{}",
+                    p.scheme().to_ascii_lowercase(),
+                    p.host_str().unwrap_or("").to_ascii_lowercase(),
+                    p.port().map(|n| format!(":{n}")).unwrap_or_default(),
+                    path.trim_matches('/')
+                )
+            }
+            Err(_) => u.trim().trim_end_matches('/').to_string(),
+        }
+    }
+    norm(a) == norm(b)
+}
+
 /// A `KEY=VALUE` store option.
 fn key_value(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
@@ -554,5 +751,41 @@ fn key_value(s: &str) -> Result<(String, String), String> {
         _ => Err(format!(
             "`{s}` is not KEY=VALUE (e.g. aws_endpoint=http://127.0.0.1:9000)"
         )),
+    }
+}
+
+/// A size in bytes: a number, optionally with a binary suffix `K`, `M`, `G`
+/// or `T` (KiB, MiB, GiB, TiB; `KiB`… and `KB`… read the same).
+pub fn byte_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (n, unit) = t.split_at(digits);
+    let shift = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 0,
+        "K" | "KB" | "KIB" => 10,
+        "M" | "MB" | "MIB" => 20,
+        "G" | "GB" | "GIB" => 30,
+        "T" | "TB" | "TIB" => 40,
+        _ => return Err(format!("`{s}` is not a size (e.g. 64G, 512M, 1073741824)")),
+    };
+    n.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(1 << shift))
+        .filter(|n| *n > 0)
+        .ok_or_else(|| format!("`{s}` is not a size above 0 (e.g. 64G, 512M, 1073741824)"))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn sizes_parse_with_binary_suffixes() {
+        use super::byte_size;
+        assert_eq!(byte_size("1024"), Ok(1024));
+        assert_eq!(byte_size("64G"), Ok(64 << 30));
+        assert_eq!(byte_size("512MiB"), Ok(512 << 20));
+        assert_eq!(byte_size("2t"), Ok(2 << 40));
+        for bad in ["", "0", "G", "1.5G", "12X", "99999999999T"] {
+            assert!(byte_size(bad).is_err(), "{bad}");
+        }
     }
 }

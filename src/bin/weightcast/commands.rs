@@ -4,6 +4,10 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+/// The allocator, counted, so `bench` can report peak heap use.
+#[global_allocator]
+static ALLOC: peak_alloc::PeakAlloc = peak_alloc::PeakAlloc;
+
 use anyhow::{Context, Result, bail};
 use weightcast::bench::{BenchConfig, MemProbe};
 use weightcast::codec::{self, DeltaOptions};
@@ -67,14 +71,20 @@ pub async fn run(command: Command) -> Result<()> {
             ranks,
             opts,
         } => {
+            // A missing checkpoint fails before the store is contacted.
+            let meta = std::fs::metadata(&checkpoint);
+            if let Err(e) = meta {
+                return Err(weightcast::Error::io(
+                    format!("checkpoint {}", checkpoint.display()),
+                    e,
+                )
+                .into());
+            }
             let mut p = opts.open(!quiet, &ranks).await?;
             let opts = weightcast::publisher::PublishOptions { step };
             let cp = weightcast::publisher::Checkpoint::open(&checkpoint, p.checkpoint_options())?;
             // The process exits next: its notifications are waited for.
-            emit(serde_json::to_string(
-                &p.publish_and_notify(cp, &opts).await?,
-            )?);
-            Ok(())
+            emit_json(&p.publish_and_notify(cp, &opts).await?)
         }
         Command::Subscribe {
             store,
@@ -91,21 +101,18 @@ pub async fn run(command: Command) -> Result<()> {
             hook_timeout,
             hook_budget,
             sglang_pause_mode,
+            vllm_pause_mode,
+            vllm_api_key,
+            sglang_api_key,
+            max_object_size,
             quiet,
         } => {
-            let seconds = |v: f64, flag: &str| -> Result<std::time::Duration> {
-                if v > 0.0 && v.is_finite() {
-                    Ok(std::time::Duration::from_secs_f64(v))
-                } else {
-                    bail!("{flag} must be a positive number of seconds")
-                }
-            };
-            if !(poll_interval > 0.0 && poll_interval.is_finite()) {
-                bail!("--poll-interval must be a positive number of seconds");
-            }
-            if !(0.0..=1.0).contains(&poll_jitter) {
-                bail!("--poll-jitter must be a fraction between 0 and 1");
-            }
+            // The parser checked the values (positive seconds, a fraction).
+            let seconds = std::time::Duration::from_secs_f64;
+            // Hooks, webhooks, the environment and the status name DIR by
+            // its absolute path: an engine may run elsewhere.
+            let out = std::path::absolute(&out)
+                .map_err(|e| weightcast::Error::io(format!("resolving {}", out.display()), e))?;
             let mut cfg = weightcast::subscriber::DaemonConfig::new(&out);
             cfg.slots = slots;
             cfg.poll_interval = std::time::Duration::from_secs_f64(poll_interval);
@@ -113,13 +120,18 @@ pub async fn run(command: Command) -> Result<()> {
             cfg.id = id;
             cfg.hooks = hooks;
             cfg.hook_policy = weightcast::hooks::HookPolicy {
-                timeout: seconds(hook_timeout, "--hook-timeout")?,
-                budget: seconds(hook_budget, "--hook-budget")?,
+                timeout: seconds(hook_timeout),
+                budget: seconds(hook_budget),
                 sglang_pause: sglang_pause_mode,
+                vllm_pause: vllm_pause_mode,
+                vllm_api_key: vllm_api_key.and_then(weightcast::hooks::ApiKey::new),
+                sglang_api_key: sglang_api_key.and_then(weightcast::hooks::ApiKey::new),
                 ..Default::default()
             };
             cfg.notify_url = advertise;
-            let mut store = weightcast::store::Store::open(&store)?;
+            let mut store =
+                weightcast::store::Store::open(&store)?.with_max_object_size(max_object_size);
+            store.check_contact().await?;
             if !quiet {
                 store = store.with_download_progress(std::sync::Arc::new(crate::cli::Bars::new(
                     "downloading",
@@ -135,9 +147,11 @@ pub async fn run(command: Command) -> Result<()> {
             listen,
             token,
             checkpoint_root,
+            shutdown_grace,
             ranks,
             opts,
         } => {
+            let grace = std::time::Duration::from_secs_f64(shutdown_grace);
             // First, so a signal during start-up is honoured once it is up
             // instead of killing the process half-way through opening.
             let stop = shutdown()?;
@@ -151,9 +165,25 @@ pub async fn run(command: Command) -> Result<()> {
             )?;
             let listener = tokio::net::TcpListener::bind(listen)
                 .await
-                .with_context(|| format!("binding {listen}"))?;
+                .map_err(|e| weightcast::Error::io(format!("binding {listen}"), e))?;
             tracing::info!(addr = %listener.local_addr()?, "serving POST /v1/publish");
-            weightcast::http::publisher::serve(listener, shared, stop).await?;
+            weightcast::http::publisher::serve_with_grace(listener, shared.clone(), stop, grace)
+                .await?;
+            // Notifications of the last versions may still be on their way.
+            let mut p = shared.publisher.lock().await;
+            let pending = p.notifications_in_flight();
+            if pending > 0 {
+                let wait = grace.max(std::time::Duration::from_secs(1));
+                match tokio::time::timeout(wait, p.notifications_settled()).await {
+                    Ok(acknowledged) => tracing::info!(acknowledged, "notifications sent"),
+                    Err(_) => tracing::warn!(
+                        abandoned = p.notifications_in_flight(),
+                        "shutdown: abandoning notifications still being sent; those \
+                         subscribers find the version at their next poll"
+                    ),
+                }
+            }
+            tracing::info!("stopped");
             Ok(())
         }
         Command::Relay {
@@ -168,10 +198,8 @@ pub async fn run(command: Command) -> Result<()> {
             listen,
             keep_anchors,
             registration_max_age,
+            max_object_size,
         } => {
-            if !(interval > 0.0 && interval.is_finite()) {
-                bail!("--interval must be a positive number of seconds");
-            }
             let key = notify_key
                 .as_deref()
                 .map(weightcast::notify::Key::new)
@@ -192,8 +220,10 @@ pub async fn run(command: Command) -> Result<()> {
                     .collect();
                 weightcast::store::Store::open_with(url, &o)
             };
-            let from = open(&from, &from_option)?;
+            let from = open(&from, &from_option)?.with_max_object_size(max_object_size);
             let to = open(&to, &to_option)?;
+            from.check_contact().await?;
+            to.check_contact().await?;
             relay(
                 weightcast::relay::Relay::new(from, to, cfg),
                 once,
@@ -204,10 +234,8 @@ pub async fn run(command: Command) -> Result<()> {
         }
         Command::Status { store } => {
             let store = weightcast::store::Store::open(&store)?;
-            emit(serde_json::to_string_pretty(
-                &weightcast::protocol::fleet(&store).await?,
-            )?);
-            Ok(())
+            store.check_contact().await?;
+            emit_json(&weightcast::protocol::fleet(&store).await?)
         }
         Command::Gc {
             store,
@@ -216,12 +244,13 @@ pub async fn run(command: Command) -> Result<()> {
         } => {
             let retention = retention.retention()?;
             let store = weightcast::store::Store::open(&store)?;
+            store.check_contact().await?;
             let collected =
                 weightcast::protocol::collect_garbage(&store, &retention, dry_run).await?;
-            emit(serde_json::to_string(&collected)?);
-            Ok(())
+            emit_json(&collected)
         }
         Command::Inspect { path, full } => inspect(&path, full),
+        Command::Verify { state, out } => verify(state.as_deref(), out.as_deref()),
     }
 }
 
@@ -235,7 +264,7 @@ async fn relay(
 ) -> Result<()> {
     if once {
         let report = relay.sync_once().await?;
-        emit(serde_json::to_string(&report)?);
+        emit_json(&report)?;
         relay.notifications_settled().await;
         return Ok(());
     }
@@ -244,7 +273,7 @@ async fn relay(
     if let Some(addr) = listen {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
-            .with_context(|| format!("binding {addr}"))?;
+            .map_err(|e| weightcast::Error::io(format!("binding {addr}"), e))?;
         tracing::info!(addr = %listener.local_addr()?, "serving /v1/notify");
         tokio::spawn(weightcast::http::subscriber::serve(
             listener,
@@ -258,11 +287,11 @@ async fn relay(
                 s.version = rep.destination;
             }
             // What changed the destination: versions relayed, or repaired.
-            if !rep.versions.is_empty()
+            let changed = !rep.versions.is_empty()
                 || !rep.repaired_versions.is_empty()
-                || !rep.repaired_objects.is_empty()
-            {
-                emit(serde_json::to_string(rep).unwrap_or_default());
+                || !rep.repaired_objects.is_empty();
+            if changed && let Err(e) = emit_json(rep) {
+                tracing::warn!(error = %e, "cannot print the relay's report");
             }
         }
         Err(e) => {
@@ -274,6 +303,21 @@ async fn relay(
         }
     };
     relay.run(&shared.wake, on_sync, stop).await;
+    Ok(())
+}
+
+/// Whether JSON output is indented (`--pretty`); one line per report
+/// otherwise.
+pub static PRETTY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Prints a report as JSON on stdout: one line, or indented with `--pretty`.
+pub fn emit_json(value: &impl serde::Serialize) -> Result<()> {
+    let text = if PRETTY.load(std::sync::atomic::Ordering::Relaxed) {
+        serde_json::to_string_pretty(value)?
+    } else {
+        serde_json::to_string(value)?
+    };
+    emit(text);
     Ok(())
 }
 
@@ -307,9 +351,6 @@ fn shutdown() -> Result<impl std::future::Future<Output = ()> + Send + 'static> 
 }
 
 async fn demo_command(dir: Option<PathBuf>, mut cfg: DemoConfig, json: bool) -> Result<()> {
-    if cfg.anchor_every == 0 {
-        bail!("--anchor-every must be at least 1");
-    }
     let tmp;
     cfg.dir = match dir {
         Some(d) => d,
@@ -342,7 +383,7 @@ async fn demo_command(dir: Option<PathBuf>, mut cfg: DemoConfig, json: bool) -> 
     };
     if json {
         eprintln!("{summary}\n{verdict}");
-        emit(serde_json::to_string(&report)?);
+        emit_json(&report)?;
     } else {
         emit(summary);
         emit(verdict);
@@ -358,13 +399,13 @@ struct AllocProbe;
 
 impl MemProbe for AllocProbe {
     fn current(&self) -> u64 {
-        crate::ALLOC.current_usage() as u64
+        ALLOC.current_usage() as u64
     }
     fn peak(&self) -> u64 {
-        crate::ALLOC.peak_usage() as u64
+        ALLOC.peak_usage() as u64
     }
     fn reset_peak(&self) {
-        crate::ALLOC.reset_peak_usage();
+        ALLOC.reset_peak_usage();
     }
 }
 
@@ -382,7 +423,7 @@ fn set_threads(threads: Option<usize>) -> Result<()> {
 fn write_json(path: Option<PathBuf>, value: &impl serde::Serialize) -> Result<()> {
     if let Some(p) = path {
         std::fs::write(&p, serde_json::to_vec_pretty(value)?)
-            .with_context(|| format!("writing {}", p.display()))?;
+            .map_err(|e| weightcast::Error::io(format!("writing {}", p.display()), e))?;
     }
     Ok(())
 }
@@ -452,23 +493,22 @@ fn diff(base: &Path, new: &Path, out: &Path, opts: &DeltaOptions) -> Result<()> 
     let base_set = TensorSet::read(base, Digests::Compute)?;
     let mut new_set = TensorSet::read(new, Digests::Skip)?;
     let (bytes, summary) = codec::encode_delta(&base_set, &mut new_set, opts)?;
-    std::fs::write(out, bytes).with_context(|| format!("writing {}", out.display()))?;
-    emit(serde_json::to_string(&summary)?);
-    Ok(())
+    std::fs::write(out, bytes)
+        .map_err(|e| weightcast::Error::io(format!("writing {}", out.display()), e))?;
+    emit_json(&summary)
 }
 
 fn apply(base: &Path, delta: &Path, out: &Path) -> Result<()> {
     let mut set = TensorSet::read(base, Digests::Compute)?;
-    let bytes = std::fs::read(delta).with_context(|| format!("reading {}", delta.display()))?;
+    let bytes = std::fs::read(delta)
+        .map_err(|e| weightcast::Error::io(format!("reading {}", delta.display()), e))?;
     let report = codec::apply_delta(&mut set, &bytes)?;
     let version = report.model_version.unwrap_or(0);
-    let mut f = std::io::BufWriter::new(
-        std::fs::File::create(out).with_context(|| format!("creating {}", out.display()))?,
-    );
+    let io = |e| weightcast::Error::io(format!("writing {}", out.display()), e);
+    let mut f = std::io::BufWriter::new(std::fs::File::create(out).map_err(io)?);
     codec::write_anchor(&set, version, &mut f)?;
-    f.flush()?;
-    emit(serde_json::to_string(&report)?);
-    Ok(())
+    f.flush().map_err(io)?;
+    emit_json(&report)
 }
 
 /// One iteration of the daemon: verify (and repair) the output, catch up,
@@ -480,16 +520,22 @@ async fn subscribe_once(
     match weightcast::subscriber::once(store, cfg).await? {
         Some((c, report)) => {
             if report.failed > 0 {
-                bail!(
-                    "{} hook(s) failed after switching to version {}",
+                // The engine (a peer) did not confirm: EX_UNAVAILABLE.
+                return Err(weightcast::Error::Unavailable(format!(
+                    "{} hook(s) failed after switching to version {}: {}",
                     report.failed,
-                    c.version
-                );
+                    c.version,
+                    report.error().unwrap_or_default()
+                ))
+                .into());
             }
-            emit(serde_json::to_string(&c)?);
-            Ok(())
+            emit_json(&c)
         }
-        None => bail!("the bucket has no committed version yet"),
+        None => Err(weightcast::Error::NotFound(format!(
+            "the bucket `{}` has no committed version yet (publish one first)",
+            store.url()
+        ))
+        .into()),
     }
 }
 
@@ -506,7 +552,7 @@ async fn subscribe_daemon(
     if let Some(addr) = listen {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
-            .with_context(|| format!("binding {addr}"))?;
+            .map_err(|e| weightcast::Error::io(format!("binding {addr}"), e))?;
         let bound = listener.local_addr()?;
         if cfg.id.is_some() && cfg.notify_url.is_none() {
             cfg.notify_url = Some(weightcast::notify::default_notify_url(bound)?);
@@ -526,9 +572,32 @@ async fn subscribe_daemon(
     Ok(())
 }
 
+/// `verify`: the publisher's state and/or the subscriber's output, in full.
+fn verify(state: Option<&Path>, out: Option<&Path>) -> Result<()> {
+    let mut report = serde_json::Map::new();
+    let mut ok = true;
+    if let Some(dir) = state {
+        let v = weightcast::publisher::state::Snapshot::verify(dir)?;
+        ok &= v.ok;
+        report.insert("state".into(), serde_json::to_value(&v)?);
+    }
+    if let Some(dir) = out {
+        let slots = weightcast::subscriber::DirSink::verify(dir)?;
+        ok &= slots.iter().all(|s| s.ok);
+        report.insert("out".into(), serde_json::to_value(&slots)?);
+    }
+    report.insert("ok".into(), ok.into());
+    emit(serde_json::to_string(&report)?);
+    if !ok {
+        bail!("local state does not verify (see the report); it is no longer trusted");
+    }
+    Ok(())
+}
+
 /// The header of an anchor or delta object: a summary, or every key (`full`).
 fn inspect(path: &Path, full: bool) -> Result<()> {
-    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let bytes = std::fs::read(path)
+        .map_err(|e| weightcast::Error::io(format!("reading {}", path.display()), e))?;
     let (meta, header) = codec::inspect(&bytes)?;
     if !full {
         let mut out = serde_json::Map::new();
@@ -567,8 +636,7 @@ fn inspect(path: &Path, full: bool) -> Result<()> {
         if !other.is_empty() {
             out.insert("metadata".into(), other.into());
         }
-        emit(serde_json::to_string_pretty(&out)?);
-        return Ok(());
+        return emit_json(&out);
     }
     let tensors = header
         .as_ref()
@@ -585,6 +653,5 @@ fn inspect(path: &Path, full: bool) -> Result<()> {
         let table: serde_json::Value = serde_json::from_str(p)?;
         meta.insert("weightcast.planes".into(), table);
     }
-    emit(serde_json::to_string_pretty(&meta)?);
-    Ok(())
+    emit_json(&meta)
 }

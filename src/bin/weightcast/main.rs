@@ -8,21 +8,50 @@
 mod cli;
 mod commands;
 
-use clap::Parser;
-use peak_alloc::PeakAlloc;
+use clap::{CommandFactory, FromArgMatches};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
+use weightcast::error::{EXIT_SOFTWARE, EXIT_USAGE};
 
-/// The allocator, counted, so `bench` can report peak heap use.
-#[global_allocator]
-static ALLOC: PeakAlloc = PeakAlloc;
-
-/// The exit code for a failure: the library's error kind decides, 1 for
-/// anything else (bad flags, the binary's own checks).
+/// The exit code for a failure, from the one table
+/// (`weightcast::error::EXIT_CODES`): the library's error kind decides, 64
+/// for a command line the command refuses, 70 for anything else.
 fn exit_code(e: &anyhow::Error) -> i32 {
-    e.chain()
-        .find_map(|c| c.downcast_ref::<weightcast::Error>())
-        .map_or(1, |w| w.kind().exit_code())
+    for c in e.chain() {
+        if let Some(w) = c.downcast_ref::<weightcast::Error>() {
+            return w.kind().exit_code();
+        }
+        if c.is::<cli::Usage>() {
+            return EXIT_USAGE;
+        }
+    }
+    EXIT_SOFTWARE
+}
+
+/// The command line's definition, with the exit-code table after every
+/// command's help.
+fn command() -> clap::Command {
+    let table = weightcast::error::exit_code_table();
+    cli::Cli::command()
+        .after_help(table.clone())
+        .mut_subcommands(|c| c.after_help(table.clone()))
+}
+
+/// Parses the command line: help and version exit 0; anything the parser
+/// (or [`cli::validate`]) refuses exits 64 (`EX_USAGE`) with clap's message.
+fn parse() -> cli::Cli {
+    let parsed = command()
+        .try_get_matches()
+        .and_then(|m| cli::Cli::from_arg_matches(&m))
+        .and_then(|c| cli::validate(&c).map(|()| c));
+    match parsed {
+        Ok(c) => c,
+        Err(e) => {
+            let code = if e.use_stderr() { EXIT_USAGE } else { 0 };
+            let _ = e.print();
+            std::process::exit(code);
+        }
+    }
 }
 
 /// Open files the process needs at the least: the runtime's own, the
@@ -60,13 +89,18 @@ fn ensure_open_files() -> Result<(), String> {
     Ok(())
 }
 
+/// The log filter when `RUST_LOG` is unset: weightcast's events, and the
+/// store client's retries (object_store logs each retry as one line at
+/// info: a store that does not answer is never silent).
+const DEFAULT_LOG_FILTER: &str = "weightcast=info,object_store=info";
+
 /// The log filter: `RUST_LOG`'s `target=level` directives (e.g.
-/// `weightcast=debug,info`), `weightcast=info` when unset. A filter that does
+/// `weightcast=debug,info`), [`DEFAULT_LOG_FILTER`] when unset. A filter that does
 /// not parse is refused, naming the variable.
 fn log_filter() -> anyhow::Result<tracing_subscriber::filter::Targets> {
     let spec = std::env::var("RUST_LOG").unwrap_or_default();
     let spec = if spec.trim().is_empty() {
-        "weightcast=info"
+        DEFAULT_LOG_FILTER
     } else {
         &spec
     };
@@ -112,9 +146,13 @@ fn release_freed_memory() -> bool {
     }
 }
 
+/// How long the runtime waits for its blocking tasks once a command is done.
+const RUNTIME_SHUTDOWN: std::time::Duration = std::time::Duration::from_secs(2);
+
 fn main() {
     release_freed_memory();
-    let cli = cli::Cli::parse();
+    let cli = parse();
+    commands::PRETTY.store(cli.pretty, std::sync::atomic::Ordering::Relaxed);
     if let Err(e) = ensure_open_files() {
         eprintln!("Error: {e}");
         std::process::exit(weightcast::error::ErrorKind::Config.exit_code());
@@ -138,9 +176,16 @@ fn main() {
         .enable_all()
         .build()
         .map_err(anyhow::Error::from)
-        .and_then(|rt| rt.block_on(commands::run(cli.command)));
+        .and_then(|rt| {
+            let result = rt.block_on(commands::run(cli.command));
+            // A blocking task that never returns (a read stuck on a file
+            // system) must not keep a stopped daemon alive: it is abandoned.
+            rt.shutdown_timeout(RUNTIME_SHUTDOWN);
+            result
+        });
     if let Err(e) = result {
-        eprintln!("Error: {e:#}");
+        // The cause chain once, on one line, ending with the fix.
+        eprintln!("Error: {}", weightcast::error::one_line(&*e));
         std::process::exit(exit_code(&e));
     }
 }

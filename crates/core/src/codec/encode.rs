@@ -270,6 +270,7 @@ pub fn encode_delta_ctx(
         }),
     };
     let mut meta = header.to_metadata();
+    meta.insert(keys::METADATA.into(), trainer_metadata_json(new.metadata()));
     if opts.encoding == Encoding::Trl {
         add_trl_keys(&mut meta, &header, &opts.trl);
     }
@@ -297,6 +298,20 @@ pub fn encode_delta_ctx(
         )
     });
     Ok((out, summary, next))
+}
+
+/// The new file's `__metadata__` as a delta carries it ([`keys::METADATA`]):
+/// what a `full` anchor of the version would carry, less weightcast's keys —
+/// the file's own keys, and `format=pt` (which wins, as in the anchor, so
+/// that Hugging Face loaders accept the output).
+fn trainer_metadata_json(meta: &BTreeMap<String, String>) -> String {
+    let mut own: BTreeMap<&str, &str> = meta
+        .iter()
+        .filter(|(k, _)| !k.starts_with("weightcast."))
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    own.insert("format", "pt");
+    serde_json::to_string(&own).expect("a map of strings serializes")
 }
 
 /// The TRL `sparse_weight_patch` keys of the generation `trl` names (see

@@ -38,7 +38,7 @@ pub use in_place::{
     apply_in_place_all, apply_in_place_all_ctx, apply_in_place_with, prepare_in_place_all,
     prepare_in_place_all_ctx,
 };
-pub use one_pass::{ApplyReport, apply_delta, apply_delta_ctx};
+pub use one_pass::{ApplyReport, apply_delta, apply_delta_ctx, carried_metadata};
 
 #[cfg(test)]
 mod tests;

@@ -1,5 +1,7 @@
 //! One pass with undo: [`apply_delta`] on a `TensorSet`.
 
+use std::collections::BTreeMap;
+
 use rayon::prelude::*;
 use safetensors::SafeTensors;
 use serde::Serialize;
@@ -129,6 +131,12 @@ fn apply_delta_with(
     // to decode or verify, every written word is put back.
     let want_context =
         want_context && header.as_ref().map(|h| h.encoding) == Some(Encoding::Compact2);
+    // The metadata the delta carries is read before anything is written: a
+    // malformed one refuses the delta whole.
+    let carried = match (&header, map.get(keys::METADATA)) {
+        (Some(_), Some(m)) => Some(carried_metadata(m)?),
+        _ => None,
+    };
     let (changed, new_digests, members) = apply_jobs(
         state,
         &jobs,
@@ -138,6 +146,9 @@ fn apply_delta_with(
     let before = state.digest();
     for (j, d) in jobs.iter().zip(new_digests) {
         state.set_digest(j.idx, d);
+    }
+    if let Some(m) = carried {
+        state.set_metadata(m);
     }
     let encoding = header.as_ref().map_or(Encoding::Trl, |h| h.encoding);
     let next = match (&header, want_context) {
@@ -178,6 +189,18 @@ fn apply_delta_with(
         verified: header.is_some(),
     };
     Ok((report, next))
+}
+
+/// The `__metadata__` a delta carries for the version it produces
+/// ([`keys::METADATA`]): a JSON object of strings, `weightcast.*` keys left
+/// out.
+pub fn carried_metadata(json: &str) -> Result<BTreeMap<String, String>> {
+    let m: BTreeMap<String, String> = serde_json::from_str(json).map_err(|e| {
+        Error::metadata(keys::METADATA, format!("not a JSON object of strings: {e}"))
+    })?;
+    Ok(m.into_iter()
+        .filter(|(k, _)| !k.starts_with("weightcast."))
+        .collect())
 }
 
 /// What applying one tensor in one pass did: enough to verify it or to undo it.

@@ -316,3 +316,47 @@ fn compact2_through_every_strategy() {
         }
     }
 }
+
+#[test]
+fn a_delta_carries_the_new_versions_metadata_to_the_applied_state() {
+    use crate::codec::{DeltaOptions, encode_delta, inspect};
+    use crate::format::keys;
+    use crate::generator::{Generator, GeneratorConfig};
+    use std::collections::BTreeMap;
+    let meta = |step: &str| {
+        BTreeMap::from([
+            // The output is always `format=pt`, as an anchor's.
+            ("format".to_string(), "np".to_string()),
+            ("step".to_string(), step.to_string()),
+            ("weightcast.kind".to_string(), "anchor".to_string()),
+        ])
+    };
+    let mut g = Generator::new(GeneratorConfig::tiny(4));
+    let mut base = g.snapshot();
+    base.set_metadata(meta("1"));
+    g.step();
+    for encoding in [Encoding::Compact, Encoding::Compact2, Encoding::Trl] {
+        let mut new = g.snapshot_without_digests();
+        new.set_metadata(meta("2"));
+        let opts = DeltaOptions::new(encoding, 2, 1);
+        let (delta, _) = encode_delta(&base, &mut new, &opts).unwrap();
+        let (header_meta, _) = inspect(&delta).unwrap();
+        assert_eq!(
+            header_meta[keys::METADATA],
+            r#"{"format":"pt","step":"2"}"#,
+            "{encoding:?}: weightcast's own keys stay out"
+        );
+        let mut state = base.clone();
+        apply_delta(&mut state, &delta).unwrap();
+        assert_eq!(state.digest(), g.snapshot().digest());
+        let want: BTreeMap<String, String> = [("format", "pt"), ("step", "2")]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        assert_eq!(state.metadata(), &want, "{encoding:?}");
+    }
+    // Metadata that is not a JSON object of strings refuses the delta, and
+    // nothing is written.
+    assert!(carried_metadata(r#"{"step": 2}"#).is_err());
+    assert!(carried_metadata("[]").is_err());
+}

@@ -31,16 +31,19 @@
 //!
 //! With N slots, files an engine opened for a version stay untouched until N−1
 //! newer versions have been switched in.
+//!
+//! This file holds the sink and its slots; `state` the record
+//! (`.state.json`) and the full verification of a slot against it;
+//! `journal` the journal's objects, their replay and pruning.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-
-use serde::{Deserialize, Serialize};
 
 use crate::codec::ApplyReport;
 use crate::digest::Digest;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
+use crate::fsio::{io_err, sync_dir, sync_file};
 use crate::protocol::{Manifest, ObjectRole, is_safe_file_name};
 use crate::tensors::{Digests, TensorSet, safetensors_header};
 
@@ -49,229 +52,18 @@ use super::sink::{
     output_metadata, patched_bytes,
 };
 
-/// Value of the state's `format`.
-pub const STATE_FORMAT: &str = "weightcast-subscriber-state/2";
+mod journal;
+mod state;
+
+use crate::fsio::Stamp;
+use journal::{Journal, Replayed};
+pub use state::STATE_FORMAT;
+use state::{DirState, PlainFile, SlotState, TensorFile, verify_slot};
+
 /// Default number of slots.
 pub const DEFAULT_SLOTS: usize = 2;
 /// Most slots a directory may have (named `a` to `z`).
 pub const MAX_SLOTS: usize = 26;
-
-/// `DIR/.state.json`.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct DirState {
-    format: String,
-    slots: BTreeMap<String, SlotState>,
-    /// Versions whose manifests and objects are in `.journal/`, ascending.
-    #[serde(default)]
-    journal: Vec<u64>,
-}
-
-/// What a slot holds.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SlotState {
-    /// The version its files hold (`None`: nothing usable).
-    version: Option<u64>,
-    /// Set before the slot is written, cleared once it holds `version` durably.
-    dirty: bool,
-    /// Tensor files.
-    tensors: BTreeMap<String, TensorFile>,
-    /// Non-tensor files.
-    files: BTreeMap<String, PlainFile>,
-}
-
-/// A safetensors file of a slot.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct TensorFile {
-    size: u64,
-    /// Offset of the tensor data (8 + header length).
-    data_start: u64,
-    /// BLAKE3 of the bytes before the data (length and header).
-    header_blake3: String,
-    stamp: Stamp,
-    /// Tensor name → its bytes in the file and its digest.
-    tensors: BTreeMap<String, TensorSlot>,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct TensorSlot {
-    digest: String,
-    start: u64,
-    end: u64,
-}
-
-/// A non-tensor file of a slot.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct PlainFile {
-    size: u64,
-    blake3: String,
-    stamp: Stamp,
-}
-
-/// What `stat` says about a file once it was written and synced: any later
-/// write or replacement changes one of these.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Stamp {
-    ino: u64,
-    mtime_ns: i64,
-    ctime_ns: i64,
-}
-
-impl Stamp {
-    fn of(p: &Path) -> Option<(u64, Stamp)> {
-        use std::os::unix::fs::MetadataExt;
-        let m = std::fs::symlink_metadata(p).ok()?;
-        if !m.is_file() {
-            return None;
-        }
-        let ns = |s: i64, n: i64| s.saturating_mul(1_000_000_000).saturating_add(n);
-        Some((
-            m.len(),
-            Stamp {
-                ino: m.ino(),
-                mtime_ns: ns(m.mtime(), m.mtime_nsec()),
-                ctime_ns: ns(m.ctime(), m.ctime_nsec()),
-            },
-        ))
-    }
-}
-
-impl SlotState {
-    fn names(&self) -> BTreeSet<String> {
-        self.tensors
-            .keys()
-            .chain(self.files.keys())
-            .cloned()
-            .collect()
-    }
-
-    /// Non-tensor files as (size, BLAKE3).
-    fn plain(&self) -> BTreeMap<String, (u64, String)> {
-        self.files
-            .iter()
-            .map(|(n, f)| (n.clone(), (f.size, f.blake3.clone())))
-            .collect()
-    }
-
-    /// Whether every file is still exactly as recorded (stat only).
-    fn stamps_hold(&self, dir: &Path) -> bool {
-        let sizes = self
-            .tensors
-            .iter()
-            .map(|(n, t)| (n, t.size, t.stamp))
-            .chain(self.files.iter().map(|(n, f)| (n, f.size, f.stamp)));
-        for (n, size, stamp) in sizes {
-            if Stamp::of(&dir.join(n)) != Some((size, stamp)) {
-                return false;
-            }
-        }
-        list_files(dir).is_ok_and(|l| l == self.names())
-    }
-
-    /// Records the stamps of the files as they are now.
-    fn restamp(&mut self, dir: &Path) -> Result<()> {
-        let stamp = |n: &str| {
-            Stamp::of(&dir.join(n)).map(|(_, s)| s).ok_or_else(|| {
-                Error::io(
-                    format!("reading {}", dir.join(n).display()),
-                    std::io::Error::from(std::io::ErrorKind::NotFound),
-                )
-            })
-        };
-        for (n, t) in &mut self.tensors {
-            t.stamp = stamp(n)?;
-        }
-        for (n, f) in &mut self.files {
-            f.stamp = stamp(n)?;
-        }
-        Ok(())
-    }
-}
-
-impl TensorFile {
-    /// The record of `set`, mapped from a file of `size` bytes whose bytes
-    /// before the data hash to `header_blake3`.
-    fn of(set: &TensorSet, size: u64, header_blake3: String) -> TensorFile {
-        let data_start = set.tensors().iter().map(|t| t.range.start as u64).min();
-        TensorFile {
-            size,
-            data_start: data_start.unwrap_or(size),
-            header_blake3,
-            stamp: Stamp::default(),
-            tensors: set
-                .tensors()
-                .iter()
-                .map(|t| {
-                    let slot = TensorSlot {
-                        digest: t.digest.to_string(),
-                        start: t.range.start as u64,
-                        end: t.range.end as u64,
-                    };
-                    (t.name.clone(), slot)
-                })
-                .collect(),
-        }
-    }
-
-    /// Whether `set` (parsed from this file) has the recorded layout.
-    fn same_layout(&self, set: &TensorSet) -> bool {
-        set.len() == self.tensors.len()
-            && set.tensors().iter().all(|t| {
-                self.tensors
-                    .get(&t.name)
-                    .is_some_and(|s| (s.start, s.end) == (t.range.start as u64, t.range.end as u64))
-            })
-    }
-
-    /// The recorded digests, in the set's tensor order.
-    fn digests(&self, set: &TensorSet) -> Option<Vec<Digest>> {
-        set.tensors()
-            .iter()
-            .map(|t| Digest::parse(&self.tensors.get(&t.name)?.digest))
-            .collect()
-    }
-}
-
-fn io_err(what: &str, p: &Path, e: std::io::Error) -> Error {
-    Error::io(format!("{what} {}", p.display()), e)
-}
-
-/// Flushes a directory's entries (creations, renames) to stable storage.
-fn sync_dir(p: &Path) -> Result<()> {
-    std::fs::File::open(p)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| io_err("syncing directory", p, e))
-}
-
-fn sync_file(p: &Path) -> Result<()> {
-    std::fs::File::open(p)
-        .and_then(|f| f.sync_all())
-        .map_err(|e| io_err("syncing", p, e))
-}
-
-/// Every regular file under `dir`, as relative paths (directories walked,
-/// symlinks and other entries counted as files so that they never verify).
-fn list_files(dir: &Path) -> std::io::Result<BTreeSet<String>> {
-    let mut out = BTreeSet::new();
-    let mut todo = vec![PathBuf::new()];
-    while let Some(rel) = todo.pop() {
-        for e in std::fs::read_dir(dir.join(&rel))? {
-            let e = e?;
-            let name = rel.join(e.file_name());
-            if e.file_type()?.is_dir() {
-                todo.push(name);
-            } else {
-                out.insert(name.to_string_lossy().into_owned());
-            }
-        }
-    }
-    Ok(out)
-}
 
 /// Every directory under `dir` (itself included), deepest first.
 fn list_dirs(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
@@ -288,54 +80,6 @@ fn list_dirs(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
     }
     out.reverse();
     Ok(out)
-}
-
-/// Checks a slot's files against its record, reading every byte: the
-/// listing, each tensor file's header bytes, layout and every tensor digest
-/// (over a read-only mapping, in parallel), each other file's BLAKE3.
-fn verify_slot(dir: &Path, rec: &SlotState) -> std::result::Result<(), String> {
-    let listed = list_files(dir).map_err(|e| format!("listing {}: {e}", dir.display()))?;
-    if listed != rec.names() {
-        return Err(format!(
-            "holds files {listed:?}, the state records {:?}",
-            rec.names()
-        ));
-    }
-    for (name, t) in &rec.tensors {
-        let p = dir.join(name);
-        let set = TensorSet::map(&p, false, Digests::Skip).map_err(|e| e.to_string())?;
-        let size = Stamp::of(&p).map(|(s, _)| s);
-        if size != Some(t.size) || !t.same_layout(&set) {
-            return Err(format!("{name}: size or layout differs from the state"));
-        }
-        let head = std::fs::File::open(&p)
-            .and_then(|f| {
-                let mut b = vec![0u8; t.data_start.min(t.size) as usize];
-                std::os::unix::fs::FileExt::read_exact_at(&f, &mut b, 0)?;
-                Ok(b)
-            })
-            .map_err(|e| format!("{name}: {e}"))?;
-        if blake3::hash(&head).to_hex().as_str() != t.header_blake3 {
-            return Err(format!("{name}: header differs from the state"));
-        }
-        let want = t
-            .digests(&set)
-            .ok_or(format!("{name}: bad digest in the state"))?;
-        if set.full_digests() != want {
-            return Err(format!("{name}: tensor digests differ from the state"));
-        }
-    }
-    for (name, f) in &rec.files {
-        let p = dir.join(name);
-        let mut h = blake3::Hasher::new();
-        h.update_mmap_rayon(&p)
-            .map_err(|e| format!("{name}: {e}"))?;
-        let size = Stamp::of(&p).map(|(s, _)| s);
-        if size != Some(f.size) || h.finalize().to_hex().as_str() != f.blake3 {
-            return Err(format!("{name}: content differs from the state"));
-        }
-    }
-    Ok(())
 }
 
 /// The output header for `set` (in its file's order) with `metadata`, padded
@@ -385,6 +129,22 @@ struct Work {
     tmp_files: u64,
 }
 
+/// What `weightcast verify --out` found in one slot.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct SlotReport {
+    /// The slot's name (`a`, `b`, …).
+    pub slot: String,
+    /// The version the state recorded it clean at (`None`: nothing usable).
+    pub version: Option<u64>,
+    /// Whether `current` points to it.
+    pub current: bool,
+    /// Whether it verified (a slot holding nothing verifies trivially).
+    pub ok: bool,
+    /// Why not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
 /// The output directory (see the module documentation).
 #[derive(Debug)]
 pub struct DirSink {
@@ -407,12 +167,19 @@ pub struct DirSink {
 
 impl DirSink {
     /// Opens (creating) the output directory `out` with `slots` slots: takes
-    /// its lock, loads the state, and verifies the current slot in full (a
-    /// digest pass over every byte; damage means nothing is held, so the
-    /// next update bootstraps into another slot). A switch interrupted by a
-    /// crash (a newer slot recorded clean) is finished here, after that slot
-    /// verifies.
+    /// its lock, loads the state, and checks the current slot: trusted when
+    /// every file's stamp is the one recorded ([`SlotState::trusted`]: size,
+    /// inode, modification and change times, header bytes), verified in full
+    /// otherwise (a digest pass over every byte; damage means nothing is
+    /// held, so the next update bootstraps into another slot). A switch
+    /// interrupted by a crash (a newer slot recorded clean) is finished here,
+    /// after that slot checks out. [`DirSink::verify`] verifies in full
+    /// whatever the stamps say.
     pub fn open(out: &Path, slots: usize) -> Result<DirSink> {
+        Self::open_with(out, slots, false)
+    }
+
+    fn open_with(out: &Path, slots: usize, full: bool) -> Result<DirSink> {
         if !(2..=MAX_SLOTS).contains(&slots) {
             return Err(Error::Config(format!(
                 "--slots {slots}: between 2 and {MAX_SLOTS} output slots"
@@ -433,12 +200,7 @@ impl DirSink {
         let names: Vec<String> = (0..slots)
             .map(|i| char::from(b'a' + i as u8).to_string())
             .collect();
-        let mut state: DirState = std::fs::read(out.join(".state.json"))
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
-            .filter(|s: &DirState| s.format == STATE_FORMAT)
-            .unwrap_or_default();
-        state.format = STATE_FORMAT.to_string();
+        let mut state = DirState::load(out);
         // Whatever `current` points to is never written, recorded or not (an
         // engine may be reading it): without a record it is merely untrusted.
         let current = std::fs::read_link(out.join("current")).ok().and_then(|t| {
@@ -486,13 +248,75 @@ impl DirSink {
             work: None,
             _lock: lock,
         };
-        sink.verify_current()?;
+        sink.verify_current(full)?;
         Ok(sink)
     }
 
-    /// Verifies the current slot in full — or, when a crash interrupted a
-    /// switch, the newer clean slot, and switches to it.
-    fn verify_current(&mut self) -> Result<()> {
+    /// `weightcast verify --out`: opens the output directory (its lock
+    /// taken, a switch a crash interrupted finished) and verifies every slot
+    /// the state records clean in full, whatever its stamps say — the
+    /// listing, each header, every tensor digest, every file's BLAKE3. A slot
+    /// that does not verify is recorded as holding nothing: it is rebuilt
+    /// before it is written again, and a damaged current slot is replaced by
+    /// the next update (a bootstrap into another slot). Nothing is
+    /// downloaded.
+    pub fn verify(out: &Path) -> Result<Vec<SlotReport>> {
+        if !out.join(".state.json").is_file() {
+            return Err(Error::Config(format!(
+                "{} is not a subscriber's output directory (no .state.json): pass the --out \
+                 of a subscriber",
+                out.display()
+            )));
+        }
+        let before = DirState::load(out);
+        let slots = before.slots.len().clamp(2, MAX_SLOTS);
+        let mut sink = Self::open_with(out, slots, true)?;
+        let mut reports = Vec::new();
+        let names: Vec<String> = sink.state.slots.keys().cloned().collect();
+        for name in names {
+            let current = sink.current.as_deref() == Some(name.as_str());
+            let rec = sink.state.slots[&name].clone();
+            let mut report = SlotReport {
+                slot: name.clone(),
+                version: before
+                    .slots
+                    .get(&name)
+                    .filter(|s| !s.dirty)
+                    .and_then(|s| s.version),
+                current,
+                ok: true,
+                error: None,
+            };
+            if current {
+                // Verified in full by the open: held, or found damaged.
+                if sink.held.is_none() {
+                    report.ok = false;
+                    report.error = Some("does not verify; the next update replaces it".into());
+                }
+            } else if rec.version.is_some() && !rec.dirty {
+                let dir = sink.slot_dir(&name);
+                if let Err(why) = verify_slot(&dir, &rec) {
+                    tracing::warn!(slot = %name, %why, "output slot does not verify; it will be rebuilt");
+                    sink.state.slots.insert(name.clone(), SlotState::default());
+                    sink.save_state()?;
+                    report.ok = false;
+                    report.error = Some(why);
+                } else {
+                    let mut rec = rec;
+                    rec.restamp(&dir)?;
+                    sink.state.slots.insert(name.clone(), rec);
+                    sink.save_state()?;
+                }
+            }
+            reports.push(report);
+        }
+        Ok(reports)
+    }
+
+    /// Checks the current slot — or, when a crash interrupted a switch, the
+    /// newer clean slot, and switches to it: trusted by its stamps
+    /// ([`SlotState::trusted`]) unless `full`, verified in full otherwise.
+    fn verify_current(&mut self, full: bool) -> Result<()> {
         let cur_version = self
             .current
             .as_ref()
@@ -514,11 +338,22 @@ impl DirSink {
                 continue;
             };
             let dir = self.slot_dir(&name);
-            match verify_slot(&dir, rec) {
+            let trusted = !full && rec.trusted(&dir, &DirState::record(&self.out));
+            let checked = if trusted {
+                Ok(())
+            } else {
+                verify_slot(&dir, rec)
+            };
+            match checked {
                 Ok(()) => {
-                    let mut rec = rec.clone();
-                    rec.restamp(&dir)?;
-                    self.state.slots.insert(name.clone(), rec);
+                    if !trusted {
+                        // Verified: its stamps as they are now, so that the
+                        // next start trusts it.
+                        let mut rec = rec.clone();
+                        rec.restamp(&dir)?;
+                        self.state.slots.insert(name.clone(), rec);
+                        self.save_state()?;
+                    }
                     if self.current.as_ref() != Some(&name) {
                         tracing::info!(slot = %name, version, "finishing a switch a crash interrupted");
                         self.save_state()?;
@@ -570,24 +405,12 @@ impl DirSink {
         self.out.join("slots").join(name)
     }
 
-    fn journal_dir(&self) -> PathBuf {
-        self.out.join(".journal")
+    fn journal(&self) -> Journal {
+        Journal::of(&self.out)
     }
 
     fn save_state(&self) -> Result<()> {
-        let p = self.out.join(".state.json");
-        let tmp = self.out.join(".state.json.tmp");
-        let body = serde_json::to_vec_pretty(&self.state)
-            .map_err(|e| Error::metadata("state", format!("cannot serialize: {e}")))?;
-        std::fs::File::create(&tmp)
-            .and_then(|mut f| {
-                use std::io::Write;
-                f.write_all(&body)?;
-                f.sync_all()
-            })
-            .map_err(|e| io_err("writing", &tmp, e))?;
-        std::fs::rename(&tmp, &p).map_err(|e| io_err("renaming", &tmp, e))?;
-        sync_dir(&self.out)
+        self.state.save(&self.out)
     }
 
     /// Points `current` at slot `name` (a new symlink renamed over the old).
@@ -601,6 +424,14 @@ impl DirSink {
         sync_dir(&self.out)?;
         self.current = Some(name.to_string());
         Ok(())
+    }
+
+    /// Whether the slot the next update writes holds no file at all: no
+    /// engine can be reading it, so bringing it forward ([`Sink::prepare`])
+    /// is safe even before an engine confirmed the current version.
+    pub fn standby_is_empty(&self) -> bool {
+        let dir = self.slot_dir(&self.next_slot());
+        std::fs::read_dir(&dir).is_ok_and(|mut d| d.next().is_none())
     }
 
     /// The slot the next version is produced in: the oldest one that is not
@@ -632,7 +463,7 @@ impl DirSink {
         let usable = from.is_some_and(|v| {
             v <= held
                 && (v + 1..=held).all(|x| journaled.contains(&x))
-                && work.rec.stamps_hold(&work.dir)
+                && work.rec.trusted(&work.dir, &DirState::record(&self.out))
         });
         if usable {
             let v = from.expect("checked");
@@ -652,38 +483,17 @@ impl DirSink {
     }
 
     fn replay_journal(&self, work: &mut Work, from: u64, to: u64) -> Result<()> {
-        let jdir = self.journal_dir();
-        for v in from + 1..=to {
-            let key = format!("{v:020}.json");
-            let p = jdir.join(&key);
-            let bytes = std::fs::read(&p).map_err(|e| io_err("reading", &p, e))?;
-            let m = Manifest::parse(&bytes, &key)?;
-            if m.version != v {
-                return Err(Error::metadata(key, format!("holds version {}", m.version)));
-            }
-            for o in m.replay_objects() {
-                let p = jdir.join(format!("{v:020}")).join(&o.name);
-                let body = std::fs::read(&p).map_err(|e| io_err("reading", &p, e))?;
-                let hash = blake3::hash(&body).to_hex();
-                if body.len() as u64 != o.size || hash.as_str() != o.blake3 {
-                    return Err(Error::Integrity {
-                        scope: format!("journal object {}", p.display()),
-                        expected: o.blake3.clone(),
-                        actual: hash.to_string(),
-                    });
-                }
+        self.journal().replay(from, to, |v, r| match r {
+            Replayed::Object(o, body) => {
                 work.produced.journal_bytes += o.size;
                 match o.role {
-                    ObjectRole::Delta => {
-                        Self::apply_to_slot(work, v, &o.name, &body)?;
-                    }
-                    ObjectRole::File => Self::write_to_slot(work, &o.name, &body)?,
-                    ObjectRole::Anchor => {}
+                    ObjectRole::Delta => Self::apply_to_slot(work, v, &o.name, body).map(|_| ()),
+                    ObjectRole::File => Self::write_to_slot(work, &o.name, body),
+                    ObjectRole::Anchor => Ok(()),
                 }
             }
-            Self::finish_version(work, &m)?;
-        }
-        Ok(())
+            Replayed::Done(m) => Self::finish_version(work, m),
+        })
     }
 
     /// Rebuilds the work slot as a copy of the current one (reflinks where
@@ -747,6 +557,7 @@ impl DirSink {
         delta: &[u8],
     ) -> Result<ApplyReport> {
         let set = Self::open_mapped(work, name)?;
+        let before = set.metadata().clone();
         let started = std::time::Instant::now();
         let report = apply_checked(set, version, name, delta)?;
         tracing::debug!(
@@ -756,9 +567,47 @@ impl DirSink {
             seconds = started.elapsed().as_secs_f64(),
             "applied in place"
         );
+        // The delta carried the version's own `__metadata__` (a trainer's
+        // step): the file's header takes it.
+        let moved = *set.metadata() != before;
         work.produced.written_bytes += patched_bytes(set, delta);
         work.touched.insert(name.to_string());
+        if moved {
+            Self::write_metadata(work, name)?;
+        }
         Ok(report)
+    }
+
+    /// Writes the header of output file `name` again with the metadata its
+    /// mapped set now carries, padded with spaces to the same length (the
+    /// data never moves; an output header has the room the anchor's
+    /// weightcast keys took). Metadata that does not fit is not written: the
+    /// file keeps the previous version's, with a warning.
+    fn write_metadata(work: &mut Work, name: &str) -> Result<()> {
+        let (Some(set), Some(rec)) = (work.open.get(name), work.rec.tensors.get_mut(name)) else {
+            return Ok(());
+        };
+        let len = rec.data_start.saturating_sub(8) as usize;
+        let Some(header) = padded_header(set, set.metadata(), len)? else {
+            tracing::warn!(
+                file = name,
+                "the version's metadata does not fit in the output header; the file keeps the \
+                 previous version's"
+            );
+            return Ok(());
+        };
+        let mut head = (header.len() as u64).to_le_bytes().to_vec();
+        head.extend_from_slice(&header);
+        let p = work.dir.join(name);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .and_then(|f| std::os::unix::fs::FileExt::write_all_at(&f, &head, 0))
+            .map_err(|e| io_err("writing the header of", &p, e))?;
+        rec.header_blake3 = blake3::hash(&head).to_hex().to_string();
+        work.produced.written_bytes += head.len() as u64;
+        work.to_sync.insert(p);
+        Ok(())
     }
 
     fn write_to_slot(work: &mut Work, name: &str, body: &[u8]) -> Result<()> {
@@ -827,43 +676,10 @@ impl DirSink {
         Ok(())
     }
 
-    /// Writes an object of a downloaded version into the journal (not
-    /// synced: journal objects are checked against their manifest when used).
-    fn journal_object(&self, version: u64, name: &str, body: &[u8]) -> Result<()> {
-        let p = self.journal_dir().join(format!("{version:020}")).join(name);
-        if let Some(parent) = p.parent() {
-            std::fs::create_dir_all(parent).map_err(|e| io_err("creating", parent, e))?;
-        }
-        std::fs::write(&p, body).map_err(|e| io_err("writing", &p, e))
-    }
-
     /// Keeps the journal versions some other slot still needs; removes the rest.
     fn prune_journal(&mut self) {
         let current = self.current.clone();
-        let oldest = self
-            .state
-            .slots
-            .iter()
-            .filter(|(n, s)| Some(*n) != current.as_ref() && !s.dirty)
-            .filter_map(|(_, s)| s.version)
-            .min();
-        self.state
-            .journal
-            .retain(|&v| oldest.is_some_and(|o| v > o));
-        let keep: BTreeSet<String> = self
-            .state
-            .journal
-            .iter()
-            .flat_map(|v| [format!("{v:020}"), format!("{v:020}.json")])
-            .collect();
-        if let Ok(entries) = std::fs::read_dir(self.journal_dir()) {
-            for e in entries.flatten() {
-                if !keep.contains(&*e.file_name().to_string_lossy()) {
-                    let p = e.path();
-                    let _ = std::fs::remove_dir_all(&p).or_else(|_| std::fs::remove_file(&p));
-                }
-            }
-        }
+        Journal::of(&self.out).prune(&mut self.state, current.as_deref());
     }
 
     fn work(&mut self) -> Result<&mut Work> {
@@ -1009,7 +825,7 @@ impl Sink for DirSink {
 
     fn delta(&mut self, version: u64, name: &str, delta: &[u8]) -> Result<ApplyReport> {
         check_name(name)?;
-        self.journal_object(version, name, delta)?;
+        self.journal().object(version, name, delta)?;
         let report = Self::apply_to_slot(self.work()?, version, name, delta)?;
         crate::failpoint::hit("subscriber.mid_apply");
         Ok(report)
@@ -1017,7 +833,7 @@ impl Sink for DirSink {
 
     fn file(&mut self, version: u64, name: &str, body: &[u8]) -> Result<()> {
         check_name(name)?;
-        self.journal_object(version, name, body)?;
+        self.journal().object(version, name, body)?;
         let work = self.work()?;
         if work.rec.tensors.contains_key(name) {
             Self::remove_from_slot(work, name);
@@ -1026,11 +842,7 @@ impl Sink for DirSink {
     }
 
     fn version_done(&mut self, m: &Manifest) -> Result<()> {
-        let p = self.journal_dir().join(format!("{:020}.json", m.version));
-        let body = serde_json::to_vec_pretty(m).expect("manifest serializes");
-        std::fs::create_dir_all(self.journal_dir())
-            .and_then(|()| std::fs::write(&p, body))
-            .map_err(|e| io_err("writing", &p, e))?;
+        self.journal().manifest(m)?;
         let work = self.work()?;
         Self::finish_version(work, m)?;
         work.journaled.push(m.version);
@@ -1052,7 +864,10 @@ impl Sink for DirSink {
         };
         let slot = self.next_slot();
         let rec = &self.state.slots[&slot];
-        if !rec.dirty && rec.version == Some(held) && rec.stamps_hold(&self.slot_dir(&slot)) {
+        if !rec.dirty
+            && rec.version == Some(held)
+            && rec.trusted(&self.slot_dir(&slot), &DirState::record(&self.out))
+        {
             return Ok(Produced::default());
         }
         self.begin(Some(held))?;

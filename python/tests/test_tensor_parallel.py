@@ -1,0 +1,376 @@
+"""A tensor-parallel engine follows a bucket in place (issue #26): 2 and 4
+worker processes (``torch.distributed`` with gloo) hold a Llama-like model
+with an MoE layer in vLLM's layout (fused ``qkv_proj`` and ``gate_up_proj``,
+column and row shards, KV heads replicated across ranks, padded vocabulary
+shards, stacked experts; ``vllm_standin.py``). They follow published
+versions of real AdamW steps through :class:`weightcast.node.TensorParallelFollower`:
+
+- at every version each rank's parameters are bit-identical to a fresh
+  load of that version through the engine's own loader, sharded the same
+  way;
+- only the node's rank reads the bucket, each version once;
+- a rank made to fail in prepare leaves every rank on the previous
+  version, reported; the hand-off removed under the followers is detected
+  and rebuilt; the version then goes through.
+"""
+
+import json
+import os
+import socket
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+VERSIONS = 6  # an anchor and five deltas
+
+
+def _worker(rank, world, url, state, root, init, out):
+    import torch.distributed as dist
+
+    import weightcast
+    from vllm_standin import Config, Engine, Trainer
+    from weightcast.node import TensorParallelFollower
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    c = Config()
+    engine = Engine(c, world, rank)
+    params = dict(engine.named_parameters())
+    injected = set()
+
+    def fail(h):
+        # Rank 1 fails version 3 once; at version 4 the hand-off is removed
+        # under every rank (the node's shared memory cleaned up).
+        if rank == 1 and h.version == 3 and "fail" not in injected:
+            injected.add("fail")
+            raise RuntimeError("injected failure in prepare")
+        if rank == 1 and h.version == 4 and h.op == "patch" and "gone" not in injected:
+            injected.add("gone")
+            import shutil
+
+            shutil.rmtree(h.patch)
+
+    follower = TensorParallelFollower(url if rank == 0 else None, params, engine.load_weights,
+                                      root=root, fail_prepare=fail)
+    trainer = Trainer(c) if rank == 0 else None
+    pub = weightcast.Publisher(url, state_dir=state, anchor_every=100) if rank == 0 else None
+    events = []
+    for v in range(VERSIONS):
+        if rank == 0:
+            if v:
+                trainer.step()
+            truth = trainer.state()
+            assert pub.publish(truth, step=v)["version"] == v
+            torch.save(truth, os.path.join(out, f"truth-{v}.pt"))
+        dist.barrier()
+        for _ in range(4):
+            r = follower.step()
+            events.append([r.op, r.version, r.committed, r.versions, r.failures])
+            assert r.consistent(), r
+            if r.committed and r.version == v:
+                break
+        else:
+            raise AssertionError(f"rank {rank}: version {v} never committed: {events}")
+        truth = torch.load(os.path.join(out, f"truth-{v}.pt"))
+        fresh = Engine(c, world, rank)
+        fresh.load_weights(iter(truth.items()))
+        for name, p in fresh.named_parameters():
+            got = params[name].data.view(-1).view(torch.int16)
+            assert torch.equal(got, p.data.view(-1).view(torch.int16)), f"{name} at version {v}"
+    report = {"events": events}
+    if rank == 0:
+        report["downloaded"] = follower.node.downloaded
+    else:
+        assert follower.node is None, "only the node's rank reads the bucket"
+    with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_follow_in_place_bit_identically_and_commit_together(bucket, tmp_path, world):
+    import torch.multiprocessing as mp
+
+    url, state = bucket
+    root = f"/dev/shm/weightcast-test-{os.getpid()}-{world}"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init = f"tcp://127.0.0.1:{port}"
+    try:
+        mp.spawn(_worker, args=(world, url, state, root, init, str(tmp_path)), nprocs=world,
+                 join=True)
+    finally:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+    reports = [json.load(open(tmp_path / f"rank-{r}.json")) for r in range(world)]
+    events = reports[0]["events"]
+    # Every rank saw the same steps.
+    assert all(r["events"] == events for r in reports), reports
+    # The injected failure: nobody committed version 3 at first, the
+    # failing rank is named, every rank stayed at 2; then 3 went through.
+    fail = [e for e in events if e[1] == 3 and not e[2]]
+    assert fail and fail[0][3] == [2] * world, events
+    assert "injected failure" in fail[0][4][1] and all(
+        f is None for i, f in enumerate(fail[0][4]) if i != 1), events
+    # The hand-off removed under the followers: refused, the ranks repaired
+    # from the node's host copy, version 4 then committed.
+    gone = [e for e in events if e[1] == 4 and not e[2]]
+    assert gone and "Corrupt" in gone[0][4][1], events
+    assert any(e[0] == "load" and e[1] == 3 and e[2] for e in events), events
+    # One download per version for the node: the failures retried the same
+    # downloaded update.
+    downloaded = reports[0]["downloaded"]
+    assert sorted(int(v) for v in downloaded) == list(range(VERSIONS)), downloaded
+    assert all(n == 1 for n, _ in downloaded.values()), downloaded
+    committed = [e[1] for e in events if e[2] and e[0] == "patch"]
+    assert committed == list(range(1, VERSIONS)), events
+
+
+def _unmappable_worker(rank, world, url, state, root, init, out):
+    import torch.distributed as dist
+
+    import weightcast
+    from vllm_standin import Config, Engine, Trainer
+    from weightcast.node import TensorParallelFollower
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    c = Config()
+    engine = Engine(c, world, rank)
+    # An engine that keeps one layer's norm in another dtype's kernel format:
+    # the probe refuses it by name, on every rank, and nothing is written.
+    p = engine.model.layers[0].input_layernorm.weight
+    p.data = torch.zeros(p.shape, dtype=torch.float8_e4m3fn)
+    params = dict(engine.named_parameters())
+    before = {n: t.data.clone() for n, t in params.items()}
+    f = TensorParallelFollower(url if rank == 0 else None, params, engine.load_weights, root=root)
+    if rank == 0:
+        weightcast.Publisher(url, state_dir=state).publish(Trainer(c).state(), step=0)
+    dist.barrier()
+    r = f.step()
+    assert not r.committed and r.versions == [None] * world, r
+    assert all("float8_e4m3fn" in (e or "") for e in r.failures), r.failures
+    for n, t in params.items():
+        assert t.data.dtype != before[n].dtype or torch.equal(t.data, before[n]), n
+    dist.destroy_process_group()
+
+
+def test_an_unmappable_layout_is_refused_by_name_on_every_rank(bucket):
+    import torch.multiprocessing as mp
+
+    url, state = bucket
+    root = f"/dev/shm/weightcast-test-{os.getpid()}-unmappable"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        mp.spawn(_unmappable_worker, args=(2, url, state, root, f"tcp://127.0.0.1:{port}", ""),
+                 nprocs=2, join=True)
+    finally:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _publish(rank, trainer, pub, v, out):
+    """Rank 0 publishes version ``v`` (a training step after the first) and
+    keeps its truth for the ranks to compare with."""
+    if rank == 0:
+        if v:
+            trainer.step()
+        truth = trainer.state()
+        assert pub.publish(truth, step=v)["version"] == v
+        torch.save(truth, os.path.join(out, f"truth-{v}.pt"))
+
+
+def _vllm_extension_worker(rank, world, url, state, root, init, out):
+    import torch.distributed as dist
+
+    import weightcast
+    from vllm_standin import Config, Engine, Trainer
+    from weightcast.vllm import WorkerExtension
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    c = Config()
+
+    class Runner:
+        def __init__(self):
+            self.engine = Engine(c, world, rank)
+
+        def get_model(self):
+            return self.engine
+
+    class Worker(WorkerExtension):  # what vLLM's worker class becomes with the extension
+        model_runner = Runner()
+
+    w = Worker()
+    trainer = Trainer(c) if rank == 0 else None
+    pub = weightcast.Publisher(url, state_dir=state, anchor_every=100) if rank == 0 else None
+    # No vLLM here: group "tp" is the world; the first rank follows for the node.
+    assert w.weightcast_init(url, mode="node", root=root) is None
+    assert w.weightcast_update() is None, "nothing published yet"
+    reports = []
+    for v in range(3):
+        _publish(rank, trainer, pub, v, out)
+        dist.barrier()
+        r = w.weightcast_update(timeout=5)
+        reports.append(r)
+        assert r["committed"] and r["version"] == v and r["versions"] == [v] * world, r
+        assert w.weightcast_version() == v
+        truth = torch.load(os.path.join(out, f"truth-{v}.pt"))
+        fresh = Engine(c, world, rank)
+        fresh.load_weights(iter(truth.items()))
+        got = dict(w.model_runner.get_model().named_parameters())
+        for name, p in fresh.named_parameters():
+            assert torch.equal(got[name].data.view(-1).view(torch.int16),
+                               p.data.view(-1).view(torch.int16)), f"{name} at version {v}"
+    assert [r["op"] for r in reports] == ["load", "patch", "patch"], reports
+    assert w.weightcast_catch_up() == 2
+    dist.destroy_process_group()
+
+
+def test_the_vllm_worker_extension_follows_as_one_node(bucket):
+    """``WorkerExtension.weightcast_init(url, mode="node")``: the workers of
+    one engine follow together, one download per node, through the same
+    collective steps ``collective_rpc`` drives."""
+    import torch.multiprocessing as mp
+
+    url, state = bucket
+    root = f"/dev/shm/weightcast-test-{os.getpid()}-vllm"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            mp.spawn(_vllm_extension_worker,
+                     args=(2, url, state, root, f"tcp://127.0.0.1:{port}", out),
+                     nprocs=2, join=True)
+        finally:
+            import shutil
+
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _killed_worker(rank, world, url, state, root, init, out, phase):
+    import datetime
+    import signal
+
+    import torch.distributed as dist
+
+    import weightcast
+    from vllm_standin import Config, Engine, Trainer
+    from weightcast.node import TensorParallelFollower
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    c = Config()
+    engine = Engine(c, world, rank)
+    params = dict(engine.named_parameters())
+
+    def die(h):
+        if rank == 1 and h.version == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    hooks = {"fail_prepare": die} if phase == "prepare" else {"fail_commit": die}
+    f = TensorParallelFollower(url if rank == 0 else None, params, engine.load_weights,
+                               root=root, **hooks)
+    trainer = Trainer(c) if rank == 0 else None
+    pub = weightcast.Publisher(url, state_dir=state, anchor_every=100) if rank == 0 else None
+    for v in range(2):
+        _publish(rank, trainer, pub, v, out)
+        dist.barrier()
+        r = f.step()
+    # Rank 1 died in this version's prepare or commit; rank 0 survived it.
+    assert rank == 0
+    assert not r.consistent() and r.versions[1] is None and "lost a rank" in r.failures[0], r
+    held = 0 if phase == "prepare" else 1
+    assert r.committed == (phase == "commit") and r.versions[0] == held, r
+    truth = torch.load(os.path.join(out, f"truth-{held}.pt"))
+    fresh = Engine(c, world, rank)
+    fresh.load_weights(iter(truth.items()))
+    for name, p in fresh.named_parameters():
+        assert torch.equal(params[name].data.view(-1).view(torch.int16),
+                           p.data.view(-1).view(torch.int16)), f"{name}: not version {held}"
+    assert f.node.version == held, "the node's host copy moves with the ranks, or not at all"
+    with pytest.raises(weightcast.Unavailable, match="lost a rank"):
+        f.step()
+    with open(os.path.join(out, "survivor.json"), "w") as fh:
+        json.dump({"versions": r.versions, "committed": r.committed}, fh)
+    os._exit(0)  # the group is broken: no orderly teardown
+
+
+def _restarted_worker(rank, world, url, root, init, out):
+    import torch.distributed as dist
+
+    from vllm_standin import Config, Engine
+    from weightcast.node import TensorParallelFollower
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    c = Config()
+    engine = Engine(c, world, rank)
+    params = dict(engine.named_parameters())
+    f = TensorParallelFollower(url if rank == 0 else None, params, engine.load_weights,
+                               root=root)
+    for _ in range(4):
+        r = f.step()
+        if r.committed and r.version == 1 and r.op is not None:
+            break
+    assert r.consistent() and r.versions == [1] * world, r
+    truth = torch.load(os.path.join(out, "truth-1.pt"))
+    fresh = Engine(c, world, rank)
+    fresh.load_weights(iter(truth.items()))
+    for name, p in fresh.named_parameters():
+        assert torch.equal(params[name].data.view(-1).view(torch.int16),
+                           p.data.view(-1).view(torch.int16)), name
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("phase", ["prepare", "commit"])
+def test_a_rank_killed_mid_version_leaves_the_survivors_whole(bucket, tmp_path, phase):
+    """A rank SIGKILLed in its prepare (before the vote: nobody commits,
+    the survivor keeps the previous version exactly) or after voting, just
+    before its commit (the survivor commits the version every rank
+    prepared): the survivor's step reports the lost rank instead of hanging,
+    later steps refuse, and a restarted group follows to the newest version
+    bit-identically."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    url, state = bucket
+    root = f"/dev/shm/weightcast-test-{os.getpid()}-killed-{phase}"
+
+    def port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    ctx = multiprocessing.get_context("spawn")
+    init = f"tcp://127.0.0.1:{port()}"
+    try:
+        procs = [ctx.Process(target=_killed_worker,
+                             args=(r, 2, url, state, root, init, str(tmp_path), phase))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=240)
+        codes = [p.exitcode for p in procs]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        assert codes == [0, -9], f"exit codes {codes} (rank 0 must survive, rank 1 was killed)"
+        got = json.load(open(tmp_path / "survivor.json"))
+        assert got["committed"] == (phase == "commit"), got
+        mp.spawn(_restarted_worker, args=(2, url, root, f"tcp://127.0.0.1:{port()}", str(tmp_path)),
+                 nprocs=2, join=True)
+    finally:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)

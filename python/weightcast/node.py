@@ -1,0 +1,641 @@
+"""One download per node, every rank patched in place, one version everywhere.
+
+A tensor-parallel engine runs T worker processes on a node. Following a
+bucket from each of them costs T downloads and T host copies of the model
+per version, and lets ranks drift apart. Here one subscriber per node — the
+:class:`NodeFollower`, in one elected rank (or a sidecar) — downloads and
+verifies each version once and keeps the node's single host copy of the
+checkpoint in shared memory (``/dev/shm``); every rank's
+:class:`RankFollower` patches its own parameters from it, and
+:class:`TensorParallelFollower` makes them change version together:
+
+1. the node polls the bucket (it alone: no worker touches the store). A
+   delta's changed elements are resolved against the host copy (the
+   library's O(changed) verification of the base) and written, once for
+   the node, as one patch in checkpoint coordinates (positions, old words,
+   new words: about twice the delta). An anchor is written into the host
+   copy (verified by its digests); a rank then loads its shard from there;
+2. every rank **prepares**: it maps the patch's positions to its own
+   parameters (:class:`weightcast.shard.Mapping`, probed from the
+   engine's loaders at start-up; fused, sharded and padded parameters
+   alike), checks that each element it will write holds the patch's old
+   value (O(changed) per rank, exact), and stages the new values. Nothing
+   is written;
+3. the ranks vote (``torch.distributed``, any backend: gloo on CPU). Only
+   when every rank prepared does every rank **commit** (one scatter per
+   parameter) — and the node its host copy. A rank that failed, or did not
+   answer within the timeout, leaves every rank on the previous version;
+   the failure is reported, and the next step repairs that rank from the
+   node's host copy (its shard reloaded: no download).
+
+Memory on the node: one host copy of the model plus the patch (about twice
+the delta); per rank, its staged changes. The hand-off files carry a
+checksum and their version: files removed or changed under the follower
+are detected and rebuilt, never read stale.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import Subscriber, Update
+from ._errors import BadRequest, BaseMismatch, Corrupt, Unavailable
+from ._tensors import _DTYPE_BYTES, _WORDS_NUMPY, Raw
+from .shard import Mapping as ShardMap
+from .shard import Unmappable, copy_runs, probe
+
+logger = logging.getLogger("weightcast.node")
+
+Spec = Tuple[str, List[int]]  # (safetensors dtype, shape)
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _words(dtype: str) -> Any:
+    return _WORDS_NUMPY[_DTYPE_BYTES[dtype]]
+
+
+def _checksum_or_none(path: Path) -> Optional[str]:
+    try:
+        return _checksum(path)
+    except OSError:
+        return None
+
+
+def _checksum(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class HostState:
+    """The node's one copy of the checkpoint's tensors: a raw file of their
+    words in shared memory and its index (name → dtype, shape, offset),
+    mapped writable by the node and read-only by the ranks."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.data = self.root / "state.bin"
+        self.index_path = self.root / "state.json"
+
+    def create(self, specs: Mapping[str, Spec]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        index, off = {}, 0
+        for name, (dtype, shape) in specs.items():
+            n = int(np.prod(shape, dtype=np.int64)) * _DTYPE_BYTES[dtype]
+            index[name] = [dtype, list(shape), off]
+            off += (n + 63) // 64 * 64
+        with open(self.data, "wb") as f:
+            f.truncate(max(off, 1))
+        self.index_path.write_text(json.dumps(index))
+
+    def index(self) -> Dict[str, Tuple[str, List[int], int]]:
+        return {k: (v[0], v[1], v[2]) for k, v in json.loads(self.index_path.read_text()).items()}
+
+    def specs(self) -> Dict[str, Spec]:
+        return {k: (v[0], v[1]) for k, v in self.index().items()}
+
+    def arrays(self, writable: bool) -> Dict[str, np.ndarray]:
+        """Each tensor's words (flat), over the shared file."""
+        mm = np.memmap(self.data, dtype=np.uint8, mode="r+" if writable else "r")
+        out = {}
+        for name, (dtype, shape, off) in self.index().items():
+            w = _words(dtype)
+            n = int(np.prod(shape, dtype=np.int64))
+            out[name] = mm[off: off + n * np.dtype(w).itemsize].view(w)
+        return out
+
+
+@dataclass
+class Handoff:
+    """What every rank does for one step: ``load`` (its whole shard from
+    the host copy, at ``version``) or ``patch`` (``base`` → ``version``
+    from the patch file)."""
+
+    op: str
+    version: int
+    base: Optional[int] = None
+    patch: Optional[str] = None
+    checksum: Optional[str] = None
+
+
+class NodeFollower:
+    """The node's subscriber: the only reader of the bucket on the node
+    (see the module). ``root`` is node-local shared memory."""
+
+    def __init__(self, store_url: str, root: Path, **subscriber_options: Any) -> None:
+        self.root = Path(root)
+        self.host = HostState(self.root)
+        self.subscriber = Subscriber(store_url, **subscriber_options)
+        self.update: Optional[Update] = None
+        self._resolved: Optional[List[Any]] = None
+        self._old: Dict[str, np.ndarray] = {}
+        # A hand-off some rank could not prepare: tried again, not downloaded again.
+        self.pending: Optional[Handoff] = None
+        # Per version: (downloads, bytes) — one download per version per node.
+        self.downloaded: Dict[int, Tuple[int, int]] = {}
+
+    @property
+    def version(self) -> Optional[int]:
+        """The version the node's host copy holds."""
+        return self.subscriber.version
+
+    def next(self, timeout: float = 0.0) -> Optional[Handoff]:
+        """The next version's hand-off, or None when nothing is new. A
+        version some rank could not prepare is offered again (its hand-off
+        rewritten if it vanished), not downloaded again."""
+        if self.pending is not None:
+            h = self.pending
+            if _checksum_or_none(Path(h.patch or "") / "patch.bin") != h.checksum:
+                assert self.update is not None
+                h = self._write_patch(self.update, self._resolved or [])
+                self.pending = h
+            return h
+        u = self.subscriber.poll() if timeout == 0 else self.subscriber.wait(timeout)
+        if u is None:
+            return None
+        n, b = self.downloaded.get(u.version, (0, 0))
+        self.downloaded[u.version] = (n + 1, b + u.nbytes)
+        if u.kind == "anchor":
+            specs = {n: (d, list(s)) for n, d, s in u._native.tensors()}
+            if not self.host.index_path.exists() or self.host.specs() != specs:
+                self.host.create(specs)
+            arrays = self.host.arrays(writable=True)
+            u.apply_to({n: Raw(arrays[n], d, tuple(s)) for n, (d, s) in specs.items()})
+            arrays = None
+            return self.load_handoff()
+        self.update = u
+        return self._patch(u)
+
+    def load_handoff(self) -> Handoff:
+        """Every rank loads its shard from the host copy (an anchor, or a
+        repair)."""
+        if self.version is None:
+            raise BadRequest("the node holds no version yet")
+        return Handoff("load", self.version)
+
+    def _patch(self, u: Update) -> Handoff:
+        """Resolves a delta against the host copy (verified, O(changed)) and
+        writes the node's one patch: per changed tensor, positions, old and
+        new words."""
+        arrays = {k: np.asarray(v) for k, v in self.host.arrays(writable=False).items()}
+        self._old: Dict[str, np.ndarray] = {}
+
+        def gather(name: str, positions: bytes, pw: int, wb: int) -> bytes:
+            pos = np.frombuffer(positions, dtype=np.uint32 if pw == 4 else np.uint64)
+            old = arrays[name][pos.astype(np.intp)]
+            self._old[name] = old
+            return old.tobytes()
+
+        self._resolved = u._native.resolve_all(gather)
+        self.pending = self._write_patch(u, self._resolved)
+        return self.pending
+
+    def _write_patch(self, u: Update, resolved: List[Any]) -> Handoff:
+        arrays = {k: np.asarray(v) for k, v in self.host.arrays(writable=False).items()}
+        vdir = self.root / f"v{u.version}"
+        shutil.rmtree(vdir, ignore_errors=True)
+        vdir.mkdir(parents=True)
+        index, off = {}, 0
+        blob = vdir / "patch.bin"
+        with open(blob, "wb") as f:
+            for name, pos, pw, new, wb in resolved:
+                p = np.frombuffer(pos, dtype=np.uint32 if pw == 4 else np.uint64).astype(np.int64)
+                old = self._old.get(name)
+                if old is None or old.size != p.size:
+                    old = arrays[name][p.astype(np.intp)]
+                entry = {"n": int(p.size), "wb": wb}
+                for part, b in (("pos", p.tobytes()), ("old", old.tobytes()), ("new", new)):
+                    entry[part] = off
+                    f.write(b)
+                    off += len(b)
+                index[name] = entry
+        meta = {"version": u.version, "base": u.base_version, "tensors": index,
+                "blob": _checksum(blob)}
+        (vdir / "patch.json").write_text(json.dumps(meta))
+        return Handoff("patch", u.version, u.base_version, str(vdir), meta["blob"])
+
+    def commit(self, h: Handoff) -> None:
+        """Every rank committed: the host copy moves too (a patch is
+        scattered into it and recorded as applied)."""
+        if h.op == "patch":
+            self.pending = None
+            assert self.update is not None and self._resolved is not None
+            arrays = {k: np.asarray(v) for k, v in self.host.arrays(writable=True).items()}
+            for name, pos, pw, new, wb in self._resolved:
+                p = np.frombuffer(pos, dtype=np.uint32 if pw == 4 else np.uint64).astype(np.intp)
+                arrays[name][p] = np.frombuffer(new, dtype=_WORDS_NUMPY[wb])
+            arrays = None
+            self.update._native.commit_resolved()
+            self._drop(h)
+
+    def abort(self, h: Handoff) -> None:
+        """Some rank did not prepare: nothing moves (the host copy stays at
+        its version); a patch is kept for the next step to try again."""
+        if h.op != "patch":
+            return
+
+    def _drop(self, h: Handoff) -> None:
+        self.update, self._resolved = None, None
+        if h.patch:
+            shutil.rmtree(h.patch, ignore_errors=True)
+
+
+class RankFollower:
+    """One rank's side: its parameters, their map from checkpoint
+    coordinates, and the change it has prepared."""
+
+    def __init__(self, params: Mapping[str, Any], mapping: ShardMap, root: Path) -> None:
+        self.params = dict(params)
+        self.mapping = mapping
+        self.host = HostState(Path(root))
+        self.version: Optional[int] = None
+        self._memory = {n: (t.data_ptr(), t.numel()) for n, t in self.params.items()}
+        self._fingerprint = mapping.fingerprint()
+        self._staged: Optional[Tuple[Handoff, List[Tuple[Any, Any, Any]]]] = None
+        self.commit_seconds = 0.0
+
+    def _words(self, name: str) -> Any:
+        from ._tensors import word_view
+
+        t = self.params[name]
+        return word_view(name, t, t.element_size())
+
+    def _check_memory(self) -> None:
+        for n, t in self.params.items():
+            if (t.data_ptr(), t.numel()) != self._memory[n]:
+                raise BadRequest(f"parameter `{n}` moved since start-up (reallocated): the "
+                                 "mapping no longer holds; restart the follower")
+
+    def prepare(self, h: Handoff) -> None:
+        """Verifies and stages ``h`` for this rank's parameters, writing
+        nothing; raises (naming the parameter) when it cannot."""
+        torch = _torch()
+        self._staged = None
+        self._check_memory()
+        if h.op == "load":
+            staged = self._stage_load()
+        else:
+            if self.version != h.base:
+                raise BaseMismatch(f"this rank holds version {self.version}, the patch is from "
+                                   f"{h.base}")
+            staged = self._stage_patch(h)
+        self._staged = (h, staged)
+        logger.debug("rank prepared %s version %s: %d writes", h.op, h.version,
+                     sum(int(s[1].numel()) for s in staged))
+        _ = torch
+
+    def _stage_load(self) -> List[Tuple[Any, Any, Any]]:
+        """A load stages nothing but the check that the host copy holds every
+        tensor this rank needs; the commit copies its shard in (the pause is
+        one copy of the shard, as a reload's)."""
+        index = self.host.index()
+        for cname in self.mapping.tensors:
+            if cname not in index:
+                raise BaseMismatch(f"checkpoint tensor `{cname}`, which this rank's parameters "
+                                   "hold, is not in the node's version")
+        return []
+
+    def _load(self) -> None:
+        torch = _torch()
+        arrays = self.host.arrays(writable=False)
+        for cname, runs in self.mapping.tensors.items():
+            arr = arrays[cname]
+            with warnings.catch_warnings():  # read-only shared memory, only read
+                warnings.simplefilter("ignore", UserWarning)
+                src = torch.from_numpy(np.asarray(arr).view(_signed(arr.dtype.itemsize)))
+            for r in runs:
+                words = self._words(r.param)
+                copy_runs(words, src, r)
+
+    def _stage_patch(self, h: Handoff) -> List[Tuple[Any, Any, Any]]:
+        torch = _torch()
+        vdir = Path(h.patch or "")
+        try:
+            meta = json.loads((vdir / "patch.json").read_text())
+            blob = np.memmap(vdir / "patch.bin", dtype=np.uint8, mode="r")
+            h2 = hashlib.blake2b(digest_size=16)
+            h2.update(blob)
+            ok = meta["version"] == h.version and h2.hexdigest() == h.checksum
+        except (OSError, ValueError, KeyError):
+            ok = False
+        if not ok:
+            raise Corrupt(f"the hand-off of version {h.version} in {vdir} is missing or not the "
+                          "node's (removed or changed under the follower); the node rebuilds it")
+        staged = []
+        for cname, e in meta["tensors"].items():
+            if cname not in self.mapping.tensors:
+                continue
+            n, wb = e["n"], e["wb"]
+            w = _WORDS_NUMPY[wb]
+            pos = torch.from_numpy(np.array(blob[e["pos"]: e["pos"] + 8 * n].view(np.int64)))
+            old = np.array(blob[e["old"]: e["old"] + wb * n].view(w))
+            new = np.array(blob[e["new"]: e["new"] + wb * n].view(w))
+            for pname, ppos, idx in self.mapping.locate(cname, pos):
+                words = self._words(pname)
+                sel = idx.numpy()
+                want_old = torch.from_numpy(old[sel].view(_signed(wb))).to(words.device)
+                ppos = ppos.to(words.device)
+                have = words.index_select(0, ppos)
+                if not torch.equal(have.view(want_old.dtype), want_old):
+                    bad = int(ppos[(have.view(want_old.dtype) != want_old).nonzero()[0]])
+                    raise BaseMismatch(
+                        f"parameter `{pname}` (from `{cname}`) does not hold version {h.base} at "
+                        f"element {bad}: nothing written"
+                    )
+                vals = torch.from_numpy(new[sel].view(_signed(wb))).to(words.device)
+                staged.append((words, ppos, vals.view(words.dtype)))
+        return staged
+
+    def commit(self) -> int:
+        """Writes what :meth:`prepare` staged (one scatter per parameter)."""
+        if self._staged is None:
+            raise BadRequest("nothing is prepared")
+        h, staged = self._staged
+        started = time.perf_counter()
+        if h.op == "load":
+            self._load()
+        for words, pos, vals in staged:
+            words.index_copy_(0, pos, vals)
+        self.commit_seconds = time.perf_counter() - started
+        self._staged = None
+        self.version = h.version
+        return h.version
+
+    def abort(self) -> None:
+        self._staged = None
+
+
+def _signed(wb: int) -> Any:
+    return {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[wb]
+
+
+@dataclass
+class StepReport:
+    """What one step did, the same on every rank."""
+
+    op: Optional[str]
+    version: Optional[int]
+    committed: bool
+    versions: List[Optional[int]]
+    failures: List[Optional[str]]
+    # The node's work (download, verification, the patch), the slowest
+    # rank's prepare, and the slowest rank's commit: the engine's pause.
+    node_seconds: float = 0.0
+    prepare_seconds: float = 0.0
+    pause_seconds: float = 0.0
+
+    def consistent(self) -> bool:
+        return len(set(self.versions)) == 1
+
+
+class _GroupLost(Exception):
+    """A collective of the node's group failed: a rank died or timed out."""
+
+
+class TensorParallelFollower:
+    """The ranks of one engine following a bucket together (see the
+    module). Construct and call :meth:`step` on every rank at once (vLLM's
+    ``collective_rpc`` does); ``group`` is a ``torch.distributed`` process
+    group of the node's ranks (a gloo group on CPU; default: the world),
+    ``node_rank`` the rank within ``group`` that hosts the node's subscriber. ``params``: this
+    rank's parameters (name → tensor; a module's ``named_parameters``);
+    ``loader``: the engine's loader (``model.load_weights``), probed once to
+    map checkpoint coordinates to ``params``. ``root``: node-local shared
+    memory for the host copy and hand-offs."""
+
+    def __init__(
+        self,
+        store_url: Optional[str],
+        params: Mapping[str, Any],
+        loader: Callable[[Any], Any],
+        *,
+        root: str | os.PathLike[str],
+        group: Any = None,
+        node_rank: int = 0,
+        fail_prepare: Optional[Callable[[Handoff], None]] = None,
+        fail_commit: Optional[Callable[[Handoff], None]] = None,
+        **subscriber_options: Any,
+    ) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.node_rank = node_rank
+        self.root = Path(root)
+        self.params = dict(params)
+        self.loader = loader
+        self.node: Optional[NodeFollower] = None
+        if self.rank == node_rank:
+            if store_url is None:
+                raise BadRequest("the node's rank needs the store URL")
+            self.node = NodeFollower(store_url, self.root, **subscriber_options)
+        self.rank_follower: Optional[RankFollower] = None
+        self._fail_prepare = fail_prepare
+        self._fail_commit = fail_commit
+        # Set when a collective failed (a rank died, or did not answer
+        # within the group's timeout): the group cannot vote again.
+        self._lost: Optional[str] = None
+        # The step under way: its hand-off, and whether this rank committed it.
+        self._current: Optional[Handoff] = None
+        self._committed = False
+        self._repair = False
+        self.last: Optional[StepReport] = None
+
+    def _bcast(self, obj: Any) -> Any:
+        box = [obj]
+        # ``src`` is a global rank; ``node_rank`` is the node's rank within
+        # ``group`` (they differ in a subgroup: a TP group of the second node).
+        src = self.node_rank if self.group is None else self.dist.get_global_rank(
+            self.group, self.node_rank)
+        try:
+            self.dist.broadcast_object_list(box, src=src, group=self.group)
+        except Exception as e:  # a peer died or timed out: the group is gone
+            raise _GroupLost(f"{type(e).__name__}: {e}") from e
+        return box[0]
+
+    def _all(self, obj: Any) -> List[Any]:
+        out: List[Any] = [None] * self.world
+        try:
+            self.dist.all_gather_object(out, obj, group=self.group)
+        except Exception as e:  # a peer died or timed out: the group is gone
+            raise _GroupLost(f"{type(e).__name__}: {e}") from e
+        return out
+
+    def step(self, timeout: float = 0.0) -> StepReport:
+        """One step on every rank: the node's next version (or a repair of
+        ranks behind it) prepared everywhere, committed everywhere or
+        nowhere.
+
+        A rank that dies (or does not answer within the process group's
+        timeout) breaks the group: the survivors' collective fails, nothing
+        they staged is written (before the vote no rank commits; after it,
+        those that voted commit the version everyone prepared), the step
+        reports the loss with the versions this rank knows, and every later
+        step raises :class:`weightcast.Unavailable`: restart the engine's
+        workers, which follow from the bucket again (the node's host copy
+        is rebuilt)."""
+        if self._lost is not None:
+            raise Unavailable(
+                f"this engine's process group lost a rank ({self._lost}); restart its "
+                "workers: they follow from the bucket again")
+        self._current, self._committed = None, False
+        try:
+            return self._step(timeout)
+        except _GroupLost as e:
+            self._lost = str(e)
+            h = self._current
+            if not self._committed:
+                if self.rank_follower is not None:
+                    self.rank_follower.abort()
+                if self.node is not None and isinstance(h, Handoff):
+                    self.node.abort(h)
+            versions: List[Optional[int]] = [None] * self.world
+            versions[self.rank] = self._version()
+            failures: List[Optional[str]] = [None] * self.world
+            failures[self.rank] = f"the process group lost a rank: {e}"
+            logger.error("rank %d: the process group lost a rank (%s); committed: %s",
+                         self.rank, e, self._committed)
+            self.last = StepReport(h.op if isinstance(h, Handoff) else None,
+                                   h.version if isinstance(h, Handoff) else None,
+                                   self._committed, versions, failures)
+            if self.node is not None:
+                self.node.subscriber._native.report_ranks(versions)
+            return self.last
+
+    def _step(self, timeout: float) -> StepReport:
+        started = time.perf_counter()
+        handoff = None
+        node_s = 0.0
+        if self.node is not None:
+            try:
+                behind = self._repair or (self.last is not None and not (
+                    self.last.consistent() and self.last.versions[0] == self.node.version))
+                if behind and self.node.version is not None:
+                    handoff = self.node.load_handoff()
+                else:
+                    handoff = self.node.next(timeout)
+            except Exception as e:  # the node's own failure: reported, nothing moves
+                logger.warning("node follower: %s", e)
+                handoff = ("error", str(e))
+            if isinstance(handoff, Handoff) and handoff.op == "load":
+                handoff = (handoff, self.node.host.specs())
+            node_s = time.perf_counter() - started
+        msg = self._bcast(handoff)
+        if msg is None or (isinstance(msg, tuple) and msg[0] == "error"):
+            versions = self._all(self._version())
+            err = msg[1] if isinstance(msg, tuple) else None
+            self.last = StepReport(None, None, False, versions,
+                                   [err if i == self.node_rank else None for i in range(self.world)])
+            return self.last
+        error = None
+        if isinstance(msg, tuple):
+            h, specs = msg
+            try:
+                self._ensure_mapping(specs)
+            except Exception as e:  # refused on every rank alike: nothing moves
+                error = f"{type(e).__name__}: {e}"
+        else:
+            h = msg
+        self._current = h
+        t0 = time.perf_counter()
+        try:
+            if error is not None:
+                raise BadRequest(error)
+            if self.rank_follower is None:
+                raise BadRequest("this rank has no mapping yet (the node holds no anchor)")
+            if self._fail_prepare is not None:
+                self._fail_prepare(h)
+            self.rank_follower.prepare(h)
+        except Exception as e:  # any rank's failure stops every rank
+            error = f"{type(e).__name__}: {e}"
+            logger.warning("rank %d could not prepare version %s: %s", self.rank, h.version, error)
+        prepare_s = time.perf_counter() - t0
+        votes = self._all(error)
+        everyone = all(v is None for v in votes)
+        commit_s = 0.0
+        if everyone:
+            assert self.rank_follower is not None
+            if self._fail_commit is not None:
+                self._fail_commit(h)
+            self.rank_follower.commit()
+            self._committed = True
+            commit_s = self.rank_follower.commit_seconds
+            if self.node is not None:
+                self.node.commit(h)
+        else:
+            if self.rank_follower is not None:
+                self.rank_follower.abort()
+            if self.node is not None:
+                self.node.abort(h)
+        gathered = self._all((self._version(), prepare_s, commit_s))
+        versions = [g[0] for g in gathered]
+        # A rank whose parameters did not hold what the node holds is
+        # repaired from the node's host copy at the next step.
+        self._repair = not everyone and any(
+            v is not None and ("BaseMismatch" in v or "Corrupt" in v) for v in votes)
+        self.last = StepReport(h.op, h.version, everyone, versions, votes,
+                               self._bcast(node_s), max(g[1] for g in gathered),
+                               max(g[2] for g in gathered))
+        if not self.last.consistent():
+            logger.error("ranks hold different versions: %s", versions)
+        if self.node is not None:
+            self.node.subscriber._native.report_ranks(versions)
+        return self.last
+
+    @property
+    def version(self) -> Optional[int]:
+        """The version this rank's parameters hold (``None``: none yet)."""
+        return self._version()
+
+    def _version(self) -> Optional[int]:
+        return None if self.rank_follower is None else self.rank_follower.version
+
+    def _ensure_mapping(self, specs: Mapping[str, Spec]) -> None:
+        if self.rank_follower is not None and getattr(self, "_specs", None) == specs:
+            return
+        try:
+            mapping: Optional[ShardMap] = probe(
+                self.params, {n: (d, s) for n, (d, s) in specs.items()}, self.loader)
+            held: Any = {n: sum(r.elements() for r in runs)
+                         for n, runs in mapping.tensors.items()}
+        except Exception as e:  # every rank learns of it (the gather below is collective)
+            mapping, held = None, f"rank {self.rank}: {type(e).__name__}: {e}"
+        # Every element of every checkpoint tensor lands on some rank, or a
+        # delta to it would go nowhere: refused at start-up, naming it.
+        counts: Dict[str, int] = {}
+        for h in self._all(held):
+            if isinstance(h, str):
+                raise Unmappable(f"the engine's layout could not be mapped on {h}")
+            for n, k in h.items():
+                counts[n] = counts.get(n, 0) + k
+        for n, (_, shape) in specs.items():
+            need = int(np.prod(shape, dtype=np.int64))
+            if counts.get(n, 0) < need:
+                raise Unmappable(
+                    f"checkpoint tensor `{n}`: {need - counts.get(n, 0)} of its {need} elements "
+                    "land in no rank's parameters (the engine does not hold it, or its loader "
+                    "drops part of it); follow this model with the engine's reload"
+                )
+        assert mapping is not None
+        self._specs = dict(specs)
+        self.rank_follower = RankFollower(self.params, mapping, self.root)

@@ -1,0 +1,183 @@
+//! Local file helpers shared by the publisher (its state directory) and the
+//! subscriber (its output directory): durable, atomic small-file writes,
+//! directory syncs, and the [`Error::Io`](crate::Error) that names the file.
+//!
+//! Both roles keep state on local disk that must survive a crash whole or not
+//! at all; these are the only places that decide how. Both also trust their
+//! large files between runs by a [`Stamp`] recorded in their state (the way
+//! git trusts its index), and report what they write ([`written_bytes`]).
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// A local I/O error naming what was being done and the path:
+/// `io_err("writing", p, e)` reads "writing /path: " and the cause.
+pub fn io_err(what: &str, p: &Path, e: std::io::Error) -> Error {
+    Error::io(format!("{what} {}", p.display()), e)
+}
+
+/// Writes `bytes` to `path` durably and atomically: a temporary file beside
+/// it (`path` with the extension `tmp`), written and fsynced, renamed over
+/// `path`, then the directory fsynced. A crash leaves the old content or the
+/// new one, never a mix.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let tmp = path.with_extension("tmp");
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::File::create(&tmp)
+        .and_then(|mut f| {
+            f.write_all(bytes)?;
+            f.sync_all()
+        })
+        .map_err(|e| io_err("writing", &tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| io_err("renaming", &tmp, e))?;
+    sync_dir(dir)
+}
+
+/// Flushes a directory's entries (creations, renames) to stable storage.
+pub fn sync_dir(p: &Path) -> Result<()> {
+    std::fs::File::open(p)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| io_err("syncing directory", p, e))
+}
+
+/// Flushes a file written earlier (by another handle) to stable storage.
+pub fn sync_file(p: &Path) -> Result<()> {
+    std::fs::File::open(p)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| io_err("syncing", p, e))
+}
+
+/// What `stat` says about a file once it was written and synced: any later
+/// write (a `write`, a store through a shared map, a truncation) or
+/// replacement changes its inode or change time (`ctime`, which no user call
+/// can set back), so a file whose stamp still matches the one recorded is the
+/// file recorded. Content changed without the kernel's knowledge (a disk
+/// returning other bytes) keeps its stamp: the checks in proportion to the
+/// changes of each version, and `weightcast verify`, are what see that.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Stamp {
+    /// Inode number.
+    pub ino: u64,
+    /// Last modification, nanoseconds since the epoch.
+    pub mtime_ns: i64,
+    /// Last change of the inode (data or metadata), nanoseconds since the epoch.
+    pub ctime_ns: i64,
+}
+
+impl Stamp {
+    /// The size and stamp of the regular file at `p` (`None`: absent, or
+    /// not a regular file; links are not followed).
+    pub fn of(p: &Path) -> Option<(u64, Stamp)> {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::symlink_metadata(p).ok()?;
+        if !m.is_file() {
+            return None;
+        }
+        let ns = |s: i64, n: i64| s.saturating_mul(1_000_000_000).saturating_add(n);
+        Some((
+            m.len(),
+            Stamp {
+                ino: m.ino(),
+                mtime_ns: ns(m.mtime(), m.mtime_nsec()),
+                ctime_ns: ns(m.ctime(), m.ctime_nsec()),
+            },
+        ))
+    }
+
+    /// Whether this stamp, recorded in the file `record`, can be trusted:
+    /// the file's last change is strictly older than the record. A file
+    /// changed in the same clock tick as the record was written (file
+    /// systems keep coarse times) could change again unseen — "racily
+    /// clean", as git calls it — and is verified instead.
+    pub fn older_than(&self, record: &Path) -> bool {
+        Stamp::of(record).is_some_and(|(_, r)| self.ctime_ns < r.mtime_ns)
+    }
+}
+
+/// [`write_atomic`], then, while the written file's modification time is not
+/// later than `newer_than_ns` (the newest change time of the files whose
+/// stamps it records: a coarse clock may not have moved on since), waits a
+/// millisecond and writes it again, at most 100 times; so that
+/// [`Stamp::older_than`] holds for each stamp recorded in it.
+pub fn write_atomic_after(path: &Path, bytes: &[u8], newer_than_ns: i64) -> Result<()> {
+    for _ in 0..100 {
+        write_atomic(path, bytes)?;
+        if Stamp::of(path).is_none_or(|(_, s)| s.mtime_ns > newer_than_ns) {
+            return Ok(());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    // Still not later (a clock set back): the stamps are verified next time.
+    Ok(())
+}
+
+/// Bytes this process has caused to be written to storage so far
+/// (`write_bytes` of `/proc/self/io`: pages it dirtied in files on a disk,
+/// through `write` or a shared map; nothing on tmpfs), or `None` where the
+/// kernel does not say.
+pub fn written_bytes() -> Option<u64> {
+    let io = std::fs::read_to_string("/proc/self/io").ok()?;
+    io.lines()
+        .find_map(|l| l.strip_prefix("write_bytes:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Whether `dir` is on a file system kept in memory (tmpfs, ramfs), where
+/// rewriting a file in place costs no disk writes.
+pub fn in_memory(dir: &Path) -> bool {
+    const TMPFS: u64 = 0x0102_1994;
+    const RAMFS: u64 = 0x8584_58f6;
+    rustix::fs::statfs(dir).is_ok_and(|s| matches!(s.f_type as u64, TMPFS | RAMFS))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn write_atomic_replaces_whole_and_errors_name_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("state.json");
+        write_atomic(&p, b"one").unwrap();
+        write_atomic(&p, b"two, longer").unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"two, longer");
+        assert!(!p.with_extension("tmp").exists(), "no temporary left");
+        let missing = dir.path().join("no/such/dir/state.json");
+        let e = write_atomic(&missing, b"x").unwrap_err();
+        assert!(matches!(e, Error::Io { .. }), "{e:?}");
+        assert!(e.to_string().contains("no/such/dir/state.tmp"), "{e}");
+        let e = sync_dir(&dir.path().join("absent")).unwrap_err();
+        assert!(e.to_string().contains("syncing directory"), "{e}");
+    }
+
+    #[test]
+    fn stamps_change_with_any_write_and_records_are_newer_than_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let (f, record) = (dir.path().join("data"), dir.path().join("record"));
+        std::fs::write(&f, b"abcd").unwrap();
+        let (size, st) = Stamp::of(&f).unwrap();
+        assert_eq!(size, 4);
+        write_atomic_after(&record, b"{}", st.ctime_ns).unwrap();
+        assert!(st.older_than(&record));
+        // Same size, mtime set back: the change time still moves.
+        let mtime = std::fs::metadata(&f).unwrap().modified().unwrap();
+        std::fs::write(&f, b"abce").unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&f)
+            .unwrap()
+            .set_modified(mtime)
+            .unwrap();
+        let (size2, st2) = Stamp::of(&f).unwrap();
+        assert_eq!((size2, st2.mtime_ns, st2.ino), (4, st.mtime_ns, st.ino));
+        assert_ne!(st2, st);
+        assert!(!st2.older_than(&record), "changed after the record");
+        assert!(Stamp::of(dir.path()).is_none(), "a directory has no stamp");
+        assert!(written_bytes().is_some(), "Linux reports /proc/self/io");
+    }
+}

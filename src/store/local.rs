@@ -1,0 +1,249 @@
+//! The `file://` backend: object_store's local filesystem, serving regular
+//! files only, with every open bounded in time.
+//!
+//! A bucket directory is written by whoever can write the prefix, and a
+//! file system can hold what no object store can: a FIFO (or a link to
+//! one), a device, a socket. Opening a FIFO blocks until a writer appears —
+//! for good, on a worker thread no timeout can cancel — and a device can
+//! stream without end. So every read first checks, without opening it, that
+//! the key names a regular file (links followed) and refuses anything else
+//! with an error naming the key; and each open is bounded by
+//! [`LOCAL_OPEN_TIMEOUT`] (a file system that stops answering, or a file
+//! swapped for a FIFO between the check and the open).
+
+use std::ops::Range;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::stream::BoxStream;
+use object_store::local::LocalFileSystem;
+use object_store::path::Path;
+use object_store::{
+    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
+    PutMultipartOptions, PutOptions, PutPayload, PutResult, RenameOptions,
+};
+
+/// Longest an open (with its checks) of a `file://` object may take.
+pub const LOCAL_OPEN_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A key of a `file://` store that names something other than a regular
+/// file (the store layer classifies it as corrupt bucket content).
+#[derive(Debug)]
+pub(crate) struct NotRegularFile {
+    path: std::path::PathBuf,
+    what: &'static str,
+}
+
+impl std::fmt::Display for NotRegularFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} is {}, not a regular file: a file:// bucket serves regular files only (remove \
+             it, or restore the object from the publisher)",
+            self.path.display(),
+            self.what
+        )
+    }
+}
+
+impl std::error::Error for NotRegularFile {}
+
+/// [`LocalFileSystem`] that reads regular files only, with bounded opens.
+#[derive(Debug)]
+pub(crate) struct RegularFiles {
+    inner: LocalFileSystem,
+    timeout: Duration,
+}
+
+impl std::fmt::Display for RegularFiles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RegularFiles({})", self.inner)
+    }
+}
+
+impl RegularFiles {
+    pub(crate) fn new(inner: LocalFileSystem) -> RegularFiles {
+        RegularFiles {
+            inner,
+            timeout: LOCAL_OPEN_TIMEOUT,
+        }
+    }
+
+    /// Refuses a key that exists and is not a regular file (links
+    /// followed); a missing key is left to the backend (not found).
+    async fn check(&self, location: &Path) -> object_store::Result<()> {
+        let path = self.inner.path_to_filesystem(location)?;
+        let meta = match tokio::fs::metadata(&path).await {
+            Ok(m) => m,
+            Err(_) => return Ok(()),
+        };
+        // Directories are no objects: the backend answers "not found".
+        if meta.is_file() || meta.is_dir() {
+            return Ok(());
+        }
+        use std::os::unix::fs::FileTypeExt;
+        let t = meta.file_type();
+        let what = if t.is_fifo() {
+            "a FIFO"
+        } else if t.is_socket() {
+            "a socket"
+        } else if t.is_block_device() || t.is_char_device() {
+            "a device"
+        } else {
+            "not a file"
+        };
+        Err(object_store::Error::Generic {
+            store: "LocalFileSystem",
+            source: Box::new(NotRegularFile { path, what }),
+        })
+    }
+
+    /// `op` on `location`, checked first, both within the timeout.
+    async fn bounded<T>(
+        &self,
+        location: &Path,
+        op: impl std::future::Future<Output = object_store::Result<T>>,
+    ) -> object_store::Result<T> {
+        let checked = async {
+            self.check(location).await?;
+            op.await
+        };
+        match tokio::time::timeout(self.timeout, checked).await {
+            Ok(r) => r,
+            Err(_) => Err(object_store::Error::Generic {
+                store: "LocalFileSystem",
+                source: Box::new(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "the file system did not open {location} within {} s",
+                        self.timeout.as_secs()
+                    ),
+                )),
+            }),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl ObjectStore for RegularFiles {
+    async fn put_opts(
+        &self,
+        location: &Path,
+        payload: PutPayload,
+        opts: PutOptions,
+    ) -> object_store::Result<PutResult> {
+        self.inner.put_opts(location, payload, opts).await
+    }
+
+    async fn put_multipart_opts(
+        &self,
+        location: &Path,
+        opts: PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn MultipartUpload>> {
+        self.inner.put_multipart_opts(location, opts).await
+    }
+
+    async fn get_opts(
+        &self,
+        location: &Path,
+        options: GetOptions,
+    ) -> object_store::Result<GetResult> {
+        self.bounded(location, self.inner.get_opts(location, options))
+            .await
+    }
+
+    async fn get_ranges(
+        &self,
+        location: &Path,
+        ranges: &[Range<u64>],
+    ) -> object_store::Result<Vec<Bytes>> {
+        self.bounded(location, self.inner.get_ranges(location, ranges))
+            .await
+    }
+
+    fn delete_stream(
+        &self,
+        locations: BoxStream<'static, object_store::Result<Path>>,
+    ) -> BoxStream<'static, object_store::Result<Path>> {
+        self.inner.delete_stream(locations)
+    }
+
+    fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+
+    fn list_with_offset(
+        &self,
+        prefix: Option<&Path>,
+        offset: &Path,
+    ) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        self.inner.list_with_offset(prefix, offset)
+    }
+
+    async fn list_with_delimiter(&self, prefix: Option<&Path>) -> object_store::Result<ListResult> {
+        self.inner.list_with_delimiter(prefix).await
+    }
+
+    async fn copy_opts(
+        &self,
+        from: &Path,
+        to: &Path,
+        options: CopyOptions,
+    ) -> object_store::Result<()> {
+        self.inner.copy_opts(from, to, options).await
+    }
+
+    async fn rename_opts(
+        &self,
+        from: &Path,
+        to: &Path,
+        options: RenameOptions,
+    ) -> object_store::Result<()> {
+        self.inner.rename_opts(from, to, options).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::store::Store;
+
+    #[tokio::test]
+    async fn only_regular_files_are_read_and_the_refusal_names_the_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = url::Url::from_directory_path(dir.path())
+            .unwrap()
+            .to_string();
+        let store = Store::open(&url).unwrap();
+        store
+            .put("deltas/a", Bytes::from_static(b"fine"))
+            .await
+            .unwrap();
+        let fifo = dir.path().join("fifo");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success(), "mkfifo");
+        std::fs::create_dir_all(dir.path().join("deltas")).unwrap();
+        std::os::unix::fs::symlink(&fifo, dir.path().join("deltas/b")).unwrap();
+        std::os::unix::fs::symlink(dir.path().join("deltas/a"), dir.path().join("deltas/c"))
+            .unwrap();
+        assert_eq!(store.get("deltas/a").await.unwrap().unwrap(), "fine");
+        // A link to a regular file is one.
+        assert_eq!(store.get("deltas/c").await.unwrap().unwrap(), "fine");
+        for e in [
+            store.get("deltas/b").await.unwrap_err(),
+            store.head("deltas/b").await.unwrap_err(),
+            store.get_range("deltas/b", 0..4).await.unwrap_err(),
+        ] {
+            let text = e.to_string();
+            assert!(text.contains("not a regular file"), "{text}");
+            assert!(text.contains("deltas"), "{text}");
+            assert_eq!(e.kind(), crate::error::ErrorKind::Corrupt, "{text}");
+        }
+        assert_eq!(store.get("deltas/none").await.unwrap(), None);
+        assert_eq!(store.get("deltas").await.unwrap(), None, "a directory");
+    }
+
+    use bytes::Bytes;
+}
