@@ -32,7 +32,7 @@ use std::path::Path;
 use bytes::Bytes;
 use serde::Serialize;
 
-use crate::codec::{DeltaOptions, anchor_prefix, encode_delta};
+use crate::codec::{DeltaOptions, anchor_prefix, encode_delta_ctx};
 use crate::error::{Error, Result};
 use crate::format::Encoding;
 use crate::protocol::{
@@ -298,9 +298,12 @@ impl Publisher {
     /// snapshot, resolving a commit that was in flight when the previous
     /// process stopped.
     pub async fn open(store: Store, cfg: PublisherConfig) -> Result<Publisher> {
-        if !matches!(cfg.encoding, Encoding::Compact | Encoding::Trl) {
+        if !matches!(
+            cfg.encoding,
+            Encoding::Compact | Encoding::Compact2 | Encoding::Trl
+        ) {
             return Err(Error::Config(format!(
-                "delta encoding `{}`: expected compact or trl (`full` and `planes` are anchor \
+                "delta encoding `{}`: expected compact, compact2 or trl (`full` and `planes` are anchor \
                  encodings: --anchor-encoding)",
                 cfg.encoding
             )));
@@ -532,8 +535,12 @@ impl Publisher {
                     base_version: next - 1,
                     trl: self.cfg.trl,
                 };
-                match encode_delta(&snap.sets[name], set, &opts) {
-                    Ok((d, s)) => {
+                // The context the snapshot holds for the file, when it leads
+                // to the file's state (`compact2`; other encodings ignore it).
+                let base = &snap.sets[name];
+                let context = snap.contexts.get(name).filter(|c| c.id.to == base.digest());
+                match encode_delta_ctx(base, set, &opts, context) {
+                    Ok((d, s, _)) => {
                         changed += s.changed;
                         deltas.push((name.clone(), d));
                     }

@@ -8,6 +8,7 @@
 //! <state>/overlay/<version>/<file>.delta  the delta objects of the versions since the snapshot's (overlay mode)
 //! <state>/journal/<version>/<file>.delta  the delta objects of a version being committed
 //! <state>/next/<file>                 an anchor's files while it is being committed
+//! <state>/context/<file>.ctx          in place: the `compact2` context of the last version's delta
 //! ```
 //!
 //! A delta version costs its changes here, not the model. Its delta objects
@@ -27,6 +28,15 @@
 //!   journal) and `state.json`; memory holds the pages the versions since the
 //!   anchor changed. The next anchor replaces the snapshot and empties the
 //!   overlay (its compaction).
+//!
+//! **Contexts** (`compact2`, docs/format.md §6.3). The snapshot holds, per
+//! file, the changes of the delta that produced its version: what the next
+//! delta is coded against. They come out of applying each delta (as on a
+//! subscriber), start empty at an anchor, and are rebuilt at every start:
+//! over an overlay by replaying it; in place from `context/`, written after
+//! each version (4 bytes per changed element; the in-place files take far
+//! more). A context that does not lead to its file's digest is dropped: the
+//! next delta of that file is then written without one, as after an anchor.
 //!
 //! An anchor writes the new snapshot files once, under `next/` (fsynced),
 //! uploads the anchor objects from them, and swaps the directories after the
@@ -63,7 +73,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::codec::apply_delta;
+use crate::codec::{Context, apply_delta_ctx};
 use crate::digest::Digest;
 use crate::error::{Error, Result};
 use crate::fsio::{Stamp, io_err, sync_dir, write_atomic, write_atomic_after};
@@ -288,6 +298,9 @@ pub struct Snapshot {
     /// The snapshot's tensor files at `state.version`, mapped (shared in
     /// place, private over an overlay), digests set.
     pub sets: BTreeMap<String, TensorSet>,
+    /// Per file, the `compact2` context of the delta that produced
+    /// `state.version` (none after an anchor).
+    pub contexts: BTreeMap<String, Context>,
 }
 
 impl Snapshot {
@@ -307,6 +320,67 @@ impl Snapshot {
 
     fn journal_dir(dir: &Path, version: u64) -> PathBuf {
         dir.join("journal").join(format!("{version:020}"))
+    }
+
+    fn context_path(dir: &Path, name: &str) -> PathBuf {
+        dir.join("context").join(format!("{name}.ctx"))
+    }
+
+    /// The saved contexts that lead to the files' digests now.
+    fn load_contexts(&mut self) {
+        for (name, set) in &self.sets {
+            let p = Self::context_path(&self.dir, name);
+            let Ok(bytes) = std::fs::read(&p) else {
+                continue;
+            };
+            match Context::from_bytes(&bytes) {
+                Ok(c) if c.id.to == set.digest() => {
+                    self.contexts.insert(name.clone(), c);
+                }
+                Ok(_) => {
+                    tracing::debug!(file = %name, "saved context is another version's; dropped")
+                }
+                Err(e) => tracing::warn!(file = %name, error = %e, "saved context dropped"),
+            }
+        }
+    }
+
+    /// In place: saves the contexts (and removes those of files without one).
+    fn save_contexts(&self) -> Result<()> {
+        if self.mode != StateMode::InPlace {
+            return Ok(());
+        }
+        for name in self.sets.keys() {
+            let p = Self::context_path(&self.dir, name);
+            match self.contexts.get(name) {
+                Some(c) => {
+                    if let Some(parent) = p.parent() {
+                        std::fs::create_dir_all(parent)
+                            .map_err(|e| io_err("creating", parent, e))?;
+                    }
+                    write_atomic(&p, &c.to_bytes())?;
+                }
+                None => {
+                    let _ = std::fs::remove_file(&p);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies one delta object to file `name`, with and then in place of
+    /// its context.
+    fn apply_one(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
+        let set = self
+            .sets
+            .get_mut(name)
+            .ok_or_else(|| Error::NotFound(format!("publisher snapshot has no file `{name}`")))?;
+        let (_, next) = apply_delta_ctx(set, bytes, self.contexts.get(name))?;
+        match next {
+            Some(c) => self.contexts.insert(name.to_string(), c),
+            None => self.contexts.remove(name),
+        };
+        Ok(())
     }
 
     fn overlay_dir(dir: &Path, version: u64) -> PathBuf {
@@ -466,7 +540,11 @@ impl Snapshot {
             check: if trusted { Check::Stamps } else { Check::Full },
             state,
             sets,
+            contexts: BTreeMap::new(),
         };
+        // The contexts of the files' own version (the overlay's replay
+        // brings them forward).
+        snap.load_contexts();
         // Over an overlay, every version patches private pages (at RL
         // densities, all of them): fault them in writable now, before a
         // diff maps them for reading (see `TensorSet::populate_private`).
@@ -552,6 +630,7 @@ impl Snapshot {
                 check: Check::Full,
                 state: state.clone(),
                 sets: BTreeMap::new(),
+                contexts: BTreeMap::new(),
             };
             if state.disk_digests().is_empty() {
                 return Err(Error::NotFound(
@@ -572,6 +651,7 @@ impl Snapshot {
                 }
                 snap.sets.insert(name.clone(), set);
             }
+            snap.load_contexts();
             for ov in &state.overlay {
                 snap.apply_overlay_version(ov)?;
             }
@@ -653,10 +733,7 @@ impl Snapshot {
                     actual: format!("{} bytes, BLAKE3 {hash}", bytes.len()),
                 });
             }
-            let set = self.sets.get_mut(name).ok_or_else(|| {
-                Error::NotFound(format!("publisher snapshot has no file `{name}`"))
-            })?;
-            apply_delta(set, &bytes)?;
+            self.apply_one(name, &bytes)?;
         }
         Ok(())
     }
@@ -687,7 +764,7 @@ impl Snapshot {
         self.state.overlay.clear();
         self.state.snapshot_files.clear();
         self.state.stamps = Self::take_stamps(&self.dir, self.sets.keys())?;
-        Ok(())
+        self.save_contexts()
     }
 
     /// After a delta commit: applies its objects to the sets (verified: all
@@ -696,10 +773,7 @@ impl Snapshot {
     /// journal into it.
     fn advance(&mut self, deltas: &[(String, Vec<u8>)], after: State) -> Result<()> {
         for (name, bytes) in deltas {
-            let set = self.sets.get_mut(name).ok_or_else(|| {
-                Error::NotFound(format!("publisher snapshot has no file `{name}`"))
-            })?;
-            apply_delta(set, bytes)?;
+            self.apply_one(name, bytes)?;
         }
         let mut after = after;
         after.pending = None;
@@ -813,6 +887,7 @@ impl Snapshot {
         let s = state.clone().without_snapshot();
         let _ = std::fs::remove_dir_all(dir.join("journal"));
         let _ = std::fs::remove_dir_all(dir.join("overlay"));
+        let _ = std::fs::remove_dir_all(dir.join("context"));
         let _ = std::fs::remove_dir_all(Self::next_dir(dir));
         write_state(dir, &s)
     }
@@ -862,6 +937,7 @@ pub fn install_anchor(dir: &Path, mode: StateMode, after: State) -> Result<Snaps
     let mode = mode.resolve(dir);
     Snapshot::swap_in_next(dir)?;
     let _ = std::fs::remove_dir_all(dir.join("overlay"));
+    let _ = std::fs::remove_dir_all(dir.join("context"));
     let mut sets = BTreeMap::new();
     for (name, d) in &after.tensor_files {
         let path = Snapshot::files_dir(dir).join(name);
@@ -892,6 +968,7 @@ pub fn install_anchor(dir: &Path, mode: StateMode, after: State) -> Result<Snaps
         check: Check::Written,
         state,
         sets,
+        contexts: BTreeMap::new(),
     };
     crate::failpoint::hit("publisher.before_record");
     snap.record()?;

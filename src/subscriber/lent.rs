@@ -37,8 +37,8 @@ use bytes::Bytes;
 use rayon::prelude::*;
 
 use crate::codec::{
-    ApplyReport, Delta, InPlaceOptions, InPlaceReport, Positions, Prepared, Target,
-    apply_in_place_all, inspect, prepare_in_place_all,
+    ApplyReport, Context, Delta, InPlaceOptions, InPlaceReport, Positions, Prepared, Target,
+    apply_in_place_all_ctx, inspect, prepare_in_place_all_ctx,
 };
 use crate::digest::{Digest, tensor_digest_of};
 use crate::dtype::{Dtype, parse_dtype, word_bytes};
@@ -47,7 +47,7 @@ use crate::format::Kind;
 use crate::protocol::Manifest;
 use crate::tensors::{ExternalBuffer, TensorSet};
 
-use super::sink::{AnchorDest, AnchorObject, MemorySink, Produced, Sink, check_version};
+use super::sink::{AnchorDest, AnchorObject, Contexts, MemorySink, Produced, Sink, check_version};
 use super::step::{CaughtUp, Subscriber};
 use super::update::StepOptions;
 
@@ -154,6 +154,22 @@ struct Held {
     digests: BTreeMap<String, (Dtype, Vec<usize>, Digest)>,
     /// Where each tensor's memory was when the sink last wrote it.
     memory: BTreeMap<String, (usize, usize)>,
+    /// Per tensor file, the `compact2` context of the held version.
+    contexts: Contexts,
+}
+
+impl Held {
+    /// The context of each delta's file, in order.
+    fn contexts_of(&self, deltas: &[(String, Bytes)]) -> Vec<Option<&Context>> {
+        deltas.iter().map(|(f, _)| self.contexts.get(f)).collect()
+    }
+
+    /// Each delta's file takes the context its apply made.
+    fn set_contexts(&mut self, deltas: &[(String, Bytes)], next: Vec<Option<Context>>) {
+        for ((f, _), c) in deltas.iter().zip(next) {
+            self.contexts.set(f, c);
+        }
+    }
 }
 
 /// A delta version staged for the caller's tensors.
@@ -407,7 +423,8 @@ impl LentSink {
             unreachable!("checked above")
         };
         let objects: Vec<&[u8]> = r.deltas.iter().map(|d| &d.1[..]).collect();
-        let prepared = match prepare_in_place_all(&mut targets(tensors)?, &objects) {
+        let contexts = self.held.contexts_of(&r.deltas);
+        let prepared = match prepare_in_place_all_ctx(&mut targets(tensors)?, &objects, &contexts) {
             Err(Error::Unsupported { reason, .. }) => {
                 tracing::debug!(%reason, "update not prepared; it applies in one call");
                 return Ok(false);
@@ -439,8 +456,8 @@ impl LentSink {
     pub fn resolve(&mut self, gather: &mut Gather<'_>) -> Result<Vec<Resolved>> {
         let r = self.replay()?;
         let mut out = Vec::new();
-        for (_, object) in &r.deltas {
-            let delta = Delta::parse(object)?;
+        for (file, object) in &r.deltas {
+            let delta = Delta::parse_ctx(object, self.held.contexts.get(file))?;
             let names: Vec<(String, Dtype)> = delta
                 .header()
                 .tensors
@@ -576,6 +593,13 @@ impl LentSink {
                     }
                 }
                 report.changed_tensors = changes.iter().map(|c| c.0.clone()).collect();
+                // The contexts the version makes: its deltas decoded again
+                // (the caller wrote the changes).
+                let mut next = Vec::with_capacity(r.deltas.len());
+                for (file, d) in &r.deltas {
+                    next.push(Context::of_delta(d, self.held.contexts.get(file))?);
+                }
+                self.held.set_contexts(&r.deltas, next);
                 self.advance(r.version, &changes);
                 for (n, m) in memory {
                     if names.contains(n.as_str()) {
@@ -611,7 +635,8 @@ impl LentSink {
                     self.check_bound(&names, &memory)?;
                     let p = r.prepared.take().expect("checked above");
                     report.prepared = true;
-                    let reports = p.prepared.commit(&mut targets(tensors)?)?;
+                    let (reports, next) = p.prepared.commit_ctx(&mut targets(tensors)?)?;
+                    self.held.set_contexts(&r.deltas, next);
                     Some((reports, p.info))
                 } else if let Err(e) = self.check_bound(&names, &memory) {
                     return Err(e);
@@ -627,8 +652,12 @@ impl LentSink {
                     set.assume_digests(&digests)?;
                     // The payload is BLAKE3-checked first, so a tensor whose
                     // digest does not come out is the local base's fault.
-                    let applied =
-                        crate::codec::apply_delta(&mut set, object).map_err(base_mismatch);
+                    let applied = crate::codec::apply_delta_ctx(
+                        &mut set,
+                        object,
+                        self.held.contexts.get(file),
+                    )
+                    .map_err(base_mismatch);
                     let changes: Vec<_> = set
                         .tensors()
                         .iter()
@@ -644,7 +673,8 @@ impl LentSink {
                             buf,
                         })
                         .collect();
-                    let a = applied?;
+                    let (a, next) = applied?;
+                    self.held.contexts.set(file, next);
                     let changes: Vec<_> = changes
                         .into_iter()
                         .filter(|c| a.changed_tensors.contains(&c.0))
@@ -656,12 +686,15 @@ impl LentSink {
                     None
                 } else {
                     let objects: Vec<&[u8]> = r.deltas.iter().map(|d| &d.1[..]).collect();
-                    let reports = apply_in_place_all(
+                    let contexts = self.held.contexts_of(&r.deltas);
+                    let (reports, next) = apply_in_place_all_ctx(
                         &mut targets(tensors)?,
                         &objects,
+                        &contexts,
                         &InPlaceOptions::default(),
                     )
                     .map_err(base_mismatch)?;
+                    self.held.set_contexts(&r.deltas, next);
                     Some((reports, info))
                 };
                 if let Some((reports, info)) = reports {
@@ -793,6 +826,7 @@ impl LentSink {
             })
             .collect();
         self.held.digests.clear();
+        self.held.contexts = m.contexts().clone();
         self.held.memory = memory;
         self.held.tensor_files = Some(sets.keys().cloned().collect());
         self.held.files = Some(

@@ -30,7 +30,7 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
-use crate::codec::{ApplyReport, apply_delta, inspect};
+use crate::codec::{ApplyReport, Context, apply_delta_ctx, inspect};
 use crate::digest::Digest;
 use crate::dtype::word_bytes;
 use crate::error::{Error, Result};
@@ -124,16 +124,58 @@ pub fn output_metadata(anchor: &BTreeMap<String, String>) -> BTreeMap<String, St
         .collect()
 }
 
-/// Applies a delta object of `version` for file `name` to `set` (all or
-/// nothing); the loop checks the report against what the bucket promised
-/// (a weightcast bucket's deltas verify, to exactly that version).
+/// Applies a delta object to `set` (all or nothing) against `context`, the
+/// file's `compact2` context (docs/format.md §6.3: the changes of the delta
+/// that produced the set's version); the loop checks the report against
+/// what the bucket promised (a weightcast bucket's deltas verify, to
+/// exactly that version). Returns also the file's context for the next
+/// delta (`None` unless the delta is `compact2`).
 pub(crate) fn apply_checked(
     set: &mut TensorSet,
-    _version: u64,
-    _name: &str,
     delta: &[u8],
-) -> Result<ApplyReport> {
-    apply_delta(set, delta)
+    context: Option<&Context>,
+) -> Result<(ApplyReport, Option<Context>)> {
+    apply_delta_ctx(set, delta, context)
+}
+
+/// Per tensor file, the `compact2` context of the version a sink holds (the
+/// changes of the delta that produced it; none after an anchor). Every
+/// version has a delta object for every tensor file, so each file's entry
+/// is always the one its next delta was made against.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Contexts(BTreeMap<String, Context>);
+
+impl Contexts {
+    /// File `name`'s context.
+    pub(crate) fn get(&self, name: &str) -> Option<&Context> {
+        self.0.get(name)
+    }
+
+    /// Sets (or, with `None`, drops) file `name`'s context.
+    pub(crate) fn set(&mut self, name: &str, c: Option<Context>) {
+        match c {
+            Some(c) => self.0.insert(name.to_string(), c),
+            None => self.0.remove(name),
+        };
+    }
+
+    /// Applies a delta object for file `name` to `set` with the file's
+    /// context, and keeps the one it makes ([`apply_checked`]).
+    pub(crate) fn apply(
+        &mut self,
+        set: &mut TensorSet,
+        name: &str,
+        delta: &[u8],
+    ) -> Result<ApplyReport> {
+        let (report, next) = apply_checked(set, delta, self.get(name))?;
+        self.set(name, next);
+        Ok(report)
+    }
+
+    /// Forgets every context (an anchor, or a state no longer trusted).
+    pub(crate) fn clear(&mut self) {
+        self.0.clear();
+    }
 }
 
 /// Bytes an apply of `delta` wrote into `set`: changed words × word width,
@@ -204,6 +246,7 @@ pub struct MemorySink {
     version: Option<u64>,
     tensors: BTreeMap<String, TensorSet>,
     files: BTreeMap<String, Vec<u8>>,
+    contexts: Contexts,
     work: Option<MemoryWork>,
 }
 
@@ -223,6 +266,8 @@ struct MemoryWork {
     /// The next version starts from an anchor (its objects are anchors).
     bootstrap: bool,
     written: u64,
+    /// A bootstrap's contexts.
+    contexts: Contexts,
 }
 
 impl MemorySink {
@@ -254,6 +299,7 @@ impl MemorySink {
             version,
             tensors,
             files,
+            contexts: Contexts::default(),
             work: None,
         })
     }
@@ -266,6 +312,11 @@ impl MemorySink {
     /// The non-tensor files.
     pub fn files(&self) -> &BTreeMap<String, Vec<u8>> {
         &self.files
+    }
+
+    /// Per tensor file, the `compact2` context of the held version.
+    pub(crate) fn contexts(&self) -> &Contexts {
+        &self.contexts
     }
 
     /// The held version, the tensor files and the non-tensor files, taken
@@ -343,22 +394,22 @@ impl Sink for MemorySink {
         Ok(())
     }
 
-    fn delta(&mut self, version: u64, name: &str, delta: &[u8]) -> Result<ApplyReport> {
+    fn delta(&mut self, _version: u64, name: &str, delta: &[u8]) -> Result<ApplyReport> {
         let w = self
             .work
             .as_mut()
             .ok_or_else(|| Error::BadRequest("no update in progress (call begin first)".into()))?;
-        let set = match w.fresh.as_mut() {
-            Some((fresh, _)) => fresh.get_mut(name),
-            None => self.tensors.get_mut(name),
-        }
-        .ok_or_else(|| {
+        let (set, contexts) = match w.fresh.as_mut() {
+            Some((fresh, _)) => (fresh.get_mut(name), &mut w.contexts),
+            None => (self.tensors.get_mut(name), &mut self.contexts),
+        };
+        let set = set.ok_or_else(|| {
             Error::metadata(
                 "manifest",
                 format!("delta for `{name}`, which the base does not have"),
             )
         })?;
-        let report = apply_checked(set, version, name, delta)?;
+        let report = contexts.apply(set, name, delta)?;
         w.written += patched_bytes(set, delta);
         w.dirty |= w.fresh.is_none();
         w.touched.insert(name.to_string());
@@ -448,6 +499,7 @@ impl Sink for MemorySink {
                 }
             }
             self.files = files;
+            self.contexts = w.contexts;
             self.version = Some(version);
         }
         Ok(Produced {
@@ -463,6 +515,7 @@ impl Sink for MemorySink {
             && w.dirty
         {
             self.version = None;
+            self.contexts.clear();
         }
     }
 }

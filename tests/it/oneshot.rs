@@ -11,6 +11,7 @@ use crate::common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use weightcast::format::Encoding;
 use weightcast::fsio::Stamp;
 use weightcast::generator::{Generator, GeneratorConfig};
 use weightcast::publisher::state::Check;
@@ -24,6 +25,7 @@ struct Trainer {
     work: PathBuf,
     state: PathBuf,
     mode: StateMode,
+    encoding: Encoding,
     store: Store,
     publisher: Option<Publisher>,
     published: Vec<PathBuf>,
@@ -36,6 +38,7 @@ impl Trainer {
             work: work.to_path_buf(),
             state: work.join("pub-state"),
             mode,
+            encoding: Encoding::Compact,
             store: store.clone(),
             publisher: None,
             published: Vec::new(),
@@ -47,6 +50,7 @@ impl Trainer {
     fn cfg(&self) -> PublisherConfig {
         PublisherConfig {
             state_mode: self.mode,
+            encoding: self.encoding,
             ..common::publisher_config(&self.state, 100, None)
         }
     }
@@ -473,4 +477,93 @@ async fn a_once_bootstrap_fills_the_standby_and_the_first_delta_costs_its_change
         "brought forward from the journal: {c:?}"
     );
     assert_matches(&out, &t.published[2]);
+}
+
+/// Whether version `v`'s delta was coded against a context (`compact2`).
+async fn coded_with_context(store: &Store, v: u64) -> bool {
+    let m = weightcast::protocol::read_manifest(store, v)
+        .await
+        .unwrap()
+        .unwrap();
+    let o = m
+        .objects
+        .iter()
+        .find(|o| o.role == weightcast::protocol::ObjectRole::Delta)
+        .unwrap();
+    let body = store.get(&o.key).await.unwrap().unwrap();
+    let (_, h) = weightcast::codec::inspect(&body).unwrap();
+    h.unwrap().context.is_some()
+}
+
+/// `compact2` across one-shot runs (issue 29): every `publish` and every
+/// `--once` is a new process, and each finds the context its next delta is
+/// coded against — the publisher in its state (`context/` in place, the
+/// overlay's replay otherwise), the subscriber in its journal — so the chain
+/// keeps its contexts without a repair. A saved context that is damaged is
+/// dropped (the next delta is written without one); a subscriber that lost
+/// its context repairs from the anchor. Every version bit-identical.
+#[tokio::test]
+async fn compact2_contexts_survive_one_shot_runs_and_their_loss_costs_no_byte() {
+    for mode in [StateMode::InPlace, StateMode::Overlay] {
+        let (store, _bucket) = common::local_store();
+        let work = tempfile::tempdir().unwrap();
+        let mut t = Trainer::new(&store, work.path(), mode).await;
+        t.encoding = Encoding::Compact2;
+        let sub = work.path().join("sub");
+        let follow = async |t: &Trainer, v: u64, repaired: bool| {
+            let c = catch_up(&t.store, &sub).await.unwrap().unwrap();
+            assert_eq!(c.version, v, "{mode:?}");
+            assert_eq!(
+                (c.from_anchor, c.repairs > 0),
+                (v == 0 || repaired, repaired),
+                "{mode:?} v{v}: {c:?}"
+            );
+            assert_matches(&sub, &t.published[v as usize]);
+        };
+        for v in 0..=2u64 {
+            t.reopen().await;
+            t.step().await;
+            follow(&t, v, false).await;
+        }
+        assert!(!coded_with_context(&store, 1).await, "after the anchor");
+        assert!(coded_with_context(&store, 2).await, "{mode:?}");
+        // A new publisher process, a new subscriber process: contexts kept.
+        t.reopen().await;
+        t.step().await; // v3
+        assert!(
+            coded_with_context(&store, 3).await,
+            "{mode:?}: after a restart"
+        );
+        follow(&t, 3, false).await;
+
+        // In place, the saved context damaged: dropped, and v4 is coded
+        // without one (still exact). Over an overlay there is none to damage.
+        let saved = t.state.join("context/model.safetensors.ctx");
+        assert_eq!(saved.exists(), mode == StateMode::InPlace, "{mode:?}");
+        if mode == StateMode::InPlace {
+            let len = std::fs::metadata(&saved).unwrap().len();
+            flip(&saved, len - 1);
+            t.reopen().await;
+            t.step().await; // v4
+            assert!(
+                !coded_with_context(&store, 4).await,
+                "a damaged context is dropped"
+            );
+            follow(&t, 4, false).await;
+        } else {
+            t.step().await; // v4
+            follow(&t, 4, false).await;
+        }
+        t.step().await; // v5
+        assert!(coded_with_context(&store, 5).await, "{mode:?}");
+        // The subscriber loses its journal, and with it the context of the
+        // version it holds (which replaying the journal onto the standby
+        // slot would make again): the next delta cannot be decoded, and it
+        // repairs from the anchor.
+        assert!(sub.join(format!(".journal/{:020}.ctx", 4)).exists());
+        std::fs::remove_dir_all(sub.join(".journal")).unwrap();
+        follow(&t, 5, true).await;
+        t.step().await; // v6
+        follow(&t, 6, false).await;
+    }
 }

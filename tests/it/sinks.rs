@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use bytes::Bytes;
-use weightcast::format::{TrlGeneration, TrlOptions};
+use weightcast::format::{Encoding, TrlGeneration, TrlOptions};
 use weightcast::generator::{Generator, GeneratorConfig};
 use weightcast::protocol::{ObjectRole, read_manifest};
 use weightcast::publisher::{AnchorPolicy, Checkpoint, PublishOptions, Publisher, PublisherConfig};
@@ -207,8 +207,9 @@ struct Trainer {
 }
 
 impl Trainer {
-    async fn new(store: &Store, state: &Path, every: u64) -> Trainer {
+    async fn new(store: &Store, state: &Path, every: u64, encoding: Encoding) -> Trainer {
         let mut cfg = PublisherConfig::new(state);
+        cfg.encoding = encoding;
         cfg.anchors = AnchorPolicy {
             every,
             ..AnchorPolicy::default()
@@ -274,12 +275,37 @@ async fn corrupt(store: &Store, v: u64, role: ObjectRole) {
     store.put(&o.key, Bytes::from(body)).await.unwrap();
 }
 
+/// Whether version `v`'s delta was coded against a context (`compact2`,
+/// docs/format.md §6.3).
+async fn coded_with_context(store: &Store, v: u64) -> bool {
+    let m = read_manifest(store, v).await.unwrap().unwrap();
+    let o = m
+        .objects
+        .iter()
+        .find(|o| o.role == ObjectRole::Delta)
+        .unwrap();
+    let body = store.get(&o.key).await.unwrap().unwrap();
+    let (_, h) = weightcast::codec::inspect(&body).unwrap();
+    h.unwrap().context.is_some()
+}
+
 #[tokio::test]
 async fn every_sink_follows_the_same_sequences_bit_identically() {
+    same_sequences(Encoding::Compact).await;
+}
+
+/// The same with `compact2` deltas: every sink keeps the context each delta
+/// was coded against — across a bridged anchor, a repair and a quarantine.
+#[tokio::test]
+async fn every_sink_follows_the_same_compact2_sequences_bit_identically() {
+    same_sequences(Encoding::Compact2).await;
+}
+
+async fn same_sequences(encoding: Encoding) {
     let (store, _bucket) = common::local_store();
     let work = tempfile::tempdir().unwrap();
     let dir = |k: Kind, n: &str| work.path().join(format!("{k:?}-{n}"));
-    let mut t = Trainer::new(&store, &work.path().join("state"), 4).await;
+    let mut t = Trainer::new(&store, &work.path().join("state"), 4, encoding).await;
     let log = Log::Weightcast;
     let mut subs: Vec<(Kind, Under)> = KINDS
         .iter()
@@ -298,6 +324,12 @@ async fn every_sink_follows_the_same_sequences_bit_identically() {
         }
         assert_exact(&subs, &t.truth, v, "one behind");
     }
+    // The first delta after an anchor has no context; the next one has.
+    assert!(!coded_with_context(&store, 1).await);
+    assert_eq!(
+        coded_with_context(&store, 2).await,
+        encoding == Encoding::Compact2
+    );
     // Several behind, across an anchor with bridges (every 4: version 4).
     let mut v = 0;
     for _ in 0..3 {
@@ -405,9 +437,20 @@ async fn every_sink_follows_the_same_sequences_bit_identically() {
 /// keeps, and catches up to the truth.
 #[tokio::test]
 async fn a_crash_at_each_phase_converges_in_every_sink() {
+    crash_at_each_phase(Encoding::Compact).await;
+}
+
+/// The same with `compact2` deltas: a restarted directory finds the context
+/// of its version in its journal.
+#[tokio::test]
+async fn a_crash_at_each_phase_converges_in_every_sink_with_compact2() {
+    crash_at_each_phase(Encoding::Compact2).await;
+}
+
+async fn crash_at_each_phase(encoding: Encoding) {
     let (store, _bucket) = common::local_store();
     let work = tempfile::tempdir().unwrap();
-    let mut t = Trainer::new(&store, &work.path().join("state"), 5).await;
+    let mut t = Trainer::new(&store, &work.path().join("state"), 5, encoding).await;
     let log = Log::Weightcast;
     for &kind in &KINDS {
         let dir = work.path().join(format!("{kind:?}"));
@@ -458,9 +501,15 @@ async fn a_crash_at_each_phase_converges_in_every_sink() {
                 }
             };
             assert!(step(&mut u).await, "{kind:?}: {phase}: an update");
-            // Crash, restart, catch up.
+            // Crash, restart, catch up: a directory goes on from the
+            // version it keeps (with its context, for `compact2`).
             u = u.restart(&store, log);
-            u.catch_up().await;
+            let c = u.catch_up().await;
+            if kind == Kind::Dir
+                && let Some(c) = c
+            {
+                assert!(!c.from_anchor && c.repairs == 0, "{phase}: {c:?}");
+            }
             assert_exact(
                 &[(kind, u)],
                 &t.truth,

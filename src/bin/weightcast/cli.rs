@@ -616,11 +616,11 @@ pub enum BenchWhat {
     },
 }
 
-/// A delta encoding: `compact` or `trl` (the anchor encodings `full` and
+/// A delta encoding: `compact`, `compact2` or `trl` (the anchor encodings `full` and
 /// `planes` are no delta encodings: the parser lists the possible values).
 pub fn delta_encoding() -> impl clap::builder::TypedValueParser<Value = Encoding> {
     use clap::builder::TypedValueParser;
-    clap::builder::PossibleValuesParser::new(["compact", "trl"])
+    clap::builder::PossibleValuesParser::new(["compact", "compact2", "trl"])
         .map(|s| s.parse::<Encoding>().expect("a possible value parses"))
 }
 

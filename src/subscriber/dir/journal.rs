@@ -5,7 +5,12 @@
 //! ```text
 //! DIR/.journal/<version:020>.json      the manifest of a version applied recently
 //! DIR/.journal/<version:020>/<name>    its verified delta and file objects
+//! DIR/.journal/<version:020>.ctx/<name> the `compact2` context its delta for tensor file <name> made
 //! ```
+//!
+//! A context (docs/format.md §6.3) is what the next delta of its file is
+//! coded against; a delta names the version whose context it needs, so a
+//! slot brought forward from an older version finds each one here.
 //!
 //! Objects are written as they are applied (not synced: each is checked
 //! against its manifest entry, size and BLAKE3, when it is replayed); the
@@ -15,6 +20,7 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
+use crate::codec::Context;
 use crate::error::{Error, Result};
 use crate::fsio::io_err;
 use crate::protocol::{Manifest, ObjectEntry};
@@ -51,6 +57,33 @@ impl Journal {
             std::fs::create_dir_all(parent).map_err(|e| io_err("creating", parent, e))?;
         }
         std::fs::write(&p, body).map_err(|e| io_err("writing", &p, e))
+    }
+
+    fn context_path(&self, version: u64, name: &str) -> PathBuf {
+        self.dir.join(format!("{version:020}.ctx")).join(name)
+    }
+
+    /// Keeps the context applying version `version`'s delta object for
+    /// tensor file `name` made (not synced: a context is checked whole, and
+    /// against what the delta records, when it is read).
+    pub(super) fn save_context(&self, version: u64, name: &str, c: &Context) -> Result<()> {
+        let p = self.context_path(version, name);
+        if let Some(parent) = p.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| io_err("creating", parent, e))?;
+        }
+        std::fs::write(&p, c.to_bytes()).map_err(|e| io_err("writing", &p, e))
+    }
+
+    /// The context [`Journal::save_context`] kept for `version` and file
+    /// `name`, if it is there and reads back whole.
+    pub(super) fn context(&self, version: u64, name: &str) -> Option<Context> {
+        let p = self.context_path(version, name);
+        let bytes = std::fs::read(&p).ok()?;
+        Context::from_bytes(&bytes)
+            .inspect_err(
+                |e| tracing::warn!(path = %p.display(), error = %e, "journal context dropped"),
+            )
+            .ok()
     }
 
     /// Writes the manifest of a version whose objects are journaled.
@@ -98,8 +131,9 @@ impl Journal {
     }
 
     /// Keeps the versions some slot other than `current` still needs (those
-    /// after the oldest clean one's version) in `state` and on disk; removes
-    /// the rest.
+    /// after the oldest clean one's version) in `state` and on disk, with
+    /// the contexts of those, of that oldest version and of the current
+    /// slot's; removes the rest.
     pub(super) fn prune(&self, state: &mut DirState, current: Option<&str>) {
         let oldest = state
             .slots
@@ -108,10 +142,25 @@ impl Journal {
             .filter_map(|(_, s)| s.version)
             .min();
         state.journal.retain(|&v| oldest.is_some_and(|o| v > o));
+        let held = current
+            .and_then(|c| state.slots.get(c))
+            .and_then(|s| s.version);
         let keep: BTreeSet<String> = state
             .journal
             .iter()
-            .flat_map(|v| [format!("{v:020}"), format!("{v:020}.json")])
+            .flat_map(|v| {
+                [
+                    format!("{v:020}"),
+                    format!("{v:020}.json"),
+                    format!("{v:020}.ctx"),
+                ]
+            })
+            .chain(
+                oldest
+                    .iter()
+                    .chain(held.iter())
+                    .map(|v| format!("{v:020}.ctx")),
+            )
             .collect();
         if let Ok(entries) = std::fs::read_dir(&self.dir) {
             for e in entries.flatten() {

@@ -6,6 +6,7 @@
 //! DIR/.state.json                      per slot: version, dirty flag, per-file layout, digests, BLAKE3s
 //! DIR/.journal/<version:020>.json      the manifest of a version applied recently
 //! DIR/.journal/<version:020>/<name>    its verified delta and file objects
+//! DIR/.journal/<version:020>.ctx/<name> the `compact2` context its delta for <name> made
 //! DIR/.tmp/                            anchors being downloaded
 //! DIR/.lock                            held (flock) while a subscriber uses DIR
 //! ```
@@ -487,7 +488,9 @@ impl DirSink {
             Replayed::Object(o, body) => {
                 work.produced.journal_bytes += o.size;
                 match o.role {
-                    ObjectRole::Delta => Self::apply_to_slot(work, v, &o.name, body).map(|_| ()),
+                    ObjectRole::Delta => {
+                        Self::apply_to_slot(work, &self.journal(), v, &o.name, body).map(|_| ())
+                    }
                     ObjectRole::File => Self::write_to_slot(work, &o.name, body),
                     ObjectRole::Anchor => Ok(()),
                 }
@@ -552,14 +555,24 @@ impl DirSink {
 
     fn apply_to_slot(
         work: &mut Work,
+        journal: &Journal,
         version: u64,
         name: &str,
         delta: &[u8],
     ) -> Result<ApplyReport> {
+        // A `compact2` delta names the version whose context it was coded
+        // against (docs/format.md §6.3); the journal keeps it.
+        let context = match crate::codec::inspect(delta) {
+            Ok((_, Some(h))) => h.context.and_then(|c| journal.context(c.version, name)),
+            _ => None,
+        };
         let set = Self::open_mapped(work, name)?;
         let before = set.metadata().clone();
         let started = std::time::Instant::now();
-        let report = apply_checked(set, version, name, delta)?;
+        let (report, next) = apply_checked(set, delta, context.as_ref())?;
+        if let Some(c) = next {
+            journal.save_context(version, name, &c)?;
+        }
         tracing::debug!(
             file = name,
             version,
@@ -826,7 +839,8 @@ impl Sink for DirSink {
     fn delta(&mut self, version: u64, name: &str, delta: &[u8]) -> Result<ApplyReport> {
         check_name(name)?;
         self.journal().object(version, name, delta)?;
-        let report = Self::apply_to_slot(self.work()?, version, name, delta)?;
+        let journal = self.journal();
+        let report = Self::apply_to_slot(self.work()?, &journal, version, name, delta)?;
         crate::failpoint::hit("subscriber.mid_apply");
         Ok(report)
     }

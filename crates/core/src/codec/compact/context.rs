@@ -179,3 +179,196 @@ impl Context {
             .fold(0u64, |a, (n, t)| a.wrapping_add(t.checksum(tensor_seed(n))))
     }
 }
+
+/// Magic of a saved context ([`Context::to_bytes`]).
+const SAVED_MAGIC: &[u8; 8] = b"WCCTX\x001\x00";
+
+/// The header of a saved context.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct SavedHeader {
+    version: u64,
+    from: String,
+    to: String,
+    checksum: String,
+    /// Per tensor: name, block length, block count, members.
+    tensors: Vec<(String, u64, u64, u64)>,
+}
+
+impl Context {
+    /// The context as bytes, to keep beside a state between runs (a
+    /// publisher's `--state`, a subscriber's output directory): the magic
+    /// `WCCTX\01\0`, a u64 LE header length, a JSON header, then per tensor
+    /// its per-block member counts and its members, u32 LE. Not a wire
+    /// format: only the process that wrote it reads it back.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let header = SavedHeader {
+            version: self.id.version,
+            from: self.id.from.to_string(),
+            to: self.id.to.to_string(),
+            checksum: format!("{:016x}", self.id.checksum),
+            tensors: self
+                .tensors
+                .iter()
+                .map(|(n, t)| {
+                    (
+                        n.clone(),
+                        t.block_words,
+                        t.blocks.len() as u64,
+                        t.len() as u64,
+                    )
+                })
+                .collect(),
+        };
+        let json = serde_json::to_vec(&header).expect("a context header serializes");
+        let words: usize = self
+            .tensors
+            .values()
+            .map(|t| t.blocks.len() + t.len())
+            .sum();
+        let mut out = Vec::with_capacity(16 + json.len() + 4 * words);
+        out.extend_from_slice(SAVED_MAGIC);
+        out.extend_from_slice(&(json.len() as u64).to_le_bytes());
+        out.extend_from_slice(&json);
+        for t in self.tensors.values() {
+            for b in &t.blocks {
+                out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+            }
+            for b in &t.blocks {
+                for m in b {
+                    out.extend_from_slice(&m.to_le_bytes());
+                }
+            }
+        }
+        out
+    }
+
+    /// A context [`Context::to_bytes`] wrote, checked whole: the sizes add
+    /// up to the bytes given, each block's members ascend strictly and lie
+    /// inside the block, and the members' checksum is the recorded one. A
+    /// file that fails any check is refused (`Error::Metadata` naming what
+    /// failed): its holder then works without it.
+    pub fn from_bytes(bytes: &[u8]) -> crate::error::Result<Context> {
+        use crate::error::Error;
+        let bad = |why: String| Error::metadata("saved context", why);
+        if bytes.len() < 16 || &bytes[..8] != SAVED_MAGIC {
+            return Err(bad("not a saved context (magic)".into()));
+        }
+        let n = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes"));
+        let body = bytes
+            .get(16..)
+            .filter(|b| (b.len() as u64) >= n)
+            .ok_or_else(|| bad(format!("header of {n} bytes past the end")))?;
+        let (json, mut data) = body.split_at(n as usize);
+        let h: SavedHeader =
+            serde_json::from_slice(json).map_err(|e| bad(format!("header: {e}")))?;
+        let digest = |s: &str| Digest::parse(s).ok_or_else(|| bad(format!("digest `{s}`")));
+        let checksum = u64::from_str_radix(&h.checksum, 16)
+            .map_err(|_| bad(format!("checksum `{}`", h.checksum)))?;
+        let mut next = |count: u64| -> crate::error::Result<Vec<u32>> {
+            let len = count
+                .checked_mul(4)
+                .filter(|&l| l <= data.len() as u64)
+                .ok_or_else(|| bad("counts past the end".into()))? as usize;
+            let (head, rest) = data.split_at(len);
+            data = rest;
+            Ok(head
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+                .collect())
+        };
+        let mut tensors = std::collections::BTreeMap::new();
+        for (name, block_words, nblocks, members) in h.tensors {
+            if block_words == 0 || block_words > MAX_BLOCK_WORDS {
+                return Err(bad(format!("tensor `{name}`: block length {block_words}")));
+            }
+            let counts = next(nblocks)?;
+            if counts.iter().map(|&c| c as u64).sum::<u64>() != members {
+                return Err(bad(format!("tensor `{name}`: member counts")));
+            }
+            let mut all = next(members)?.into_iter();
+            let mut blocks = Vec::with_capacity(counts.len());
+            for c in counts {
+                let ms: Vec<Member> = all.by_ref().take(c as usize).collect();
+                let ascending = ms.windows(2).all(|w| index(w[0]) < index(w[1]));
+                if !ascending || ms.last().is_some_and(|&m| index(m) as u64 >= block_words) {
+                    return Err(bad(format!(
+                        "tensor `{name}`: members out of order or range"
+                    )));
+                }
+                blocks.push(ms);
+            }
+            if tensors
+                .insert(
+                    name.clone(),
+                    TensorContext {
+                        block_words,
+                        blocks,
+                    },
+                )
+                .is_some()
+            {
+                return Err(bad(format!("tensor `{name}` twice")));
+            }
+        }
+        if !data.is_empty() {
+            return Err(bad(format!("{} bytes after the members", data.len())));
+        }
+        let c = Context {
+            id: ContextId {
+                version: h.version,
+                from: digest(&h.from)?,
+                to: digest(&h.to)?,
+                checksum,
+            },
+            tensors,
+        };
+        if c.recompute_checksum() != checksum {
+            return Err(bad("members do not match the checksum".into()));
+        }
+        Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod saved_tests {
+    use super::*;
+
+    fn sample() -> Context {
+        let t = TensorContext {
+            block_words: 100,
+            blocks: vec![
+                vec![member(3, 1, 2), member(7, 0xfffe, 2)],
+                vec![],
+                vec![member(99, 5, 2)],
+            ],
+        };
+        Context::new(
+            9,
+            (Digest(1), Digest(2)),
+            [("a".to_string(), t.clone()), ("b.w".to_string(), t)].into(),
+        )
+    }
+
+    #[test]
+    fn a_saved_context_reads_back_and_every_damage_is_refused() {
+        let c = sample();
+        let bytes = c.to_bytes();
+        assert_eq!(Context::from_bytes(&bytes).unwrap(), c);
+        // Any truncation, and any flipped byte of the members, is refused.
+        for cut in 0..bytes.len() {
+            assert!(Context::from_bytes(&bytes[..cut]).is_err(), "cut at {cut}");
+        }
+        let members_at = bytes.len() - 4 * 3;
+        for at in members_at..bytes.len() {
+            let mut b = bytes.clone();
+            b[at] ^= 0x10;
+            assert!(Context::from_bytes(&b).is_err(), "flip at {at}");
+        }
+        let mut longer = bytes.clone();
+        longer.extend_from_slice(&[0; 4]);
+        assert!(Context::from_bytes(&longer).is_err());
+        // An empty context (after an anchor) too.
+        let empty = Context::new(3, (Digest(5), Digest(6)), Default::default());
+        assert_eq!(Context::from_bytes(&empty.to_bytes()).unwrap(), empty);
+    }
+}
