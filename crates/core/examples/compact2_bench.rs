@@ -58,7 +58,12 @@ fn trace_states(dir: &PathBuf, step: usize) -> [TensorSet; 3] {
                 };
                 let v = st.tensor(&format!("{name}.val")).expect("values");
                 let mut at = 0usize;
-                for (j, (gc, vc)) in g.data().chunks_exact(4).zip(v.data().chunks_exact(2)).enumerate() {
+                for (j, (gc, vc)) in g
+                    .data()
+                    .chunks_exact(4)
+                    .zip(v.data().chunks_exact(2))
+                    .enumerate()
+                {
                     at += u32::from_le_bytes(gc.try_into().unwrap()) as usize + usize::from(j > 0);
                     data[2 * at..2 * at + 2].copy_from_slice(vc);
                 }
@@ -115,11 +120,21 @@ fn main() {
     // The measured deltas, forth and back.
     let (v1_fwd, _) = encode_delta(&s1, &mut s2.clone(), &opts(Encoding::Compact, 2)).unwrap();
     let (v1_back, _) = encode_delta(&s2, &mut s1.clone(), &opts(Encoding::Compact, 3)).unwrap();
-    let (v2_fwd, _, ctx2) =
-        encode_delta_ctx(&s1, &mut s2.clone(), &opts(Encoding::Compact2, 2), Some(&ctx1)).unwrap();
+    let (v2_fwd, _, ctx2) = encode_delta_ctx(
+        &s1,
+        &mut s2.clone(),
+        &opts(Encoding::Compact2, 2),
+        Some(&ctx1),
+    )
+    .unwrap();
     let ctx2 = ctx2.unwrap();
-    let (v2_back, _, _) =
-        encode_delta_ctx(&s2, &mut s1.clone(), &opts(Encoding::Compact2, 3), Some(&ctx2)).unwrap();
+    let (v2_back, _, _) = encode_delta_ctx(
+        &s2,
+        &mut s1.clone(),
+        &opts(Encoding::Compact2, 3),
+        Some(&ctx2),
+    )
+    .unwrap();
     let changed = plain_compare(&s1, &s2);
     let total = s1.total_elements();
     println!(
@@ -142,7 +157,9 @@ fn main() {
     if let Ok(phase) = std::env::var("WEIGHTCAST_PHASE") {
         for _ in 0..reps {
             match phase.as_str() {
-                "encode1" => drop(encode_delta(&s1, &mut s2w, &opts(Encoding::Compact, 2)).unwrap()),
+                "encode1" => {
+                    drop(encode_delta(&s1, &mut s2w, &opts(Encoding::Compact, 2)).unwrap())
+                }
                 "encode2" => drop(
                     encode_delta_ctx(&s1, &mut s2w, &opts(Encoding::Compact2, 2), Some(&ctx1))
                         .unwrap(),
@@ -175,7 +192,11 @@ fn main() {
             c
         };
         let c = cmp();
-        e1.push(c / time(&mut || drop(encode_delta(&s1, &mut s2w, &opts(Encoding::Compact, 2)).unwrap())));
+        e1.push(
+            c / time(&mut || {
+                drop(encode_delta(&s1, &mut s2w, &opts(Encoding::Compact, 2)).unwrap())
+            }),
+        );
         let c = cmp();
         e2.push(
             c / time(&mut || {
@@ -189,9 +210,7 @@ fn main() {
         a1.push(c / time(&mut || drop(apply_delta(&mut state, &v1_fwd).unwrap())));
         drop(apply_delta(&mut state, &v1_back).unwrap());
         let c = cmp();
-        a2.push(
-            c / time(&mut || drop(apply_delta_ctx(&mut state, &v2_fwd, Some(&ctx1)).unwrap())),
-        );
+        a2.push(c / time(&mut || drop(apply_delta_ctx(&mut state, &v2_fwd, Some(&ctx1)).unwrap())));
         drop(apply_delta_ctx(&mut state, &v2_back, Some(&ctx2)).unwrap());
     }
     assert_eq!(state.digest(), s1.digest());

@@ -460,11 +460,7 @@ impl Plan {
         let h = self.p.class[c];
         let region = &block.stream[self.start[c]..self.start[c] + h.len];
         let mut cur = Cursor { s: region, at: 0 };
-        let class_members: &[u32] = if c == 0 {
-            &[]
-        } else {
-            &s.class_members[c - 1]
-        };
+        let class_members: &[u32] = if c == 0 { &[] } else { &s.class_members[c - 1] };
         let space = if c == 0 {
             block.words
         } else {
@@ -561,7 +557,9 @@ impl ClassReader<'_> {
         let bit_per_entry = !self.raw && self.h.list.is_none();
         // Gap and sign bit from one window where they fit.
         let (g, mut neg) = match self.cur.window() {
-            Some(w) if (w.trailing_zeros() as u64) <= self.q_limit && w.trailing_zeros() + k <= 54 => {
+            Some(w)
+                if (w.trailing_zeros() as u64) <= self.q_limit && w.trailing_zeros() + k <= 54 =>
+            {
                 let tz = w.trailing_zeros();
                 let g = ((tz as u64) << k) | ((w >> (tz + 1)) & ((1u64 << k) - 1));
                 let used = tz + 1 + k;
@@ -607,7 +605,11 @@ impl ClassReader<'_> {
             self.next_esc = self.esc_rank.get(self.e).copied().unwrap_or(u64::MAX);
         }
         neg ^= last_neg;
-        Ok((i, ((m ^ neg.wrapping_neg()).wrapping_add(neg)) & self.mask, j))
+        Ok((
+            i,
+            ((m ^ neg.wrapping_neg()).wrapping_add(neg)) & self.mask,
+            j,
+        ))
     }
 
     /// After the last entry: whether the region ends cleanly.
@@ -624,11 +626,7 @@ impl ClassReader<'_> {
 /// value counts as a large step up.
 #[inline(always)]
 pub(crate) fn code(value: u64, raw: bool, wb: usize) -> u32 {
-    if raw {
-        BIG
-    } else {
-        member(0, value, wb)
-    }
+    if raw { BIG } else { member(0, value, wb) }
 }
 
 impl Record {
@@ -875,7 +873,11 @@ fn rice_costs(gaps: &[u32], k: u32) -> [u64; 3] {
         c += (g >> (k + 1)) as u64;
     }
     let n = gaps.len() as u64;
-    [a + n * (km as u64 + 1), b + n * (k as u64 + 1), c + n * (k as u64 + 2)]
+    [
+        a + n * (km as u64 + 1),
+        b + n * (k as u64 + 1),
+        c + n * (k as u64 + 2),
+    ]
 }
 
 /// The Rice parameter whose estimated length `n·(k+1) + S/2^k −
@@ -901,7 +903,11 @@ fn best_rice(gaps: &[u32], sum: u64) -> (u32, u64) {
     }
     let k = rice_guess(gaps.len() as u64, sum).min(MAX_POS_K as u32 - 1);
     let costs = rice_costs(gaps, k);
-    let cands = [(k.saturating_sub(1), costs[0]), (k, costs[1]), (k + 1, costs[2])];
+    let cands = [
+        (k.saturating_sub(1), costs[0]),
+        (k, costs[1]),
+        (k + 1, costs[2]),
+    ];
     cands.into_iter().min_by_key(|&(_, c)| c).expect("three")
 }
 
