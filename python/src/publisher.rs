@@ -68,7 +68,7 @@ impl NativePublisher {
         let open = || -> Result<Publisher> {
             let encoding = encoding.parse().map_err(|_| {
                 Error::Config(format!(
-                    "encoding `{encoding}`: expected compact or trl (the delta encodings)"
+                    "encoding `{encoding}`: expected compact, compact2 or trl (the delta encodings)"
                 ))
             })?;
             if anchor_every == 0 {

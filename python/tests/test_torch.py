@@ -43,9 +43,12 @@ def train(torch, model, steps, lr=1e-5):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("via", ["buffers", "scatter"])
+@pytest.mark.parametrize("encoding", ["compact", "compact2"])
 def test_training_steps_published_from_memory_applied_in_place_bit_identical(
-    torch, bucket, dtype, via
+    torch, bucket, dtype, via, encoding
 ):
+    """With `compact2` the deltas after the first are coded against the
+    previous delta's changes, which the subscriber keeps (format.md §6.3)."""
     url, state = bucket
     dt = getattr(torch, dtype)
     trainer = small_model(torch, dt)
@@ -53,7 +56,7 @@ def test_training_steps_published_from_memory_applied_in_place_bit_identical(
     with torch.no_grad():
         for p in engine.parameters():
             p.zero_()
-    pub = weightcast.Publisher(url, state_dir=state, anchor_every=5)
+    pub = weightcast.Publisher(url, state_dir=state, anchor_every=5, encoding=encoding)
     sub = weightcast.Subscriber(url)
     params = engine.state_dict()
     pub.publish(trainer.state_dict(), step=0)

@@ -75,8 +75,9 @@ class Publisher:
     ``state_dir`` keeps the snapshot of the last committed version, so a
     restarted trainer continues the chain.
 
-    Options (the ``weightcast publish`` flags): ``encoding`` (``compact`` or
-    ``trl``), ``anchor_every`` (an anchor at least every N versions),
+    Options (the ``weightcast publish`` flags): ``encoding`` (``compact``,
+    ``compact2`` — coded against the previous delta's changes, which
+    subscribers keep — or ``trl``), ``anchor_every`` (an anchor at least every N versions),
     ``anchor_encoding`` (``planes`` or ``raw``), ``single_writer``,
     ``keep_anchors`` (collect older versions after each anchor),
     ``notify_urls`` and ``notify_key`` (signed notifications to subscribers).
