@@ -1,7 +1,8 @@
 //! Writes the seed corpora of the fuzz targets in `fuzz/` (see `fuzz/README.md`):
 //! valid compact and trl deltas against the fuzzers' fixed base (the tiny
 //! generator model, seed 1, step 0), foreign TRL files, anchors and plain
-//! checkpoints, compact block streams in the `compact_block` input layout, and
+//! checkpoints, compact block streams in the `compact_block` input layout,
+//! `compact2` block streams with their contexts in the `compact2_block` one, and
 //! the bucket-protocol targets' inputs: commit manifests of every kind,
 //! `latest.json` hints, subscriber registrations and signed notifications.
 //! Every seed is checked to be accepted before it is written.
@@ -249,8 +250,156 @@ fn main() -> Result<(), Error> {
             )?;
         }
     }
+    compact2_seeds(&mut seeds)?;
     protocol_seeds(&mut seeds)?;
     println!("wrote {} seeds under {}", seeds.count, out.display());
+    Ok(())
+}
+
+/// `compact2_block` inputs: real `compact2` blocks (made with
+/// `compact::v2::encode_tensor`) for word widths 1, 2, 4, 8, both key kinds
+/// and both value codings, each with the context it was made against: a
+/// chain a → b → c where c changes many of the words b changed, b's block
+/// made without context (no members) and c's against b's changes.
+fn compact2_seeds(seeds: &mut Seeds) -> Result<(), Error> {
+    use weightcast::codec::compact::TensorContext;
+    use weightcast::codec::compact::context::Member;
+    use weightcast::dtype::{from_key, to_key, word_mask};
+    let mut rng = 0x6a09_e667_f3bc_c909u64;
+    for (wb, dtype) in [
+        (1usize, Dtype::U8),
+        (1, Dtype::F8_E4M3),
+        (2, Dtype::BF16),
+        (4, Dtype::F32),
+        (4, Dtype::I32),
+        (8, Dtype::F64),
+    ] {
+        let kind = key_kind(dtype);
+        let mask = word_mask(wb);
+        // `trend`: c's steps mostly go the way b's went (and up where b made
+        // none), so that few sign bits are set and the sign lists are used.
+        for (len, density, again, big, trend) in [
+            (64u64, 0.2, 0.5, false, false),
+            (4096, 0.03, 0.3, false, false),
+            (65536, 0.01, 0.3, false, false),
+            (2000, 0.05, 0.9, false, false),
+            (3000, 0.05, 0.9, false, true),
+            (300, 0.1, 0.5, true, false),
+            (1, 1.0, 1.0, false, false),
+        ] {
+            let unit = |rng: &mut u64| (next(rng) >> 11) as f64 / (1u64 << 53) as f64;
+            // `down`: None for a random direction.
+            let change = |rng: &mut u64, old: u64, down: Option<bool>| -> u64 {
+                if big {
+                    return next(rng) & mask;
+                }
+                // Mostly ±1 ulp, some ±2..±5, a few large jumps.
+                let r = next(rng);
+                let step = match r % 16 {
+                    0 => 1 + (r >> 8) % 1000,
+                    1..=3 => 2 + (r >> 8) % 4,
+                    _ => 1,
+                };
+                let key = to_key(kind, wb, old);
+                let down = match down {
+                    Some(d) if r % 100 >= 97 => !d,
+                    Some(d) => d,
+                    None => (r >> 40) & 1 == 1,
+                };
+                let key = if !down {
+                    key.wrapping_add(step)
+                } else {
+                    key.wrapping_sub(step)
+                };
+                from_key(kind, wb, key & mask)
+            };
+            let a: Vec<u8> = (0..len as usize * wb)
+                .map(|_| next(&mut rng) as u8)
+                .collect();
+            let mut b = a.clone();
+            for i in 0..len as usize {
+                if unit(&mut rng) < density {
+                    let w = change(&mut rng, read_word(&a, wb, i), None);
+                    write_word(&mut b, wb, i, w);
+                }
+            }
+            let mut c = b.clone();
+            for i in 0..len as usize {
+                let before = read_word(&a, wb, i) != read_word(&b, wb, i);
+                let p = if before { again } else { density / 2.0 };
+                if unit(&mut rng) < p {
+                    let down = trend.then(|| {
+                        let (ka, kb) = (
+                            to_key(kind, wb, read_word(&a, wb, i)),
+                            to_key(kind, wb, read_word(&b, wb, i)),
+                        );
+                        before && (kb.wrapping_sub(ka) & mask) >> (8 * wb - 1) == 1
+                    });
+                    let w = change(&mut rng, read_word(&b, wb, i), down);
+                    write_word(&mut c, wb, i, w);
+                }
+            }
+            let seed = weightcast::digest::TensorSeed(0);
+            let e1 = compact::v2::encode_tensor(kind, wb, seed, (&a, &b), None);
+            let e2 = compact::v2::encode_tensor(kind, wb, seed, (&b, &c), Some(&e1.next));
+            let none = TensorContext::default();
+            for (label, e, ctx) in [("noctx", &e1, &none), ("ctx", &e2, &e1.next)] {
+                assert_eq!(e.tensor.blocks.len(), 1);
+                let entry = &e.tensor.blocks[0];
+                let members: &[Member] = ctx.block(0);
+                let block = compact::Block {
+                    tensor: "seed",
+                    index: 0,
+                    entry,
+                    stream: &e.tensor.payload,
+                    wb,
+                    words: len,
+                    context: Some(members),
+                };
+                let mut n = 0u64;
+                compact::decode_block(&block, None, |_, _| {
+                    n += 1;
+                    Ok(())
+                })?;
+                assert_eq!(n, entry.changes);
+                let mut input = vec![
+                    u8::from(entry.values == weightcast::format::ValueCoding::Raw)
+                        | ((wb.trailing_zeros() as u8) << 1)
+                        | (u8::from(kind == KeyKind::Identity) << 6),
+                ];
+                input.extend_from_slice(&u16::try_from(entry.changes)?.to_le_bytes());
+                input.extend_from_slice(&(len as u32).to_le_bytes()[..3]);
+                input.extend_from_slice(&u16::try_from(members.len())?.to_le_bytes());
+                let mut prev = -1i64;
+                for &m in members {
+                    let i = (m >> 2) as i64;
+                    let gap = u16::try_from(i - prev - 1)?;
+                    assert!(gap < 1 << 14, "member gap {gap} does not fit the layout");
+                    input.extend_from_slice(&((gap << 2) | (m & 3) as u16).to_le_bytes());
+                    prev = i;
+                }
+                input.extend_from_slice(&e.tensor.payload);
+                let kind_name = if kind == KeyKind::Identity {
+                    "int"
+                } else {
+                    "float"
+                };
+                seeds.write(
+                    "compact2_block",
+                    &format!(
+                        "w{wb}-{kind_name}-{dtype}-len{len}-{}-{label}-{:?}",
+                        match (big, trend) {
+                            (true, _) => "big",
+                            (_, true) => "trend",
+                            _ => "small",
+                        },
+                        entry.values
+                    ),
+                    &input,
+                )?;
+            }
+        }
+    }
     Ok(())
 }
 

@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::codec::scan::count_changed_plain;
-use crate::codec::{DeltaOptions, apply_delta, encode_delta};
+use crate::codec::{Context, DeltaOptions, apply_delta_ctx, encode_delta_ctx};
 use crate::dtype::word_bytes;
 use crate::error::{Error, Result};
 use crate::format::Encoding;
@@ -191,6 +191,10 @@ pub fn run(
         report.threads
     ));
     let mut base = g.snapshot();
+    // `compact2`: the context of `base` (the changes of the step before it),
+    // as the publisher and a subscriber hold it; none at the first step (as
+    // right after an anchor).
+    let mut context: Option<Context> = None;
     for step in 1..=cfg.steps {
         g.step();
         let mut new = g.snapshot_without_digests();
@@ -236,9 +240,10 @@ pub fn run(
                     // v1: the layout docs/benchmarks.md's `trl` rows measure.
                     trl: crate::format::TrlOptions::V1,
                 };
+                let ctx = context.as_ref();
                 let (encoded, encode_s, peak) =
-                    measured(probe, || encode_delta(&base, &mut new, &opts));
-                let (delta, summary) = encoded?;
+                    measured(probe, || encode_delta_ctx(&base, &mut new, &opts, ctx));
+                let (delta, summary, _) = encoded?;
                 if summary.changed != changed_plain {
                     return Err(Error::metadata(
                         "bench",
@@ -252,7 +257,7 @@ pub fn run(
                 let mut replica = base.clone();
                 let (_, compare_mid, _) = measured(probe, || plain_compare(&base, &new));
                 let (applied, apply_s, peak) =
-                    measured(probe, || apply_delta(&mut replica, &delta));
+                    measured(probe, || apply_delta_ctx(&mut replica, &delta, ctx));
                 applied?;
                 acc.apply_peak = acc.apply_peak.max(peak);
                 for i in 0..new.len() {
@@ -328,6 +333,10 @@ pub fn run(
                 apply_extra_peak >> 20,
             ));
             report.rows.push(row);
+        }
+        if cfg.encodings.contains(&Encoding::Compact2) {
+            let opts = DeltaOptions::new(Encoding::Compact2, step as u64, step as u64 - 1);
+            context = encode_delta_ctx(&base, &mut new, &opts, context.as_ref())?.2;
         }
         base = new;
     }

@@ -165,6 +165,23 @@ pub(super) fn weightcast_jobs<'a, 's>(
                             actual: format!("{} blocks", tc.blocks.len()),
                         });
                     }
+                    // Members ascend within a block (every context is built
+                    // or read back so): the last one bounds them all, and it
+                    // must lie inside the block (the last block is shorter).
+                    let words = t.words as u64;
+                    for (b, ms) in tc.blocks.iter().enumerate() {
+                        let len = words
+                            .saturating_sub(b as u64 * block_words)
+                            .min(block_words);
+                        if ms.last().is_some_and(|&m| u64::from(m >> 2) >= len) {
+                            return Err(Error::WrongContext {
+                                expected: format!(
+                                    "members inside block {b} of tensor `{name}` ({len} words)"
+                                ),
+                                actual: "a member past its end".into(),
+                            });
+                        }
+                    }
                     Some(tc)
                 } else {
                     None

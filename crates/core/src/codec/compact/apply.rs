@@ -678,16 +678,23 @@ pub fn undo_block(block: &Block<'_>, kind: KeyKind, blk: &mut [u8], undo: &Block
     let mut j = 0usize;
     if let Some(members) = block.context {
         // A `compact2` block: its entries in the order they were written.
-        let raw = block.entry.values == ValueCoding::Raw;
+        if block.entry.values == ValueCoding::Raw {
+            // The old words logged, restored last written first: a block that
+            // named a word twice (class 0 and a member's class, refused only
+            // once every class was applied) gets the base's word back, not
+            // the first new one.
+            let mut written = Vec::new();
+            v2::for_each_applied(block, members, undo.applied, |i, _| written.push(i));
+            for (j, &i) in written.iter().enumerate().rev() {
+                write_word(blk, wb, i as usize, read_word(&undo.old_words, wb, j));
+            }
+            return;
+        }
+        // Steps are undone by subtracting them, in any order.
         v2::for_each_applied(block, members, undo.applied, |i, v| {
-            let old = if raw {
-                read_word(&undo.old_words, wb, j)
-            } else {
-                let cur = read_word(blk, wb, i as usize);
-                from_key(kind, wb, to_key(kind, wb, cur).wrapping_sub(v) & mask)
-            };
+            let cur = read_word(blk, wb, i as usize);
+            let old = from_key(kind, wb, to_key(kind, wb, cur).wrapping_sub(v) & mask);
             write_word(blk, wb, i as usize, old);
-            j += 1;
         });
         return;
     }
