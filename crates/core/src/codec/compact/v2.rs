@@ -24,11 +24,12 @@
 //! and writes them like any other block's (see `apply`).
 
 use super::context::{BIG, Member, NEG, index, member};
-use super::{Block, MAX_POS_K, MAX_VAL_K};
+use super::{BATCH, Block, Group, MAX_POS_K, MAX_VAL_K};
 use crate::codec::bits::{BitReader, FastWriter};
 use crate::dtype::{to_key, word_mask};
 use crate::error::Result;
 use crate::format::{BlockEntry, ValueCoding};
+use crate::platform::prefetch_l2;
 
 /// Classes of a block.
 pub const CLASSES: usize = 3;
@@ -610,6 +611,146 @@ impl ClassReader<'_> {
             ((m ^ neg.wrapping_neg()).wrapping_add(neg)) & self.mask,
             j,
         ))
+    }
+
+    /// Reads the next `g.count` entries into `g` (block indices and values,
+    /// as [`ClassReader::next_entry`] hands them out), prefetching each
+    /// entry's word of `blk` (`W`-byte words) and noting it in `rec`. On an
+    /// error, `g.count` is set to the entries read before it.
+    #[inline(always)]
+    pub(crate) fn fill<const W: usize>(
+        &mut self,
+        g: &mut Group,
+        blk: &[u8],
+        rec: &mut Record,
+    ) -> std::result::Result<(), &'static str> {
+        debug_assert_eq!(self.bits, 8 * W as u32);
+        match (self.raw, self.c == 0, self.h.list.is_none()) {
+            (true, _, _) => self.fill_any::<W>(g, blk, rec),
+            (false, true, true) => self.fill_steps::<W, true, true>(g, blk, rec),
+            (false, true, false) => self.fill_steps::<W, true, false>(g, blk, rec),
+            (false, false, true) => self.fill_steps::<W, false, true>(g, blk, rec),
+            (false, false, false) => self.fill_steps::<W, false, false>(g, blk, rec),
+        }
+    }
+
+    /// [`ClassReader::fill`] one entry at a time (raw-coded blocks).
+    fn fill_any<const W: usize>(
+        &mut self,
+        g: &mut Group,
+        blk: &[u8],
+        rec: &mut Record,
+    ) -> std::result::Result<(), &'static str> {
+        for j in 0..g.count.min(BATCH) {
+            let e = match self.next_entry() {
+                Ok(e) => e,
+                Err(what) => {
+                    g.count = j;
+                    return Err(what);
+                }
+            };
+            prefetch_l2(blk, e.0 as usize * W);
+            (g.index[j], g.step[j]) = (e.0 as u64, e.1);
+            rec.note(self.c, e, self.raw, W);
+        }
+        Ok(())
+    }
+
+    /// [`ClassReader::fill`] for a step-coded class: class 0 (`C0`) or a
+    /// class of members, one sign bit per entry (`BIT`) or a list. The
+    /// same reading as [`ClassReader::next_entry`], with the reader's state
+    /// in locals.
+    #[inline(always)]
+    fn fill_steps<const W: usize, const C0: bool, const BIT: bool>(
+        &mut self,
+        g: &mut Group,
+        blk: &[u8],
+        rec: &mut Record,
+    ) -> std::result::Result<(), &'static str> {
+        let (k, q_limit, space, mask) = (self.h.k, self.q_limit, self.space, self.mask);
+        let (class_members, members) = (self.class_members, self.members);
+        let (esc_rank, esc_mag, listed) = (self.esc_rank, self.esc_mag, self.listed);
+        let mut cur = Cursor {
+            s: self.cur.s,
+            at: self.cur.at,
+        };
+        let (mut next, mut r, mut e, mut l) = (self.next, self.r, self.e, self.l);
+        let (mut next_esc, mut next_list) = (self.next_esc, self.next_list);
+        let sign = u64::from(BIT);
+        let again = &mut rec.again[..];
+        let c0 = &mut rec.c0;
+        let mut result = Ok(());
+        for j in 0..g.count.min(BATCH) {
+            // Gap and sign bit from one window where they fit.
+            let fast = cur.window().filter(|w| {
+                let tz = w.trailing_zeros();
+                (tz as u64) <= q_limit && tz + k <= 54
+            });
+            let (gap, mut neg) = match fast {
+                Some(w) => {
+                    let tz = w.trailing_zeros();
+                    let g = ((tz as u64) << k) | ((w >> (tz + 1)) & ((1u64 << k) - 1));
+                    let used = tz + 1 + k;
+                    cur.at += used as u64 + sign;
+                    (g, (w >> used) & sign)
+                }
+                None => match cur
+                    .rice(k, q_limit)
+                    .and_then(|g| Ok((g, if BIT { cur.bits(1)? } else { 0 })))
+                {
+                    Ok(x) => x,
+                    Err(what) => {
+                        g.count = j;
+                        result = Err(what);
+                        break;
+                    }
+                },
+            };
+            let p = next + gap;
+            if p >= space {
+                g.count = j;
+                result = Err(if C0 {
+                    "position beyond the block"
+                } else {
+                    "rank beyond the class's members"
+                });
+                break;
+            }
+            next = p + 1;
+            let (i, jm, last_neg) = if C0 {
+                (p as u32, 0, 0)
+            } else {
+                let jm = class_members[p as usize];
+                let m = members[jm as usize];
+                (index(m), jm, ((m & NEG) >> 1) as u64)
+            };
+            if !BIT && r == next_list {
+                neg = 1;
+                l += 1;
+                next_list = listed.get(l).copied().unwrap_or(u64::MAX);
+            }
+            let mut m = 1u64;
+            if r == next_esc {
+                m = esc_mag[e];
+                e += 1;
+                next_esc = esc_rank.get(e).copied().unwrap_or(u64::MAX);
+            }
+            r += 1;
+            neg ^= last_neg;
+            let v = ((m ^ neg.wrapping_neg()).wrapping_add(neg)) & mask;
+            prefetch_l2(blk, i as usize * W);
+            (g.index[j], g.step[j]) = (i as u64, v);
+            let code = member(0, v, W);
+            if C0 {
+                c0.push((i << 2) | code);
+            } else {
+                again[jm as usize] = (code | 4) as u8;
+            }
+        }
+        self.cur.at = cur.at;
+        (self.next, self.r, self.e, self.l) = (next, r, e, l);
+        (self.next_esc, self.next_list) = (next_esc, next_list);
+        result
     }
 
     /// After the last entry: whether the region ends cleanly.
