@@ -16,7 +16,7 @@
 //! are compare time / operation time (above 1: faster than the compare);
 //! printed as medians over the repetitions, with the range.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use weightcast_core::bench::plain_compare;
@@ -29,7 +29,7 @@ use weightcast_core::generator::{Generator, GeneratorConfig};
 use weightcast_core::tensors::TensorSet;
 
 /// Three consecutive states of a trace (`step - 1`, `step`, `step + 1`).
-fn trace_states(dir: &PathBuf, step: usize) -> [TensorSet; 3] {
+fn trace_states(dir: &Path, step: usize) -> [TensorSet; 3] {
     let bytes = std::fs::read(dir.join("step_00000.safetensors")).expect("step 0");
     let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
     let mut params: Vec<(String, Vec<usize>, Vec<u8>)> = st

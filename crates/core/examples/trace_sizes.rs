@@ -48,9 +48,16 @@ fn main() {
             encode_delta_ctx(&base, &mut new, &opts(Encoding::Compact2), ctx).unwrap();
         let sub = if after_anchor { None } else { sub_ctx.as_ref() };
         let (_, sub_next) = apply_delta_ctx(&mut replica, &d2, sub).unwrap();
-        assert_eq!(replica.digest(), new.digest(), "step {v}: not bit-identical");
+        assert_eq!(
+            replica.digest(),
+            new.digest(),
+            "step {v}: not bit-identical"
+        );
         for i in 0..new.len() {
-            assert!(replica.data(i) == new.data(i), "step {v}: tensor {i} differs");
+            assert!(
+                replica.data(i) == new.data(i),
+                "step {v}: tensor {i} differs"
+            );
         }
         let with_context = ctx.is_some();
         pub_ctx = next;
@@ -60,7 +67,8 @@ fn main() {
         // Payload: the object less its safetensors header (per-tensor
         // digests and block tables, a fixed cost that a small model's few
         // changes do not amortize).
-        let payload = |d: &[u8]| d.len() as u64 - 8 - u64::from_le_bytes(d[..8].try_into().unwrap());
+        let payload =
+            |d: &[u8]| d.len() as u64 - 8 - u64::from_le_bytes(d[..8].try_into().unwrap());
         let (p1, p2) = (payload(&d1), payload(&d2));
         println!(
             "{{\"step\":{v},\"density\":{:.6},\"changed\":{},\"compact\":{},\"compact2\":{},\"compact_payload\":{p1},\"compact2_payload\":{p2},\"with_context\":{},\"ratio\":{:.4},\"payload_ratio\":{:.4}}}",
