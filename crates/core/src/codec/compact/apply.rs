@@ -326,16 +326,6 @@ fn run_v2_w<const W: usize, S: Sink>(
     let mut dig = 0u64;
     let mut n = 0usize; // groups decoded
     let mut result: std::result::Result<(), &'static str> = Ok(());
-    // Resolves the group decoded SLOTS − 1 groups before group `n`.
-    let mut resolve = |g: &Group, blk: &mut [u8], dig: &mut u64| -> Result<()> {
-        let d = if raw {
-            resolve_raw::<W, S>(platform, block, ctx, blk, g, sink)?
-        } else {
-            resolve_group::<W, S>(platform, ctx, blk, g, (&mut batch, sink))
-        };
-        *dig = dig.wrapping_add(d);
-        Ok(())
-    };
     'classes: for c in 0..v2::CLASSES {
         if plan.count(c) == 0 {
             continue;
@@ -350,22 +340,16 @@ fn run_v2_w<const W: usize, S: Sink>(
         while rd.remaining() > 0 {
             let g = &mut slots[n % SLOTS];
             g.count = rd.remaining().min(BATCH as u64) as usize;
-            for j in 0..g.count {
-                let e = match rd.next_entry() {
-                    Ok(e) => e,
-                    Err(what) => {
-                        g.count = j;
-                        result = Err(what);
-                        break 'classes;
-                    }
-                };
-                prefetch_l2(blk, e.0 as usize * W);
-                (g.index[j], g.step[j]) = (e.0 as u64, e.1);
-                rec.note(c, e, raw, W);
+            if let Err(what) = rd.fill::<W>(g, blk, rec) {
+                result = Err(what);
+                break 'classes;
             }
             if n >= SLOTS - 1 {
-                let g = slots[(n + 1) % SLOTS];
-                resolve(&g, blk, &mut dig)?;
+                // Resolves the group decoded SLOTS − 1 groups before this one.
+                let g = &slots[(n + 1) % SLOTS];
+                let d =
+                    resolve_v2::<W, S>((platform, block, ctx), raw, blk, g, (&mut batch, sink))?;
+                dig = dig.wrapping_add(d);
             }
             n += 1;
         }
@@ -379,10 +363,27 @@ fn run_v2_w<const W: usize, S: Sink>(
     }
     // Drain the pipeline in entry order.
     for m in n.saturating_sub(SLOTS - 1)..n {
-        let g = slots[m % SLOTS];
-        resolve(&g, blk, &mut dig)?;
+        let g = &slots[m % SLOTS];
+        let d = resolve_v2::<W, S>((platform, block, ctx), raw, blk, g, (&mut batch, sink))?;
+        dig = dig.wrapping_add(d);
     }
     Ok(dig)
+}
+
+/// Resolves a group of a `compact2` block: raw-coded or step-coded.
+#[inline(always)]
+fn resolve_v2<const W: usize, S: Sink>(
+    (platform, block, ctx): (Platform, &Block<'_>, Ctx),
+    raw: bool,
+    blk: &mut [u8],
+    g: &Group,
+    (batch, sink): (&mut ChangeBatch, &mut S),
+) -> Result<u64> {
+    if raw {
+        resolve_raw::<W, S>(platform, block, ctx, blk, g, sink)
+    } else {
+        Ok(resolve_group::<W, S>(platform, ctx, blk, g, (batch, sink)))
+    }
 }
 
 /// Resolves a raw-coded group (old word read here, new word given), checks

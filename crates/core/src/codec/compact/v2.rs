@@ -24,11 +24,12 @@
 //! and writes them like any other block's (see `apply`).
 
 use super::context::{BIG, Member, NEG, index, member};
-use super::{Block, MAX_POS_K, MAX_VAL_K};
+use super::{BATCH, Block, Group, MAX_POS_K, MAX_VAL_K};
 use crate::codec::bits::{BitReader, FastWriter};
 use crate::dtype::{to_key, word_mask};
 use crate::error::Result;
 use crate::format::{BlockEntry, ValueCoding};
+use crate::platform::prefetch_l2;
 
 /// Classes of a block.
 pub const CLASSES: usize = 3;
@@ -304,6 +305,17 @@ impl<'a> Cursor<'a> {
 
     /// An Exp-Golomb-coded value of order `k` (docs/format.md §6.3).
     fn eg(&mut self, k: u32) -> std::result::Result<u64, &'static str> {
+        // From one window when the whole code is in its (at least 57)
+        // valid bits: `z` zeros, a one, `z + k` bits.
+        if let Some(w) = self.window() {
+            let z = w.trailing_zeros();
+            if 2 * z + k < 56 {
+                let width = z + k;
+                let rest = (w >> (z + 1)) & ((1u64 << width) - 1);
+                self.at += (z + 1 + width) as u64;
+                return Ok(((1u64 << width) | rest) - (1u64 << k));
+            }
+        }
         let mut r = self.reader();
         let z = r.unary(64).ok_or("truncated or invalid step")?;
         let width = z + k as u64;
@@ -364,8 +376,10 @@ pub(crate) struct Plan {
 /// Scratch the decoder reuses across blocks.
 #[derive(Default)]
 pub(crate) struct Scratch {
-    /// Indices into the context's members of classes 1 and 2.
+    /// Indices into the context's members of classes 1 and 2: the first
+    /// `class_len` of each list.
     class_members: [Vec<u32>; 2],
+    class_len: [usize; 2],
     /// The class being read: its escapes' ranks and magnitudes, its listed
     /// signs' ranks.
     esc_rank: Vec<u64>,
@@ -409,14 +423,19 @@ impl Plan {
         if block.words > 1 << 32 {
             return Err("compact2 blocks have at most 2^32 words");
         }
-        // Classes 1 and 2: the members without and with the `big` bit.
+        // Classes 1 and 2: the members without and with the `big` bit. The
+        // lists keep their length (what they hold past `class_len` is
+        // stale), so that only growing them writes zeros.
         let [small, big] = &mut s.class_members;
-        small.clear();
-        big.clear();
+        s.class_len = [0, 0];
         if block.entry.changes > 0 && !members.is_empty() {
             // Both lists written at every member, each count moved by its bit.
-            small.resize(members.len() + 1, 0);
-            big.resize(members.len() + 1, 0);
+            let need = members.len() + 1;
+            if small.len() < need {
+                small.resize(need, 0);
+                big.resize(need, 0);
+            }
+            let (small, big) = (&mut small[..need], &mut big[..need]);
             let (mut a, mut b) = (0usize, 0usize);
             for (j, &m) in members.iter().enumerate() {
                 let bit = (m & BIG) as usize;
@@ -425,10 +444,9 @@ impl Plan {
                 a += 1 - bit;
                 b += bit;
             }
-            small.truncate(a);
-            big.truncate(b);
+            s.class_len = [a, b];
         }
-        let space = [block.words, small.len() as u64, big.len() as u64];
+        let space = [block.words, s.class_len[0] as u64, s.class_len[1] as u64];
         let p = Prologue::parse_raw(block.stream, block.entry, block.wb, space)?;
         let mut start = [0usize; CLASSES];
         let mut at = p.body;
@@ -460,7 +478,11 @@ impl Plan {
         let h = self.p.class[c];
         let region = &block.stream[self.start[c]..self.start[c] + h.len];
         let mut cur = Cursor { s: region, at: 0 };
-        let class_members: &[u32] = if c == 0 { &[] } else { &s.class_members[c - 1] };
+        let class_members: &[u32] = if c == 0 {
+            &[]
+        } else {
+            &s.class_members[c - 1][..s.class_len[c - 1]]
+        };
         let space = if c == 0 {
             block.words
         } else {
@@ -612,6 +634,146 @@ impl ClassReader<'_> {
         ))
     }
 
+    /// Reads the next `g.count` entries into `g` (block indices and values,
+    /// as [`ClassReader::next_entry`] hands them out), prefetching each
+    /// entry's word of `blk` (`W`-byte words) and noting it in `rec`. On an
+    /// error, `g.count` is set to the entries read before it.
+    #[inline(always)]
+    pub(crate) fn fill<const W: usize>(
+        &mut self,
+        g: &mut Group,
+        blk: &[u8],
+        rec: &mut Record,
+    ) -> std::result::Result<(), &'static str> {
+        debug_assert_eq!(self.bits, 8 * W as u32);
+        match (self.raw, self.c == 0, self.h.list.is_none()) {
+            (true, _, _) => self.fill_any::<W>(g, blk, rec),
+            (false, true, true) => self.fill_steps::<W, true, true>(g, blk, rec),
+            (false, true, false) => self.fill_steps::<W, true, false>(g, blk, rec),
+            (false, false, true) => self.fill_steps::<W, false, true>(g, blk, rec),
+            (false, false, false) => self.fill_steps::<W, false, false>(g, blk, rec),
+        }
+    }
+
+    /// [`ClassReader::fill`] one entry at a time (raw-coded blocks).
+    fn fill_any<const W: usize>(
+        &mut self,
+        g: &mut Group,
+        blk: &[u8],
+        rec: &mut Record,
+    ) -> std::result::Result<(), &'static str> {
+        for j in 0..g.count.min(BATCH) {
+            let e = match self.next_entry() {
+                Ok(e) => e,
+                Err(what) => {
+                    g.count = j;
+                    return Err(what);
+                }
+            };
+            prefetch_l2(blk, e.0 as usize * W);
+            (g.index[j], g.step[j]) = (e.0 as u64, e.1);
+            rec.note(self.c, e, self.raw, W);
+        }
+        Ok(())
+    }
+
+    /// [`ClassReader::fill`] for a step-coded class: class 0 (`C0`) or a
+    /// class of members, one sign bit per entry (`BIT`) or a list. The
+    /// same reading as [`ClassReader::next_entry`], with the reader's state
+    /// in locals.
+    #[inline(always)]
+    fn fill_steps<const W: usize, const C0: bool, const BIT: bool>(
+        &mut self,
+        g: &mut Group,
+        blk: &[u8],
+        rec: &mut Record,
+    ) -> std::result::Result<(), &'static str> {
+        let (k, q_limit, space, mask) = (self.h.k, self.q_limit, self.space, self.mask);
+        let (class_members, members) = (self.class_members, self.members);
+        let (esc_rank, esc_mag, listed) = (self.esc_rank, self.esc_mag, self.listed);
+        let mut cur = Cursor {
+            s: self.cur.s,
+            at: self.cur.at,
+        };
+        let (mut next, mut r, mut e, mut l) = (self.next, self.r, self.e, self.l);
+        let (mut next_esc, mut next_list) = (self.next_esc, self.next_list);
+        let sign = u64::from(BIT);
+        let again = &mut rec.again[..];
+        let c0 = &mut rec.c0;
+        let mut result = Ok(());
+        for j in 0..g.count.min(BATCH) {
+            // Gap and sign bit from one window where they fit.
+            let fast = cur.window().filter(|w| {
+                let tz = w.trailing_zeros();
+                (tz as u64) <= q_limit && tz + k <= 54
+            });
+            let (gap, mut neg) = match fast {
+                Some(w) => {
+                    let tz = w.trailing_zeros();
+                    let g = ((tz as u64) << k) | ((w >> (tz + 1)) & ((1u64 << k) - 1));
+                    let used = tz + 1 + k;
+                    cur.at += used as u64 + sign;
+                    (g, (w >> used) & sign)
+                }
+                None => match cur
+                    .rice(k, q_limit)
+                    .and_then(|g| Ok((g, if BIT { cur.bits(1)? } else { 0 })))
+                {
+                    Ok(x) => x,
+                    Err(what) => {
+                        g.count = j;
+                        result = Err(what);
+                        break;
+                    }
+                },
+            };
+            let p = next + gap;
+            if p >= space {
+                g.count = j;
+                result = Err(if C0 {
+                    "position beyond the block"
+                } else {
+                    "rank beyond the class's members"
+                });
+                break;
+            }
+            next = p + 1;
+            let (i, jm, last_neg) = if C0 {
+                (p as u32, 0, 0)
+            } else {
+                let jm = class_members[p as usize];
+                let m = members[jm as usize];
+                (index(m), jm, ((m & NEG) >> 1) as u64)
+            };
+            if !BIT && r == next_list {
+                neg = 1;
+                l += 1;
+                next_list = listed.get(l).copied().unwrap_or(u64::MAX);
+            }
+            let mut m = 1u64;
+            if r == next_esc {
+                m = esc_mag[e];
+                e += 1;
+                next_esc = esc_rank.get(e).copied().unwrap_or(u64::MAX);
+            }
+            r += 1;
+            neg ^= last_neg;
+            let v = ((m ^ neg.wrapping_neg()).wrapping_add(neg)) & mask;
+            prefetch_l2(blk, i as usize * W);
+            (g.index[j], g.step[j]) = (i as u64, v);
+            let code = member(0, v, W);
+            if C0 {
+                c0.push((i << 2) | code);
+            } else {
+                again[jm as usize] = (code | 4) as u8;
+            }
+        }
+        self.cur.at = cur.at;
+        (self.next, self.r, self.e, self.l) = (next, r, e, l);
+        (self.next_esc, self.next_list) = (next_esc, next_list);
+        result
+    }
+
     /// After the last entry: whether the region ends cleanly.
     pub(crate) fn end(&self) -> std::result::Result<(), &'static str> {
         if self.cur.clean_end() {
@@ -705,6 +867,42 @@ pub(crate) fn finish(
             }
             out.truncate(n);
         }
+    }
+    if dup {
+        return Err("a word changed twice (a class-0 position is a context member)");
+    }
+    Ok(())
+}
+
+/// The straightforward merge [`finish`] must agree with.
+#[cfg(test)]
+fn finish_reference(
+    members: &[Member],
+    rec: &Record,
+    out: Option<&mut Vec<Member>>,
+) -> std::result::Result<(), &'static str> {
+    let (a, b) = (&rec.c0[..], members);
+    let dup = {
+        let (mut i, mut j, mut dup) = (0, 0, false);
+        while i < a.len() && j < b.len() {
+            dup |= a[i] >> 2 == b[j] >> 2;
+            if a[i] >> 2 < b[j] >> 2 {
+                i += 1;
+            } else {
+                j += 1;
+            }
+        }
+        dup
+    };
+    if let Some(out) = out {
+        out.clear();
+        out.extend_from_slice(a);
+        for (&m, &f) in b.iter().zip(&rec.again) {
+            if f != 0 {
+                out.push((m & !3) | (f as u32 & 3));
+            }
+        }
+        out.sort_by_key(|&m| m >> 2);
     }
     if dup {
         return Err("a word changed twice (a class-0 position is a context member)");
@@ -1457,6 +1655,35 @@ mod tests {
             let (got, dig) = apply_one(&e, &base, wb, &members).expect("apply");
             prop_assert!(got == new);
             prop_assert_eq!(dig, e.tensor.digest_change);
+        }
+
+        /// [`finish`] against the plain merge: any class-0 changes, members
+        /// and flags, with and without indices in both.
+        #[test]
+        fn finish_agrees_with_the_plain_merge(
+            a in proptest::collection::btree_set(0u32..400, 0..120),
+            b in proptest::collection::btree_set(0u32..400, 0..120),
+            codes in proptest::collection::vec(0u8..8, 120),
+            disjoint in any::<bool>(),
+        ) {
+            let a: Vec<Member> = a
+                .into_iter()
+                .filter(|i| !disjoint || !b.contains(i))
+                .enumerate()
+                .map(|(k, i)| (i << 2) | (codes[k] as u32 & 3))
+                .collect();
+            let b: Vec<Member> = b.iter().enumerate().map(|(k, &i)| (i << 2) | (codes[119 - k] as u32 & 3)).collect();
+            let rec = Record {
+                c0: a,
+                again: (0..b.len()).map(|k| if codes[k] & 4 != 0 { codes[k] } else { 0 }).collect(),
+            };
+            let (mut got, mut want) = (Vec::new(), Vec::new());
+            let r = finish(&b, &rec, Some(&mut got));
+            prop_assert_eq!(r, finish_reference(&b, &rec, Some(&mut want)));
+            prop_assert_eq!(finish(&b, &rec, None), r);
+            if r.is_ok() {
+                prop_assert_eq!(got, want);
+            }
         }
 
         /// Arbitrary streams, entries and members: the decoder answers, never
