@@ -434,13 +434,13 @@ async fn arguments_are_checked_by_the_parser() {
             assert_eq!(o.status.code(), Some(64), "{args:?}");
             let err = stderr(&o);
             assert!(
-                err.contains("[possible values: compact, trl]"),
+                err.contains("[possible values: compact, compact2, trl]"),
                 "{args:?}: {err}"
             );
         }
     }
     let help = stdout(&wc(&["publish", "--help"]).output().unwrap());
-    assert!(help.contains("[possible values: compact, trl]"), "{help}");
+    assert!(help.contains("[possible values: compact, compact2, trl]"), "{help}");
     // A relay's two ends may not be the same store.
     let same = [
         (bucket.clone(), format!("{bucket}/")),
@@ -471,7 +471,7 @@ async fn arguments_are_checked_by_the_parser() {
         Err(e) => e,
     };
     assert_eq!(e.kind(), weightcast::error::ErrorKind::Config, "{e}");
-    assert!(e.to_string().contains("compact or trl"), "{e}");
+    assert!(e.to_string().contains("compact, compact2 or trl"), "{e}");
 }
 
 // ---- 2, 4, 6, 8: per-step names, metadata, reports ---------------------
