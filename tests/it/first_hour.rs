@@ -440,7 +440,10 @@ async fn arguments_are_checked_by_the_parser() {
         }
     }
     let help = stdout(&wc(&["publish", "--help"]).output().unwrap());
-    assert!(help.contains("[possible values: compact, compact2, trl]"), "{help}");
+    assert!(
+        help.contains("[possible values: compact, compact2, trl]"),
+        "{help}"
+    );
     // A relay's two ends may not be the same store.
     let same = [
         (bucket.clone(), format!("{bucket}/")),
