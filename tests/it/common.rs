@@ -716,3 +716,20 @@ pub fn publish_command(
     }
     c
 }
+
+/// Whether version `v`'s delta was coded against a context (`compact2`,
+/// docs/format.md §6.3).
+pub async fn coded_with_context(store: &weightcast::store::Store, v: u64) -> bool {
+    let m = weightcast::protocol::read_manifest(store, v)
+        .await
+        .unwrap()
+        .unwrap();
+    let o = m
+        .objects
+        .iter()
+        .find(|o| o.role == weightcast::protocol::ObjectRole::Delta)
+        .unwrap();
+    let body = store.get(&o.key).await.unwrap().unwrap();
+    let (_, h) = weightcast::codec::inspect(&body).unwrap();
+    h.unwrap().context.is_some()
+}

@@ -479,22 +479,6 @@ async fn a_once_bootstrap_fills_the_standby_and_the_first_delta_costs_its_change
     assert_matches(&out, &t.published[2]);
 }
 
-/// Whether version `v`'s delta was coded against a context (`compact2`).
-async fn coded_with_context(store: &Store, v: u64) -> bool {
-    let m = weightcast::protocol::read_manifest(store, v)
-        .await
-        .unwrap()
-        .unwrap();
-    let o = m
-        .objects
-        .iter()
-        .find(|o| o.role == weightcast::protocol::ObjectRole::Delta)
-        .unwrap();
-    let body = store.get(&o.key).await.unwrap().unwrap();
-    let (_, h) = weightcast::codec::inspect(&body).unwrap();
-    h.unwrap().context.is_some()
-}
-
 /// `compact2` across one-shot runs (issue 29): every `publish` and every
 /// `--once` is a new process, and each finds the context its next delta is
 /// coded against — the publisher in its state (`context/` in place, the
@@ -525,13 +509,16 @@ async fn compact2_contexts_survive_one_shot_runs_and_their_loss_costs_no_byte() 
             t.step().await;
             follow(&t, v, false).await;
         }
-        assert!(!coded_with_context(&store, 1).await, "after the anchor");
-        assert!(coded_with_context(&store, 2).await, "{mode:?}");
+        assert!(
+            !common::coded_with_context(&store, 1).await,
+            "after the anchor"
+        );
+        assert!(common::coded_with_context(&store, 2).await, "{mode:?}");
         // A new publisher process, a new subscriber process: contexts kept.
         t.reopen().await;
         t.step().await; // v3
         assert!(
-            coded_with_context(&store, 3).await,
+            common::coded_with_context(&store, 3).await,
             "{mode:?}: after a restart"
         );
         follow(&t, 3, false).await;
@@ -546,7 +533,7 @@ async fn compact2_contexts_survive_one_shot_runs_and_their_loss_costs_no_byte() 
             t.reopen().await;
             t.step().await; // v4
             assert!(
-                !coded_with_context(&store, 4).await,
+                !common::coded_with_context(&store, 4).await,
                 "a damaged context is dropped"
             );
             follow(&t, 4, false).await;
@@ -555,7 +542,7 @@ async fn compact2_contexts_survive_one_shot_runs_and_their_loss_costs_no_byte() 
             follow(&t, 4, false).await;
         }
         t.step().await; // v5
-        assert!(coded_with_context(&store, 5).await, "{mode:?}");
+        assert!(common::coded_with_context(&store, 5).await, "{mode:?}");
         // The subscriber loses its journal, and with it the context of the
         // version it holds (which replaying the journal onto the standby
         // slot would make again): the next delta cannot be decoded, and it

@@ -275,20 +275,6 @@ async fn corrupt(store: &Store, v: u64, role: ObjectRole) {
     store.put(&o.key, Bytes::from(body)).await.unwrap();
 }
 
-/// Whether version `v`'s delta was coded against a context (`compact2`,
-/// docs/format.md §6.3).
-async fn coded_with_context(store: &Store, v: u64) -> bool {
-    let m = read_manifest(store, v).await.unwrap().unwrap();
-    let o = m
-        .objects
-        .iter()
-        .find(|o| o.role == ObjectRole::Delta)
-        .unwrap();
-    let body = store.get(&o.key).await.unwrap().unwrap();
-    let (_, h) = weightcast::codec::inspect(&body).unwrap();
-    h.unwrap().context.is_some()
-}
-
 #[tokio::test]
 async fn every_sink_follows_the_same_sequences_bit_identically() {
     same_sequences(Encoding::Compact).await;
@@ -325,9 +311,9 @@ async fn same_sequences(encoding: Encoding) {
         assert_exact(&subs, &t.truth, v, "one behind");
     }
     // The first delta after an anchor has no context; the next one has.
-    assert!(!coded_with_context(&store, 1).await);
+    assert!(!common::coded_with_context(&store, 1).await);
     assert_eq!(
-        coded_with_context(&store, 2).await,
+        common::coded_with_context(&store, 2).await,
         encoding == Encoding::Compact2
     );
     // Several behind, across an anchor with bridges (every 4: version 4).

@@ -16,6 +16,9 @@
 //! are compare time / operation time (above 1: faster than the compare);
 //! printed as medians over the repetitions, with the range.
 
+#[path = "common/trace.rs"]
+mod trace;
+
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -23,55 +26,20 @@ use weightcast_core::bench::plain_compare;
 use weightcast_core::codec::{
     Context, DeltaOptions, apply_delta, apply_delta_ctx, encode_delta, encode_delta_ctx,
 };
-use weightcast_core::dtype::Dtype;
 use weightcast_core::format::Encoding;
 use weightcast_core::generator::{Generator, GeneratorConfig};
 use weightcast_core::tensors::TensorSet;
 
 /// Three consecutive states of a trace (`step - 1`, `step`, `step + 1`).
 fn trace_states(dir: &Path, step: usize) -> [TensorSet; 3] {
-    let bytes = std::fs::read(dir.join("step_00000.safetensors")).expect("step 0");
-    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
-    let mut params: Vec<(String, Vec<usize>, Vec<u8>)> = st
-        .tensors()
-        .into_iter()
-        .map(|(n, v)| (n, v.shape().to_vec(), v.data().to_vec()))
-        .collect();
-    params.sort_by(|a, b| a.0.cmp(&b.0));
-    let set = |params: &[(String, Vec<usize>, Vec<u8>)]| {
-        TensorSet::from_tensors(
-            params
-                .iter()
-                .map(|(n, s, d)| (n.clone(), Dtype::BF16, s.clone(), d.clone())),
-        )
-        .expect("tensor set")
-    };
-    let mut out = Vec::new();
-    for t in 1..=step + 1 {
-        let z = std::fs::read(dir.join(format!("step_{t:05}.delta.zst"))).expect("step");
-        let blob = zstd::decode_all(&z[..]).expect("zstd");
-        if !blob.is_empty() {
-            let st = safetensors::SafeTensors::deserialize(&blob).expect("step");
-            for (name, _, data) in &mut params {
-                let Ok(g) = st.tensor(&format!("{name}.gap")) else {
-                    continue;
-                };
-                let v = st.tensor(&format!("{name}.val")).expect("values");
-                let mut at = 0usize;
-                for (j, (gc, vc)) in g
-                    .data()
-                    .chunks_exact(4)
-                    .zip(v.data().chunks_exact(2))
-                    .enumerate()
-                {
-                    at += u32::from_le_bytes(gc.try_into().unwrap()) as usize + usize::from(j > 0);
-                    data[2 * at..2 * at + 2].copy_from_slice(vc);
-                }
-            }
-        }
-        if t + 1 >= step {
-            out.push(set(&params));
-        }
+    let mut t = trace::Trace::open(dir);
+    while t.step + 1 < step {
+        t.advance();
+    }
+    let mut out = vec![t.set()];
+    for _ in 0..2 {
+        t.advance();
+        out.push(t.set());
     }
     out.try_into().unwrap_or_else(|_| panic!("three states"))
 }
