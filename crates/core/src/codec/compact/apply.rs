@@ -484,20 +484,7 @@ fn run_raw<const W: usize, S: Sink>(
     // Resolves a batch (old word read here, new word from the stream), checks
     // every entry changes its word, and hands the batch on.
     let mut flush = |g: &Group, blk: &mut [u8]| -> Result<u64> {
-        let mut batch = ChangeBatch::default();
-        for j in 0..g.count {
-            let (i, new) = (g.index[j], g.step[j]);
-            let old = load::<W>(blk, i as usize);
-            if new == old {
-                return Err(unchanged_error(block, ctx.first + i));
-            }
-            (batch.index[j], batch.old[j], batch.new[j]) = (ctx.first + i, old, new);
-        }
-        for j in 0..g.count {
-            sink.lane::<W>(blk, g.index[j] as usize, batch.old[j], batch.new[j]);
-        }
-        sink.taken(g.count);
-        Ok(ctx.seed.change_sum_on(platform, &batch))
+        resolve_raw::<W, S>(platform, block, ctx, blk, g, sink)
     };
     decode_block(block, None, |i, v| {
         let (Value::Raw(x) | Value::Step(x)) = v;
