@@ -70,6 +70,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="where the engine's tensors live (cpu, cuda)")
     ap.add_argument("--via", default="auto", choices=["auto", "buffers", "scatter"],
                     help="the in-place path (auto: buffers on the CPU, scatter on a device)")
+    ap.add_argument("--publish-from-device", action="store_true",
+                    help="also time publishing from the engine's device (always on cuda)")
     ap.add_argument("--bucket-dir", default=None,
                     help="where the bucket and the publisher's state go (e.g. /dev/shm; "
                          "default: the scratch directory)")
@@ -209,7 +211,7 @@ def run(a: argparse.Namespace, root: str, store: str) -> None:
     assert same()
     # prepared: verify and decode while the engine serves (not a pause), then
     # the pause is the commit alone
-    prepare, commit = [], []
+    prepare, commit, phases = [], [], []
     first = 2 + 2 * (a.repeats - 1) + 1
     for step in range(first, first + a.repeats):
         train_step()
@@ -219,6 +221,7 @@ def run(a: argparse.Namespace, root: str, store: str) -> None:
         assert u.prepare(engine, via=via)
         sync()
         prepare.append(time.perf_counter() - t)
+        phases.append(dict(weightcast._device.last))
         t = time.perf_counter()
         r = u.commit()
         sync()
@@ -231,6 +234,8 @@ def run(a: argparse.Namespace, root: str, store: str) -> None:
     u.save_to(out_dir)
     steady_s = time.perf_counter() - t
     steady_written = write_bytes() - w0
+    device_publish = publish_from_device(a, pub, trainer, dev, sync, first + a.repeats) \
+        if dev.type == "cuda" or a.publish_from_device else {}
     inplace_all = [inplace_s] + more
     ip, rl = statistics.median(inplace_all), statistics.median(reload)
     print(json.dumps({
@@ -253,6 +258,7 @@ def run(a: argparse.Namespace, root: str, store: str) -> None:
         "single_pass_median_s": round(statistics.median(single), 4),
         "reload_over_single_pass": round(rl / statistics.median(single), 2),
         "prepare_s": [round(x, 4) for x in prepare],
+        "prepare_phases_s": [{k: round(v, 4) for k, v in p.items()} for p in phases],
         "commit_pause_s": [round(x, 4) for x in commit],
         "commit_median_s": round(statistics.median(commit), 4),
         "reload_over_commit": round(rl / statistics.median(commit), 2),
@@ -271,7 +277,49 @@ def run(a: argparse.Namespace, root: str, store: str) -> None:
         "loadavg_at_end": os.getloadavg(),
         "apply_report": {k: report[k] for k in ("changed", "kept") if k in report},
         "torch_threads": torch.get_num_threads(),
+        **device_publish,
     }, indent=1))
+
+
+def publish_from_device(a: argparse.Namespace, pub: "weightcast.Publisher", trainer: dict,
+                        dev: "torch.device", sync, step: int) -> dict:
+    """The trainer side on a GPU: a delta published from device memory,
+    against a pinned device-to-host copy of the model (the floor the issue
+    sets: at most 2x) and a comparison of two versions on the device."""
+    on_dev = {k: v.to(dev) for k, v in trainer.items()}
+    pinned = {k: torch.empty_like(v, pin_memory=torch.cuda.is_available())
+              for k, v in trainer.items()}
+    d2h, publish, compare = [], [], []
+    for r in range(a.repeats):
+        sync()
+        t = time.perf_counter()
+        for k, v in on_dev.items():
+            pinned[k].copy_(v, non_blocking=True)
+        sync()
+        d2h.append(time.perf_counter() - t)
+        before = {k: v.clone() for k, v in on_dev.items()}
+        for v in on_dev.values():  # a training step on the device
+            flat = v.view(-1)
+            idx = torch.randint(0, flat.numel(), (int(flat.numel() * a.density),), device=dev)
+            flat[idx] = flat[idx] * (1 + 2.0**-6) + 1e-4
+        sync()
+        t = time.perf_counter()
+        n = sum(int((before[k].view(torch.int16) != v.view(torch.int16)).sum())
+                for k, v in on_dev.items())
+        sync()
+        compare.append(time.perf_counter() - t)
+        del before
+        t = time.perf_counter()
+        out = pub.publish(on_dev, step=step + r)
+        publish.append(time.perf_counter() - t)
+        assert out["kind"] == "delta" and out["changed"] == n, (out, n)
+    p, c = statistics.median(publish), statistics.median(d2h)
+    return {
+        "publish_from_device_s": [round(x, 4) for x in publish],
+        "pinned_d2h_s": [round(x, 4) for x in d2h],
+        "device_compare_s": [round(x, 4) for x in compare],
+        "publish_from_device_over_d2h": round(p / c, 2),
+    }
 
 
 if __name__ == "__main__":

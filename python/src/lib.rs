@@ -14,6 +14,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes};
+use rayon::prelude::*;
 
 use weightcast::codec::Positions;
 use weightcast::dtype::{Dtype, parse_dtype};
@@ -229,7 +230,7 @@ struct NativeSubscriber {
     state: Arc<Mutex<SubState>>,
 }
 
-fn lock(state: &Mutex<SubState>) -> Result<std::sync::MutexGuard<'_, SubState>> {
+fn lock<T>(state: &Mutex<T>) -> Result<std::sync::MutexGuard<'_, T>> {
     state
         .lock()
         .map_err(|_| Error::BadRequest("a previous call on this subscriber panicked".into()))
@@ -405,6 +406,7 @@ impl NativeSubscriber {
                     .map(|(n, d, s)| (n, d.to_string(), s))
                     .collect(),
                 files: u.files,
+                device: Mutex::new(None),
             }))
         })
         .py()
@@ -463,6 +465,8 @@ struct NativeUpdate {
     /// (name, dtype, shape) of every tensor the update writes.
     tensors: Vec<(String, String, Vec<usize>)>,
     files: Vec<(String, Bytes)>,
+    /// A delta's changes decoded by `device_changes`.
+    device: Mutex<Option<Vec<weightcast::codec::Changes>>>,
 }
 
 impl NativeUpdate {
@@ -603,6 +607,100 @@ impl NativeUpdate {
             .collect())
     }
 
+    /// The device path in batches, first half: decodes every changed
+    /// tensor's changes (in parallel) and keeps them for `device_positions`
+    /// and `device_resolve`. Returns `([(name, changes, position_width,
+    /// word_width, position_offset, word_offset)], position_bytes,
+    /// word_bytes)`: each tensor's positions and words lie at its offsets
+    /// (multiples of 8) in buffers of those sizes.
+    fn device_changes(&self, py: Python<'_>) -> PyResult<DevicePlan> {
+        py.detach(|| -> Result<DevicePlan> {
+            let changes = self.staged()?.sub.changes()?;
+            let (mut plan, mut at_pos, mut at_word) = (Vec::new(), 0usize, 0usize);
+            for c in &changes {
+                let pw = position_width(&c.positions);
+                plan.push((c.name.clone(), c.len(), pw, c.word_bytes(), at_pos, at_word));
+                at_pos += (c.len() * pw).next_multiple_of(8);
+                at_word += c.new_bytes().next_multiple_of(8);
+            }
+            *lock(&self.device)? = Some(changes);
+            Ok((plan, at_pos, at_word))
+        })
+        .py()
+    }
+
+    /// Writes every tensor's positions (little-endian) at its offset into
+    /// the `nbytes` at `address` (`position_bytes` of `device_changes`).
+    fn device_positions(&self, py: Python<'_>, address: usize, nbytes: usize) -> PyResult<()> {
+        py.detach(|| -> Result<()> {
+            let held = lock(&self.device)?;
+            let changes = held.as_ref().ok_or_else(no_device_changes)?;
+            let mut out = Lent::new("positions", address, nbytes, true)?;
+            let mut rest = out.slice_mut();
+            let mut pieces = Vec::with_capacity(changes.len());
+            for c in changes {
+                let len = c.len() * position_width(&c.positions);
+                let pad = len.next_multiple_of(8);
+                if rest.len() < pad {
+                    return Err(Error::BadRequest(format!(
+                        "the positions buffer holds {nbytes} bytes; device_changes asked for more"
+                    )));
+                }
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(pad);
+                pieces.push((&c.positions, &mut head[..len]));
+                rest = tail;
+            }
+            pieces.into_par_iter().for_each(|(p, out)| match p {
+                Positions::U32(v) => le_into(v, out, |i| i.to_le_bytes()),
+                Positions::U64(v) => le_into(v, out, |i| i.to_le_bytes()),
+            });
+            Ok(())
+        })
+        .py()
+    }
+
+    /// The device path in batches, second half: `old` (address, bytes) holds
+    /// every tensor's old words at its word offset; checks them all against
+    /// the delta's base and, only when every tensor passed, leaves the new
+    /// words at the same offsets in `new` (which must not overlap `old`).
+    fn device_resolve(
+        &self,
+        py: Python<'_>,
+        old: (usize, usize),
+        new: (usize, usize),
+    ) -> PyResult<()> {
+        py.detach(|| -> Result<()> {
+            if old.1 > 0 && new.1 > 0 && old.0 < new.0 + new.1 && new.0 < old.0 + old.1 {
+                return Err(Error::BadRequest(
+                    "the old and new word buffers overlap: give two buffers".into(),
+                ));
+            }
+            let mut st = self.staged()?;
+            let held = lock(&self.device)?;
+            let changes = held.as_ref().ok_or_else(no_device_changes)?;
+            let old_buf = Lent::new("old words", old.0, old.1, false)?;
+            let mut new_buf = Lent::new("new words", new.0, new.1, true)?;
+            let (mut o, mut w) = (old_buf.slice(), new_buf.slice_mut());
+            let (mut olds, mut news) = (Vec::new(), Vec::new());
+            for c in changes {
+                let (len, pad) = (c.new_bytes(), c.new_bytes().next_multiple_of(8));
+                if o.len() < pad || w.len() < pad {
+                    return Err(Error::BadRequest(format!(
+                        "the word buffers hold {} and {} bytes; device_changes asked for more",
+                        old.1, new.1
+                    )));
+                }
+                let (oh, ot) = o.split_at(pad);
+                let (wh, wt) = std::mem::take(&mut w).split_at_mut(pad);
+                olds.push(&oh[..len]);
+                news.push(&mut wh[..len]);
+                (o, w) = (ot, wt);
+            }
+            st.sub.resolve_changes(changes, &olds, &mut news)
+        })
+        .py()
+    }
+
     /// The device path, after the caller wrote the tensors itself (a
     /// delta's `resolve_all` scattered, an anchor's tensors copied): records
     /// the version. `memory`: (name, address, bytes) of the tensors written.
@@ -653,11 +751,39 @@ type PyResolved<'py> = (
     usize,
 );
 
-fn positions_bytes(p: &Positions) -> (Vec<u8>, usize) {
+/// What `device_changes` returns.
+type DevicePlan = (
+    Vec<(String, usize, usize, usize, usize, usize)>,
+    usize,
+    usize,
+);
+
+fn position_width(p: &Positions) -> usize {
     match p {
-        Positions::U32(v) => (v.iter().flat_map(|i| i.to_le_bytes()).collect(), 4),
-        Positions::U64(v) => (v.iter().flat_map(|i| i.to_le_bytes()).collect(), 8),
+        Positions::U32(_) => 4,
+        Positions::U64(_) => 8,
     }
+}
+
+/// `v` as little-endian bytes into `out` (exactly `N` bytes per value).
+fn le_into<T: Copy, const N: usize>(v: &[T], out: &mut [u8], le: impl Fn(T) -> [u8; N]) {
+    for (o, &x) in out.chunks_exact_mut(N).zip(v) {
+        o.copy_from_slice(&le(x));
+    }
+}
+
+fn no_device_changes() -> Error {
+    Error::BadRequest("call device_changes first".into())
+}
+
+fn positions_bytes(p: &Positions) -> (Vec<u8>, usize) {
+    let pw = position_width(p);
+    let mut out = vec![0u8; p.len() * pw];
+    match p {
+        Positions::U32(v) => le_into(v, &mut out, |i| i.to_le_bytes()),
+        Positions::U64(v) => le_into(v, &mut out, |i| i.to_le_bytes()),
+    }
+    (out, pw)
 }
 
 #[pymodule]

@@ -31,6 +31,20 @@ def torch():
     return _require("torch")
 
 
+# Where the engine's tensors live in the tests that take `device`: the CPU
+# everywhere; add `cuda` on a machine with a GPU (WEIGHTCAST_TEST_DEVICES=cpu,cuda).
+DEVICES = [d for d in os.environ.get("WEIGHTCAST_TEST_DEVICES", "cpu").split(",") if d]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request, torch):
+    d = torch.device(request.param)
+    if d.type == "cuda":
+        assert torch.cuda.is_available(), (
+            "WEIGHTCAST_TEST_DEVICES names cuda but torch sees no GPU")
+    return d
+
+
 @pytest.fixture
 def transformers():
     _require("torch")

@@ -45,14 +45,19 @@ def train(torch, model, steps, lr=1e-5):
 @pytest.mark.parametrize("via", ["buffers", "scatter"])
 @pytest.mark.parametrize("encoding", ["compact", "compact2"])
 def test_training_steps_published_from_memory_applied_in_place_bit_identical(
-    torch, bucket, dtype, via, encoding
+    torch, bucket, dtype, via, encoding, device
 ):
     """With `compact2` the deltas after the first are coded against the
-    previous delta's changes, which the subscriber keeps (format.md §6.3)."""
+    previous delta's changes, which the subscriber keeps (format.md §6.3).
+    Every other step goes through prepare + commit. On a GPU
+    (``WEIGHTCAST_TEST_DEVICES=cpu,cuda``) trainer and engine live there:
+    published from device memory, applied through the device path."""
+    if device.type != "cpu" and via == "buffers":
+        pytest.skip("via=buffers lends CPU memory only")
     url, state = bucket
     dt = getattr(torch, dtype)
-    trainer = small_model(torch, dt)
-    engine = small_model(torch, dt)
+    trainer = small_model(torch, dt).to(device)
+    engine = small_model(torch, dt).to(device)
     with torch.no_grad():
         for p in engine.parameters():
             p.zero_()
@@ -67,7 +72,11 @@ def test_training_steps_published_from_memory_applied_in_place_bit_identical(
         u = sub.poll()
         assert u.version == out["version"]
         kinds.append((out["kind"], u.kind, out["changed"] / out["total"]))
-        u.apply_to(engine, via=via)  # a module: its state_dict's tensors
+        if step % 2:
+            u.apply_to(engine, via=via)  # a module: its state_dict's tensors
+        else:
+            u.prepare(engine, via=via)  # False for an anchor: the commit applies it whole
+            u.commit()
         for name, t in sd.items():
             assert as_bytes(t) == as_bytes(params[name]), f"{name} at step {step}"
             assert params[name].dtype == dt
@@ -78,7 +87,7 @@ def test_training_steps_published_from_memory_applied_in_place_bit_identical(
     else:
         assert any(k[1] == "delta" for k in kinds) or all(k[2] > 0.5 for k in kinds), kinds
     # the engine's tensors are its parameters: a forward pass agrees exactly
-    x = torch.randint(0, 512, (2, 16))
+    x = torch.randint(0, 512, (2, 16), device=device)
     assert torch.equal(engine(x), trainer(x))
 
     # a base modified before apply_to: refused, nothing written

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 import numpy as np
 
-from . import _errors, _native
+from . import _device, _errors, _native
 from ._errors import (
     BadRequest,
     BaseMismatch,
@@ -378,66 +378,30 @@ class Update:
         return self._write_staged(*self._stage_scatter(params))
 
     def _stage_scatter(self, params: Tensors) -> Tuple[List[Any], List[Any]]:
-        """The scatter path up to the writes: the old words gathered, the
-        library's verification, the new words staged where the tensors
-        live. Returns (writes, resolved)."""
-        info = {n: (d, list(s)) for n, d, s in self._native.tensors()}
+        """The scatter path up to the writes (``_device``): the old words
+        gathered, the library's verification, the new words staged where
+        the tensors live. Returns (writes, plan)."""
         from ._tensors import dtype_of, shape_of
 
-        for name, (dtype, shape) in info.items():
+        for name, dtype, shape in self._native.tensors():
             if name not in params:
                 raise BaseMismatch(f"tensor `{name}` is changed by version {self.version} "
                                    "but is not among the tensors given")
             t = params[name]
-            if (dtype_of(name, t), shape_of(t)) != (dtype, shape):
+            if (dtype_of(name, t), shape_of(t)) != (dtype, list(shape)):
                 raise BaseMismatch(f"tensor `{name}` is {dtype_of(name, t)} {shape_of(t)}, the "
-                                   f"delta is for {dtype} {shape}")
-        staged: Dict[str, Tuple[Any, Any]] = {}
+                                   f"delta is for {dtype} {list(shape)}")
+        return _device.stage_delta(self._native, params, self._subscriber._staging)
 
-        def gather(name: str, positions: bytes, pos_width: int, word_bytes: int) -> bytes:
-            t = params[name]
-            words = word_view(name, t, word_bytes)
-            pos = np.frombuffer(positions, dtype=np.uint32 if pos_width == 4 else np.uint64)
-            if is_torch(t):
-                import torch
-
-                idx = torch.from_numpy(pos.astype(np.int64)).to(t.device, non_blocking=True)
-                old = words.index_select(0, idx).cpu().numpy()
-            else:
-                idx = pos.astype(np.intp)
-                old = words[idx]
-            staged[name] = (words, idx)
-            return old.tobytes()
-
-        resolved = self._native.resolve_all(gather)
-        # Every tensor verified: stage the new words where the tensors live,
-        # then write them all.
-        writes = []
-        for name, _pos, _pw, new, wb in resolved:
-            words, idx = staged[name]
-            if is_torch(params[name]):
-                import torch
-
-                vals = torch.frombuffer(bytearray(new), dtype=words.dtype) if new else \
-                    torch.empty(0, dtype=words.dtype)
-                writes.append((words, idx, vals.to(words.device, non_blocking=True)))
-            else:
-                writes.append((words, idx, np.frombuffer(new, dtype=words.dtype)))
-        return writes, resolved
-
-    def _write_staged(self, writes: List[Any], resolved: List[Any]) -> Dict[str, Any]:
+    def _write_staged(self, writes: List[Any], plan: List[Any]) -> Dict[str, Any]:
         """The scatter path's writes, and the library's record of them."""
-        for words, idx, vals in writes:
-            if is_torch(words):
-                words.index_copy_(0, idx, vals)
-            else:
-                words[idx] = vals
+        _device.write(writes)
         self._native.commit_resolved()
         return {
             "version": self.version,
             "kind": "delta",
-            "changed": int(sum(len(r[3]) // r[4] for r in resolved)),
-            "changed_tensors": [r[0] for r in resolved if r[3]],
+            "changed": int(sum(p[1] for p in plan)),
+            "changed_tensors": [p[0] for p in plan if p[1]],
         }
 
     def _copy_anchor(self, params: Tensors) -> Dict[str, Any]:
@@ -455,8 +419,16 @@ class Update:
                                    f"version {self.version} has {dtype} {list(shape)}")
         import ctypes
 
+        # CUDA tensors: through the ring of pinned buffers.
+        to_device = [(word_view(name, params[name], 1), *self._native.tensor_address(name))
+                     for name, _d, _s in info
+                     if is_torch(params[name]) and params[name].device.type == "cuda"]
+        if to_device:
+            _device.upload(to_device, self._subscriber._staging)
         for name, dtype, shape in info:
             t = params[name]
+            if is_torch(t) and t.device.type == "cuda":
+                continue
             # The staged anchor's memory read in place (no copy on the host):
             # valid until this update is committed, which follows.
             at, n = self._native.tensor_address(name)
@@ -554,6 +526,8 @@ class Subscriber:
             listen, notify_key, advertise, id,
         )
         self.listening = listen is not None
+        # Host buffers of the device path, reused from version to version.
+        self._staging = _device.Staging()
 
     @property
     def version(self) -> Optional[int]:

@@ -251,25 +251,23 @@ class Follower:
         become sparse patches (values read back from the host copy, so
         already verified and written); the rest load whole."""
         import numpy as np
+        import torch
 
-        writes, resolved = update._stage_scatter(self.host)
-        report = update._write_staged(writes, resolved)
+        writes, plan = update._stage_scatter(self.host)
+        report = update._write_staged(writes, plan)
         report = update._applied_report(report, "scatter", self.host, started)
         patches: List[Patch] = []
         whole: List[str] = []
-        for name, pos, pos_width, new, word_bytes in resolved:
-            if not new:
+        for (name, n, _pw, word_bytes, _po, _wo), (_words, idx, _new) in zip(plan, writes):
+            if not n:
                 continue
             t = self.host[name]
             flat = t.reshape(-1)
             if not (t.is_floating_point() and t.element_size() == word_bytes):
                 whole.append(name)
                 continue
-            import torch
-
-            idx = torch.from_numpy(
-                np.frombuffer(pos, dtype=np.uint32 if pos_width == 4 else np.uint64)
-                .astype(np.int64))
+            if not torch.is_tensor(idx):
+                idx = torch.from_numpy(np.asarray(idx, dtype=np.int64))
             values = flat.index_select(0, idx)
             if bool(torch.isnan(values).any()):
                 whole.append(name)  # NaN marks "unchanged" in a sparse patch

@@ -37,8 +37,8 @@ use bytes::Bytes;
 use rayon::prelude::*;
 
 use crate::codec::{
-    ApplyReport, Context, Delta, InPlaceOptions, InPlaceReport, Positions, Prepared, Target,
-    apply_in_place_all_ctx, inspect, prepare_in_place_all_ctx,
+    ApplyReport, Changes, Context, Delta, InPlaceOptions, InPlaceReport, Positions, Prepared,
+    Target, apply_in_place_all_ctx, inspect, prepare_in_place_all_ctx,
 };
 use crate::digest::{Digest, tensor_digest_of};
 use crate::dtype::{Dtype, parse_dtype, word_bytes};
@@ -187,6 +187,9 @@ struct Replay {
     prepared: Option<PreparedFor>,
     /// `resolve` ran: the caller writes, the headers' digests are recorded.
     resolved: bool,
+    /// What `changes` decoded: each tensor and the digests it goes between
+    /// (`resolve_changes` takes only those).
+    decoded: Option<Vec<(String, Option<(Digest, Digest)>)>>,
 }
 
 /// Changes prepared on tensors: their memory and structure (the commit must
@@ -452,27 +455,48 @@ impl LentSink {
     /// returns its old words at the changed positions, which are checked
     /// against the delta's base (digests); only when every tensor passed are
     /// the writes returned. Nothing is written here; the caller scatters,
-    /// then commits with [`LentSink::written`].
+    /// then commits with [`LentSink::written`]. [`LentSink::changes`] and
+    /// [`LentSink::resolve_changes`] do the same in batches.
     pub fn resolve(&mut self, gather: &mut Gather<'_>) -> Result<Vec<Resolved>> {
+        let changes = self.changes()?;
+        let old = changes
+            .iter()
+            .map(|c| gather(&c.name, &c.positions, c.word_bytes()))
+            .collect::<Result<Vec<_>>>()?;
+        let mut new: Vec<Vec<u8>> = changes.iter().map(|c| vec![0; c.new_bytes()]).collect();
+        {
+            let old: Vec<&[u8]> = old.iter().map(|o| &o[..]).collect();
+            let mut out: Vec<&mut [u8]> = new.iter_mut().map(|n| &mut n[..]).collect();
+            self.resolve_changes(&changes, &old, &mut out)?;
+        }
+        Ok(changes
+            .into_iter()
+            .zip(new)
+            .map(|(c, new_words)| Resolved {
+                word_bytes: c.word_bytes(),
+                name: c.name,
+                positions: c.positions,
+                new_words,
+            })
+            .collect())
+    }
+
+    /// The device path in batches, first half: every changed tensor's
+    /// changes of the staged delta, decoded (tensors and blocks in
+    /// parallel) and checked against the held version's dtypes and shapes.
+    /// The caller gathers the old words at each one's positions wherever
+    /// the tensors live, then calls [`LentSink::resolve_changes`].
+    pub fn changes(&mut self) -> Result<Vec<Changes>> {
         let r = self.replay()?;
         let mut out = Vec::new();
         for (file, object) in &r.deltas {
             let delta = Delta::parse_ctx(object, self.held.contexts.get(file))?;
-            let names: Vec<(String, Dtype)> = delta
-                .header()
-                .tensors
-                .iter()
-                .map(|(n, e)| {
-                    let d = parse_dtype(&e.dtype).map_err(|_| {
-                        Error::metadata(format!("tensors.{n}.dtype"), "unknown dtype")
-                    })?;
-                    Ok((n.clone(), d))
-                })
-                .collect::<Result<_>>()?;
-            for (name, dt) in names {
-                if let Some((hd, hs, _)) = self.held.digests.get(&name) {
-                    let shape = &delta.header().tensors[&name].shape;
-                    let shape: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
+            for (name, e) in &delta.header().tensors {
+                let dt = parse_dtype(&e.dtype).map_err(|_| {
+                    Error::metadata(format!("tensors.{name}.dtype"), "unknown dtype")
+                })?;
+                if let Some((hd, hs, _)) = self.held.digests.get(name) {
+                    let shape: Vec<usize> = e.shape.iter().map(|&d| d as usize).collect();
                     if (*hd, hs) != (dt, &shape) {
                         return Err(Error::BaseMismatch(format!(
                             "tensor `{name}` is {hd} {hs:?} at version {:?}; the delta has {dt} \
@@ -481,24 +505,63 @@ impl LentSink {
                         )));
                     }
                 }
-                let wb = word_bytes(dt);
-                let positions = delta.changed_positions(&name)?;
-                let old = gather(&name, &positions, wb)?;
-                let new_words = delta
-                    .resolve(&name, &positions, &old)
-                    .map_err(base_mismatch)?;
-                out.push(Resolved {
-                    name,
-                    positions,
-                    new_words,
-                    word_bytes: wb,
-                });
             }
+            let names: Vec<&String> = delta.header().tensors.keys().collect();
+            let decoded = names
+                .into_par_iter()
+                .map(|n| delta.changes(n))
+                .collect::<Result<Vec<_>>>()?;
+            out.extend(decoded);
         }
+        if let Some(Work::Replay(r)) = &mut self.work {
+            r.decoded = Some(out.iter().map(|c| (c.name.clone(), c.digests())).collect());
+        }
+        Ok(out)
+    }
+
+    /// The device path in batches, second half: `old[k]` holds the old words
+    /// at `changes[k]`'s positions (as [`LentSink::changes`] returned them);
+    /// writes the new words into `new[k]` after checking every tensor
+    /// against the delta's base (in parallel). Only when all passed may the
+    /// caller scatter `new`, then commit with [`LentSink::written`].
+    pub fn resolve_changes(
+        &mut self,
+        changes: &[Changes],
+        old: &[&[u8]],
+        new: &mut [&mut [u8]],
+    ) -> Result<()> {
+        let decoded = self.replay()?.decoded.as_deref().unwrap_or_default();
+        let given: Vec<(String, Option<(Digest, Digest)>)> = changes
+            .iter()
+            .map(|c| (c.name.clone(), c.digests()))
+            .collect();
+        if given != decoded {
+            return Err(Error::BadRequest(
+                "these changes are not the staged delta's: pass what changes() returned for this \
+                 update"
+                    .into(),
+            ));
+        }
+        if changes.len() != old.len() || changes.len() != new.len() {
+            return Err(Error::BadRequest(format!(
+                "{} tensors of changes, {} of old words, {} of new words: give one of each per \
+                 tensor",
+                changes.len(),
+                old.len(),
+                new.len()
+            )));
+        }
+        changes
+            .par_iter()
+            .zip(old.par_iter())
+            .zip(new.par_iter_mut())
+            .map(|((c, o), n)| c.resolve(o, n))
+            .collect::<Result<Vec<()>>>()
+            .map_err(base_mismatch)?;
         if let Some(Work::Replay(r)) = &mut self.work {
             r.resolved = true;
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Checks every tensor given against the digest recorded for the held
@@ -963,6 +1026,28 @@ impl Subscriber<LentSink> {
     /// next update an anchor.
     pub fn resolve(&mut self, gather: &mut Gather<'_>) -> Result<Vec<Resolved>> {
         let r = self.sink.resolve(gather);
+        if r.as_ref()
+            .is_err_and(|e| e.kind() == crate::error::ErrorKind::Corrupt)
+        {
+            self.distrust_held();
+        }
+        r
+    }
+
+    /// [`LentSink::changes`].
+    pub fn changes(&mut self) -> Result<Vec<Changes>> {
+        self.sink.changes()
+    }
+
+    /// [`LentSink::resolve_changes`]; old values that fail verification make
+    /// the next update an anchor.
+    pub fn resolve_changes(
+        &mut self,
+        changes: &[Changes],
+        old: &[&[u8]],
+        new: &mut [&mut [u8]],
+    ) -> Result<()> {
+        let r = self.sink.resolve_changes(changes, old, new);
         if r.as_ref()
             .is_err_and(|e| e.kind() == crate::error::ErrorKind::Corrupt)
         {

@@ -32,9 +32,10 @@ pub use anchor::{
     materialize_anchor, read_anchor, write_anchor, write_anchor_compressed, write_anchor_planes,
 };
 pub use apply::{
-    ApplyReport, Delta, InPlaceOptions, InPlaceReport, Positions, Prepared, Target, TensorChange,
-    apply_delta, apply_delta_ctx, apply_in_place, apply_in_place_all, apply_in_place_all_ctx,
-    apply_in_place_with, carried_metadata, prepare_in_place_all, prepare_in_place_all_ctx,
+    ApplyReport, Changes, Delta, InPlaceOptions, InPlaceReport, Positions, Prepared, Target,
+    TensorChange, apply_delta, apply_delta_ctx, apply_in_place, apply_in_place_all,
+    apply_in_place_all_ctx, apply_in_place_with, carried_metadata, prepare_in_place_all,
+    prepare_in_place_all_ctx,
 };
 pub use compact::vector;
 pub use compact::{Context, ContextId, TensorContext};

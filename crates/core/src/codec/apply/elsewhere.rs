@@ -1,11 +1,15 @@
 //! Tensors that live elsewhere: positions out, old words in, new words out.
 
 use super::trl::TrlRun;
-use super::work::{check_change, count_error};
+use rayon::prelude::*;
+
+use super::work::{check_expect, count_error};
 use crate::codec::compact::{self, Block, Context, TensorContext, Value};
-use crate::codec::parse::{Job, Local, Payload, open, weightcast_jobs};
-use crate::digest::{ChangeBatch, LANES, TensorSeed};
-use crate::dtype::{Dtype, byte_len, key_kind, parse_dtype, read_word, word_bytes};
+use crate::codec::parse::{Expect, Job, Local, Payload, open, weightcast_jobs};
+use crate::digest::{ChangeBatch, Digest, LANES, TensorSeed};
+use crate::dtype::{
+    Dtype, KeyKind, byte_len, key_kind, load, parse_dtype, read_word, store, word_bytes,
+};
 use crate::error::{Error, Result};
 use crate::format::Header;
 
@@ -32,14 +36,6 @@ pub enum Positions {
 }
 
 impl Positions {
-    fn new(words: usize, v: Vec<u64>) -> Positions {
-        if words as u64 <= 1 << 32 {
-            Positions::U32(v.into_iter().map(|i| i as u32).collect())
-        } else {
-            Positions::U64(v)
-        }
-    }
-
     /// Number of positions.
     pub fn len(&self) -> usize {
         match self {
@@ -59,6 +55,205 @@ impl Positions {
             Positions::U32(v) => v.get(j).map(|&i| i as u64),
             Positions::U64(v) => v.get(j).copied(),
         }
+    }
+}
+
+/// Entries per part of a TRL payload's changes (resolved in parallel).
+const TRL_PART: usize = 1 << 16;
+
+/// A tensor's changes as [`Delta::changes`] decoded them: where they are
+/// ([`Changes::positions`], to gather the old words wherever the tensor
+/// lives) and how each new word follows from its old one.
+#[derive(Debug)]
+pub struct Changes {
+    /// The tensor.
+    pub name: String,
+    /// Its dtype.
+    pub dtype: Dtype,
+    /// Changed word indices, ascending.
+    pub positions: Positions,
+    /// The changes by block (TRL: by stretch), in order.
+    parts: Vec<Part>,
+    seed: TensorSeed,
+    expect: Option<Expect>,
+}
+
+/// One block's (or stretch's) decoded changes.
+#[derive(Debug)]
+struct Part {
+    /// Positions, until they are moved into [`Changes::positions`].
+    pos: Vec<u64>,
+    /// Steps of the key, or new words (`raw`).
+    values: Vec<u64>,
+    raw: bool,
+    /// A raw word equal to the old one is refused (compact blocks list
+    /// changed words only).
+    must_change: bool,
+}
+
+impl Part {
+    fn new(pos: Vec<u64>, values: Vec<u64>, raw: bool, must_change: bool) -> Part {
+        Part {
+            pos,
+            values,
+            raw,
+            must_change,
+        }
+    }
+}
+
+/// The parts' positions as one array (each part's moved out), converted to
+/// `u32` in parallel when the tensor is narrow enough.
+fn concat_positions(parts: &mut [Part], narrow: bool, n: usize) -> Positions {
+    fn fill<T: Send + Copy + Default>(
+        parts: &mut [Part],
+        n: usize,
+        conv: impl Fn(u64) -> T + Sync,
+    ) -> Vec<T> {
+        let mut out = vec![T::default(); n];
+        let mut rest = &mut out[..];
+        let mut pieces = Vec::with_capacity(parts.len());
+        for p in parts.iter_mut() {
+            let (head, tail) = rest.split_at_mut(p.pos.len());
+            pieces.push((head, std::mem::take(&mut p.pos)));
+            rest = tail;
+        }
+        pieces.into_par_iter().for_each(|(dst, src)| {
+            for (d, s) in dst.iter_mut().zip(src) {
+                *d = conv(s);
+            }
+        });
+        out
+    }
+    if narrow {
+        Positions::U32(fill(parts, n, |i| i as u32))
+    } else {
+        Positions::U64(fill(parts, n, |i| i))
+    }
+}
+
+fn positions_differ(tensor: &str, j: usize) -> Error {
+    Error::tensor(
+        tensor,
+        format!(
+            "the positions differ from the delta's at entry {j}: pass what changed_positions \
+             returned"
+        ),
+    )
+}
+
+impl Changes {
+    /// Number of changes.
+    pub fn len(&self) -> usize {
+        self.positions.len()
+    }
+
+    /// Whether there is none.
+    pub fn is_empty(&self) -> bool {
+        self.positions.is_empty()
+    }
+
+    /// The tensor's digests before and after the delta (from its header).
+    pub fn digests(&self) -> Option<(Digest, Digest)> {
+        self.expect.map(|x| (x.base, x.digest))
+    }
+
+    /// Bytes per word.
+    pub fn word_bytes(&self) -> usize {
+        word_bytes(self.dtype)
+    }
+
+    /// Bytes of the old (and of the new) words: `len × word_bytes`.
+    pub fn new_bytes(&self) -> usize {
+        self.len() * self.word_bytes()
+    }
+
+    /// Bytes held: positions, decoded values.
+    pub fn held_bytes(&self) -> usize {
+        let pw = match self.positions {
+            Positions::U32(_) => 4,
+            Positions::U64(_) => 8,
+        };
+        self.len() * (pw + 8)
+    }
+
+    /// Writes into `new` the new word of every change given the old words
+    /// at [`Changes::positions`] (`old`: `word_bytes` each, little-endian,
+    /// in position order), in parallel. Verifies as
+    /// [`apply_in_place`](crate::codec::apply_in_place) does before anyone
+    /// writes the tensor: the sum of the digest changes must equal `digest −
+    /// base_digest` ([`Error::WrongBase`] otherwise), so every old word must
+    /// be the base's. `new` holds partial results on error.
+    pub fn resolve(&self, old: &[u8], new: &mut [u8]) -> Result<()> {
+        let (wb, n) = (self.word_bytes(), self.len());
+        for (what, len) in [("old", old.len()), ("new", new.len())] {
+            if len != n * wb {
+                return Err(Error::tensor(
+                    &self.name,
+                    format!(
+                        "{len} bytes of {what} values; {n} positions of {wb}-byte words need {}",
+                        n * wb
+                    ),
+                ));
+            }
+        }
+        let kind = key_kind(self.dtype);
+        // Each part's slices of the old and new words, and its first entry.
+        let mut pieces = Vec::with_capacity(self.parts.len());
+        let (mut o, mut w, mut first) = (old, &mut new[..], 0usize);
+        for p in &self.parts {
+            let k = p.values.len() * wb;
+            let (oh, ot) = o.split_at(k);
+            let (wh, wt) = std::mem::take(&mut w).split_at_mut(k);
+            pieces.push((p, oh, wh, first));
+            (o, w, first) = (ot, wt, first + p.values.len());
+        }
+        let sums: Vec<u64> = pieces
+            .into_par_iter()
+            .map(|(p, old, new, first)| {
+                crate::with_word_width!(wb, W => self.resolve_part::<W>(p, kind, old, new, first))
+            })
+            .collect::<Result<_>>()?;
+        let dig = sums.into_iter().fold(0u64, u64::wrapping_add);
+        check_expect(&self.name, self.expect, n as u64, dig)
+    }
+
+    fn resolve_part<const W: usize>(
+        &self,
+        p: &Part,
+        kind: KeyKind,
+        old: &[u8],
+        new: &mut [u8],
+        first: usize,
+    ) -> Result<u64> {
+        let (mut dig, mut batch) = (0u64, ChangeBatch::default());
+        for (k, &v) in p.values.iter().enumerate() {
+            let j = first + k;
+            let i = match &self.positions {
+                Positions::U32(v) => v[j] as u64,
+                Positions::U64(v) => v[j],
+            };
+            let a = load::<W>(old, k);
+            let b = if p.raw {
+                v
+            } else {
+                Value::Step(v).resolve(kind, W, a)
+            };
+            if p.raw && p.must_change && a == b {
+                return Err(Error::tensor(
+                    &self.name,
+                    format!("lists element {i} as changed but it is not"),
+                ));
+            }
+            store::<W>(new, k, b);
+            let lane = k % LANES;
+            (batch.index[lane], batch.old[lane], batch.new[lane]) = (i, a, b);
+            if lane == LANES - 1 {
+                dig = dig.wrapping_add(self.seed.change_sum(&batch));
+                batch = ChangeBatch::default();
+            }
+        }
+        Ok(dig.wrapping_add(self.seed.change_sum(&batch)))
     }
 }
 
@@ -188,15 +383,94 @@ impl<'a> Delta<'a> {
         Ok((dtype, words))
     }
 
+    /// Every change of `tensor`, decoded once (blocks in parallel) and
+    /// checked as an apply checks the payload: the positions to gather
+    /// wherever the tensor lives, and what [`Changes::resolve`] needs to
+    /// turn the old words there into the new ones.
+    pub fn changes(&self, tensor: &str) -> Result<Changes> {
+        let (job, dtype, words) = self.find(tensor)?;
+        let wb = word_bytes(dtype);
+        let narrow = words as u64 <= 1 << 32;
+        let mut parts: Vec<Part> = match &job.payload {
+            Payload::Trl { indices, values } => {
+                let run = TrlRun {
+                    name: tensor,
+                    indices: *indices,
+                    values,
+                    seed: TensorSeed(0),
+                };
+                crate::with_word_width!(wb, W => run.check_len::<W>())?;
+                let mut pos = Vec::with_capacity(indices.len());
+                run.positions(words, |_, i| pos.push(i as u64))?;
+                let values: Vec<u64> = (0..pos.len()).map(|j| read_word(values, wb, j)).collect();
+                // One part per stretch of entries, so resolving runs in parallel.
+                pos.chunks(TRL_PART)
+                    .zip(values.chunks(TRL_PART))
+                    .map(|(p, v)| Part::new(p.to_vec(), v.to_vec(), true, false))
+                    .collect()
+            }
+            Payload::Compact {
+                block_words,
+                blocks,
+                streams,
+                context,
+            } => {
+                let chunk = (*block_words).min(words as u64);
+                (0..blocks.len())
+                    .into_par_iter()
+                    .map(|b| -> Result<Part> {
+                        let (entry, first) = (&blocks[b], b as u64 * chunk);
+                        let block = Block {
+                            tensor,
+                            index: b,
+                            entry,
+                            stream: streams[b],
+                            wb,
+                            words: chunk.min(words as u64 - first),
+                            context: context.map(|c| c.block(b)),
+                        };
+                        let cap = usize::try_from(entry.changes)
+                            .unwrap_or(0)
+                            .min(block.words as usize);
+                        let (mut pos, mut vals) =
+                            (Vec::with_capacity(cap), Vec::with_capacity(cap));
+                        let mut raw = false;
+                        compact::decode_block(&block, None, |i, v| {
+                            pos.push(first + i);
+                            vals.push(match v {
+                                Value::Raw(w) => {
+                                    raw = true;
+                                    w
+                                }
+                                Value::Step(s) => s,
+                            });
+                            Ok(())
+                        })?;
+                        Ok(Part::new(pos, vals, raw, true))
+                    })
+                    .collect::<Result<_>>()?
+            }
+        };
+        let n: usize = parts.iter().map(|p| p.values.len()).sum();
+        let expect = job.expect.expect("weightcast jobs carry digests");
+        if n as u64 != expect.changed {
+            return Err(count_error(tensor, expect.changed, n as u64));
+        }
+        let positions = concat_positions(&mut parts, narrow, n);
+        Ok(Changes {
+            name: tensor.to_string(),
+            dtype,
+            positions,
+            parts,
+            seed: TensorSeed::new(tensor, dtype, &self.shape_of(tensor)),
+            expect: job.expect,
+        })
+    }
+
     /// The word indices `tensor`'s delta changes, ascending (the payload is
     /// decoded and checked as an apply checks it).
     pub fn changed_positions(&self, tensor: &str) -> Result<Positions> {
-        let mut out = Vec::new();
-        let (_, words) = self.entries(tensor, |i, _| {
-            out.push(i);
-            Ok(())
-        })?;
-        Ok(Positions::new(words, out))
+        Ok(self.changes(tensor)?.positions)
     }
 
     /// The new words of `tensor` at `positions` (what
@@ -206,66 +480,23 @@ impl<'a> Delta<'a> {
     /// [`apply_in_place`](crate::codec::apply_in_place) does: the sum of the
     /// digest changes must equal `digest − base_digest` ([`Error::WrongBase`]
     /// otherwise), so every old word must be the base's.
+    /// [`Delta::changes`] and [`Changes::resolve`] do the same in one decode.
     pub fn resolve(
         &self,
         tensor: &str,
         positions: &Positions,
         old_values: &[u8],
     ) -> Result<Vec<u8>> {
-        let (job, dtype, _) = self.find(tensor)?;
-        let (wb, kind) = (word_bytes(dtype), key_kind(dtype));
-        let n = positions.len();
-        if old_values.len() != n * wb {
-            return Err(Error::tensor(
-                tensor,
-                format!(
-                    "{} bytes of old values; {n} positions of {wb}-byte words need {}",
-                    old_values.len(),
-                    n * wb
-                ),
-            ));
+        let changes = self.changes(tensor)?;
+        let n = positions.len().min(changes.positions.len());
+        if let Some(j) = (0..n).find(|&j| positions.get(j) != changes.positions.get(j)) {
+            return Err(positions_differ(tensor, j));
         }
-        let seed = TensorSeed::new(tensor, dtype, &self.shape_of(tensor));
-        let mismatch = |j: usize| {
-            Error::tensor(
-                tensor,
-                format!(
-                    "the positions differ from the delta's at entry {j}: pass what \
-                     changed_positions returned"
-                ),
-            )
-        };
-        let mut news = Vec::with_capacity(n * wb);
-        let (mut j, mut dig) = (0usize, 0u64);
-        let mut batch = ChangeBatch::default();
-        let raw_blocks = matches!(&job.payload, Payload::Compact { .. });
-        self.entries(tensor, |i, v| {
-            if positions.get(j) != Some(i) {
-                return Err(mismatch(j));
-            }
-            let old = read_word(old_values, wb, j);
-            let new = v.resolve(kind, wb, old);
-            if raw_blocks && matches!(v, Value::Raw(_)) && new == old {
-                return Err(Error::tensor(
-                    tensor,
-                    format!("lists element {i} as changed but it is not"),
-                ));
-            }
-            news.extend_from_slice(&new.to_le_bytes()[..wb]);
-            let lane = j % LANES;
-            (batch.index[lane], batch.old[lane], batch.new[lane]) = (i, old, new);
-            if lane == LANES - 1 {
-                dig = dig.wrapping_add(seed.change_sum(&batch));
-                batch = ChangeBatch::default();
-            }
-            j += 1;
-            Ok(())
-        })?;
-        if j != n {
-            return Err(mismatch(j));
+        if positions.len() != changes.positions.len() {
+            return Err(positions_differ(tensor, n));
         }
-        dig = dig.wrapping_add(seed.change_sum(&batch));
-        check_change(job, n as u64, dig)?;
+        let mut news = vec![0u8; changes.new_bytes()];
+        changes.resolve(old_values, &mut news)?;
         Ok(news)
     }
 
@@ -329,10 +560,11 @@ mod tests {
 
     #[test]
     fn positions_pick_their_width() {
-        let p = Positions::new(10, vec![1, 5]);
+        let part = |pos: Vec<u64>| Part::new(pos.clone(), vec![0; pos.len()], false, true);
+        let p = concat_positions(&mut [part(vec![1]), part(vec![]), part(vec![5])], true, 2);
         assert_eq!(p, Positions::U32(vec![1, 5]));
         assert_eq!((p.len(), p.get(1), p.get(2)), (2, Some(5), None));
-        let big = Positions::new((1 << 32) + 1, vec![1 << 32]);
+        let big = concat_positions(&mut [part(vec![1 << 32])], false, 1);
         assert_eq!(big.get(0), Some(1 << 32));
         assert!(Positions::U64(vec![]).is_empty());
     }

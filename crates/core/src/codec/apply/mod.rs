@@ -32,7 +32,7 @@ mod one_pass;
 mod trl;
 mod work;
 
-pub use elsewhere::{Delta, Positions};
+pub use elsewhere::{Changes, Delta, Positions};
 pub use in_place::{
     InPlaceOptions, InPlaceReport, Prepared, Target, TensorChange, apply_in_place,
     apply_in_place_all, apply_in_place_all_ctx, apply_in_place_with, prepare_in_place_all,

@@ -6,7 +6,7 @@ use rayon::prelude::*;
 
 use super::trl::TrlRun;
 use crate::codec::compact::{Block, Ctx};
-use crate::codec::parse::{Job, Payload};
+use crate::codec::parse::{Expect, Job, Payload};
 use crate::codec::trl::Indices;
 use crate::digest::{Digest, TensorSeed};
 use crate::dtype::{Dtype, key_kind, word_bytes};
@@ -145,16 +145,26 @@ pub(super) fn count_error(name: &str, want: u64, got: u64) -> Error {
 /// the digest those words imply (the base's, corrected by what they
 /// contributed instead).
 pub(super) fn check_change(job: &Job<'_>, changed: u64, dig: u64) -> Result<()> {
-    let Some(x) = job.expect else {
+    check_expect(&job.name, job.expect, changed, dig)
+}
+
+/// [`check_change`] for a tensor `name` whose header said `expect`.
+pub(super) fn check_expect(
+    name: &str,
+    expect: Option<Expect>,
+    changed: u64,
+    dig: u64,
+) -> Result<()> {
+    let Some(x) = expect else {
         return Ok(());
     };
     if changed != x.changed {
-        return Err(count_error(&job.name, x.changed, changed));
+        return Err(count_error(name, x.changed, changed));
     }
     let want = x.digest.wrapping_sub(x.base).0;
     if dig != want {
         return Err(Error::WrongBase {
-            scope: format!("tensor {} (at the positions the delta changes)", job.name),
+            scope: format!("tensor {name} (at the positions the delta changes)"),
             expected: x.base.to_string(),
             actual: x
                 .base
