@@ -104,7 +104,8 @@ def run(a: argparse.Namespace, root: str, store: str) -> None:
     engine = {k: torch.empty_like(v, device=dev) for k, v in trainer.items()}
     via = a.via
     url = f"file://{store}/bucket"
-    pub = weightcast.Publisher(url, state_dir=f"{store}/state", anchor_encoding="raw")
+    pub = weightcast.Publisher(url, state_dir=f"{store}/state", anchor_encoding="raw",
+                               anchor_every=10**6)
     t = time.perf_counter()
     pub.publish(trainer, step=0)
     publish_anchor_s = time.perf_counter() - t
@@ -234,8 +235,12 @@ def run(a: argparse.Namespace, root: str, store: str) -> None:
     u.save_to(out_dir)
     steady_s = time.perf_counter() - t
     steady_written = write_bytes() - w0
-    device_publish = publish_from_device(a, pub, trainer, dev, sync, first + a.repeats) \
-        if dev.type == "cuda" or a.publish_from_device else {}
+    device_publish = {}
+    if dev.type == "cuda" or a.publish_from_device:
+        try:
+            device_publish = publish_from_device(a, pub, trainer, dev, sync, first + a.repeats)
+        except Exception as e:  # the engine side's figures still print
+            device_publish = {"publish_from_device_error": repr(e)}
     inplace_all = [inplace_s] + more
     ip, rl = statistics.median(inplace_all), statistics.median(reload)
     print(json.dumps({

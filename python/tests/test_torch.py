@@ -32,7 +32,7 @@ def train(torch, model, steps, lr=1e-5):
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        x = torch.randint(0, 512, (8, 16), generator=g)
+        x = torch.randint(0, 512, (8, 16), generator=g).to(next(model.parameters()).device)
         logits = model(x).float()
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 512), x.reshape(-1))
         opt.zero_grad()

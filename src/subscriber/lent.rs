@@ -190,6 +190,8 @@ struct Replay {
     /// What `changes` decoded: each tensor and the digests it goes between
     /// (`resolve_changes` takes only those).
     decoded: Option<Vec<(String, Option<(Digest, Digest)>)>>,
+    /// The contexts the version makes, computed when it resolved.
+    next_contexts: Option<Vec<Option<Context>>>,
 }
 
 /// Changes prepared on tensors: their memory and structure (the commit must
@@ -558,10 +560,21 @@ impl LentSink {
             .map(|((c, o), n)| c.resolve(o, n))
             .collect::<Result<Vec<()>>>()
             .map_err(base_mismatch)?;
+        let next = self.next_contexts(&self.replay()?.deltas)?;
         if let Some(Work::Replay(r)) = &mut self.work {
             r.resolved = true;
+            r.next_contexts = Some(next);
         }
         Ok(())
+    }
+
+    /// The `compact2` contexts the staged deltas make for the next version,
+    /// decoded from the objects (`None` per file for other encodings).
+    fn next_contexts(&self, deltas: &[(String, Bytes)]) -> Result<Vec<Option<Context>>> {
+        deltas
+            .iter()
+            .map(|(file, d)| Context::of_delta(d, self.held.contexts.get(file)))
+            .collect()
     }
 
     /// Checks every tensor given against the digest recorded for the held
@@ -656,12 +669,12 @@ impl LentSink {
                     }
                 }
                 report.changed_tensors = changes.iter().map(|c| c.0.clone()).collect();
-                // The contexts the version makes: its deltas decoded again
-                // (the caller wrote the changes).
-                let mut next = Vec::with_capacity(r.deltas.len());
-                for (file, d) in &r.deltas {
-                    next.push(Context::of_delta(d, self.held.contexts.get(file))?);
-                }
+                // The contexts the version makes (the caller wrote the
+                // changes): made when it resolved, before the pause.
+                let next = match r.next_contexts.take() {
+                    Some(next) => next,
+                    None => self.next_contexts(&r.deltas)?,
+                };
                 self.held.set_contexts(&r.deltas, next);
                 self.advance(r.version, &changes);
                 for (n, m) in memory {

@@ -518,6 +518,13 @@ impl Context {
     /// that are not `compact2` (the next delta is then made without
     /// context).
     pub fn of_delta(delta: &[u8], context: Option<&Context>) -> Result<Option<Context>> {
+        // Other encodings make no context: known from the header alone,
+        // without hashing or decoding the payload.
+        if let (_, Some(h)) = crate::codec::inspect(delta)?
+            && h.encoding != crate::format::Encoding::Compact2
+        {
+            return Ok(None);
+        }
         let d = Delta::parse_ctx(delta, context)?;
         let h = d.header();
         if h.encoding != crate::format::Encoding::Compact2 {
