@@ -4,7 +4,8 @@ anchor, against reloading through the engine's own loader, in the same run.
 
     python examples/python/bench_tp.py --world 2 --params 2e8 --density 0.015
 
-``--world`` worker processes (``torch.distributed`` with gloo, CPU tensors)
+``--world`` worker processes (``torch.distributed`` with gloo; the engine's
+tensors on the CPU, or with ``--device cuda`` on the GPU, every rank sharing it)
 hold a Llama-like model with an MoE layer in vLLM's layout
 (``python/tests/vllm_standin.py``: fused ``qkv_proj``/``gate_up_proj``,
 column and row shards, padded vocabulary shards, stacked experts) and
@@ -60,7 +61,13 @@ def worker(rank, a, url, state, root, init, out):
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // a.world))
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=a.world)
     c, n = config(a.params)
-    engine = Engine(c, a.world, rank)
+    engine = Engine(c, a.world, rank).to(a.device)
+    dev = torch.device(a.device)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
     params = dict(engine.named_parameters())
     f = TensorParallelFollower(url if rank == 0 else None, params, engine.load_weights, root=root)
     g = torch.Generator().manual_seed(0)
@@ -95,6 +102,7 @@ def worker(rank, a, url, state, root, init, out):
         weights = ((k, torch.from_numpy(arrays[k].view("int16")).view(getattr(torch, inv[d]))
                     .view(*s)) for k, (d, s, _) in host.index().items())
         engine.load_weights(weights)
+        sync()
         reload_s = time.perf_counter() - t
         del arrays
         times = [None] * a.world
@@ -106,7 +114,7 @@ def worker(rank, a, url, state, root, init, out):
         med = lambda i: statistics.median(max(x[i] for x in t) for t in deltas)  # noqa: E731
         anchor = rows[0][1]
         report = {
-            "world": a.world, "params": n, "model_bytes": 2 * n, "density": a.density,
+            "world": a.world, "device": a.device, "params": n, "model_bytes": 2 * n, "density": a.density,
             "versions": a.versions, "cpu_count": os.cpu_count(), "loadavg": os.getloadavg(),
             "anchor_step_s": round(max(x[0] for x in anchor), 4),
             "anchor_reload_s": round(max(x[3] for x in anchor), 4),
@@ -133,6 +141,7 @@ def main() -> None:
     ap.add_argument("--params", type=float, default=2e8)
     ap.add_argument("--density", type=float, default=0.015)
     ap.add_argument("--versions", type=int, default=3)
+    ap.add_argument("--device", default="cpu", help="where the engine's tensors live (cpu, cuda)")
     a = ap.parse_args()
     import torch.multiprocessing as mp
 

@@ -340,6 +340,9 @@ class RankFollower:
             raise Corrupt(f"the hand-off of version {h.version} in {vdir} is missing or not the "
                           "node's (removed or changed under the follower); the node rebuilds it")
         staged = []
+        # Old words checked on the device without a synchronization per
+        # parameter: one flag each, read once at the end.
+        checks: List[Tuple[str, str, Any, Any, Any]] = []
         for cname, e in meta["tensors"].items():
             if cname not in self.mapping.tensors:
                 continue
@@ -353,15 +356,19 @@ class RankFollower:
                 sel = idx.numpy()
                 want_old = torch.from_numpy(old[sel].view(_signed(wb))).to(words.device)
                 ppos = ppos.to(words.device)
-                have = words.index_select(0, ppos)
-                if not torch.equal(have.view(want_old.dtype), want_old):
-                    bad = int(ppos[(have.view(want_old.dtype) != want_old).nonzero()[0]])
+                have = words.index_select(0, ppos).view(want_old.dtype)
+                checks.append((pname, cname, ppos, have, want_old))
+                vals = torch.from_numpy(new[sel].view(_signed(wb))).to(words.device)
+                staged.append((words, ppos, vals.view(words.dtype)))
+        differ = [(have != want).any() for _p, _c, _pos, have, want in checks]
+        if differ and bool(torch.stack([d.cpu() for d in differ]).any()):
+            for (pname, cname, ppos, have, want), d in zip(checks, differ):
+                if bool(d):
+                    bad = int(ppos[(have != want).nonzero()[0]])
                     raise BaseMismatch(
                         f"parameter `{pname}` (from `{cname}`) does not hold version {h.base} at "
                         f"element {bad}: nothing written"
                     )
-                vals = torch.from_numpy(new[sel].view(_signed(wb))).to(words.device)
-                staged.append((words, ppos, vals.view(words.dtype)))
         return staged
 
     def commit(self) -> int:
@@ -374,6 +381,7 @@ class RankFollower:
             self._load()
         for words, pos, vals in staged:
             words.index_copy_(0, pos, vals)
+        _synchronize(self.params.values())
         self.commit_seconds = time.perf_counter() - started
         self._staged = None
         self.version = h.version
@@ -381,6 +389,14 @@ class RankFollower:
 
     def abort(self) -> None:
         self._staged = None
+
+
+def _synchronize(tensors: Any) -> None:
+    """Waits for the writes on each CUDA device among ``tensors`` (the
+    version is committed when they are done)."""
+    torch = _torch()
+    for dev in {t.device for t in tensors if t.device.type == "cuda"}:
+        torch.cuda.synchronize(dev)
 
 
 def _signed(wb: int) -> Any:
