@@ -151,6 +151,44 @@ def test_prepare_then_commit_is_bit_identical_and_prepare_writes_nothing(bucket,
     assert same(mine, w) and sub.version == a.version
 
 
+def test_the_device_calls_refuse_misuse_and_write_nothing(bucket):
+    """The batched device path's native calls: in order, on buffers that fit
+    and do not overlap, for the update staged; a refused call writes none of
+    the tensors and the update still applies."""
+    pub, sub, w, rng, mine = following(bucket, 4, via="scatter")
+    train_step(w, rng)
+    pub.publish(w, step=2)
+    u = sub.poll()
+    n = u._native
+    before = {k: as_bytes(_arr(v)) for k, v in mine.items()}
+    with pytest.raises(weightcast.BadRequest, match="device_changes first"):
+        n.device_positions(0, 0)
+    plan, pos_bytes, word_bytes = n.device_changes()
+    assert plan and all(off % 8 == 0 for p in plan for off in p[4:])
+    assert sum(p[1] for p in plan) > 0 and word_bytes >= sum(p[1] * p[3] for p in plan)
+    small = np.empty(max(0, pos_bytes - 8), dtype=np.uint8)
+    with pytest.raises(weightcast.BadRequest, match="positions buffer"):
+        n.device_positions(small.__array_interface__["data"][0], small.nbytes)
+    buf = np.zeros(2 * word_bytes, dtype=np.uint8)
+    at = buf.__array_interface__["data"][0]
+    with pytest.raises(weightcast.BadRequest, match="overlap"):
+        n.device_resolve((at, word_bytes), (at + 8, word_bytes))
+    with pytest.raises(weightcast.BadRequest, match="word buffers"):
+        n.device_resolve((at, word_bytes - 8), (at + word_bytes, word_bytes))
+    # Old words of zeros are not the base: refused, and the commit that
+    # would record the version refuses too (nothing was resolved).
+    with pytest.raises(weightcast.BaseMismatch):
+        n.device_resolve((at, word_bytes), (at + word_bytes, word_bytes))
+    with pytest.raises(weightcast.BadRequest, match="not resolved"):
+        n.commit_resolved()
+    assert {k: as_bytes(_arr(v)) for k, v in mine.items()} == before
+    assert sub.version == 0
+    # The version still arrives (applied whole, or as the repair's anchor).
+    v = sub.poll() or u
+    v.apply_to(mine, via="scatter")
+    assert same(mine, w) and sub.version == 1
+
+
 def test_commit_needs_the_prepared_tensors(bucket):
     pub, sub, w, rng, mine = following(bucket, 5)
     train_step(w, rng)

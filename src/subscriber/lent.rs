@@ -172,6 +172,9 @@ impl Held {
     }
 }
 
+/// A tensor whose changes were decoded, and the digests it goes between.
+type Decoded = (String, Option<(Digest, Digest)>);
+
 /// A delta version staged for the caller's tensors.
 #[derive(Debug, Default)]
 struct Replay {
@@ -189,7 +192,7 @@ struct Replay {
     resolved: bool,
     /// What `changes` decoded: each tensor and the digests it goes between
     /// (`resolve_changes` takes only those).
-    decoded: Option<Vec<(String, Option<(Digest, Digest)>)>>,
+    decoded: Option<Vec<Decoded>>,
     /// The contexts the version makes, computed when it resolved.
     next_contexts: Option<Vec<Option<Context>>>,
 }

@@ -360,3 +360,82 @@ fn a_delta_carries_the_new_versions_metadata_to_the_applied_state() {
     assert!(carried_metadata(r#"{"step": 2}"#).is_err());
     assert!(carried_metadata("[]").is_err());
 }
+
+/// The device form in batches: changes decoded in parallel parts (two
+/// compact blocks; TRL stretches of `TRL_PART` entries) come back in order,
+/// resolve to the new words, and refuse a wrong base, a wrong length, and a
+/// raw word that does not change.
+#[test]
+fn changes_span_blocks_and_stretches_and_resolve_in_parts() {
+    use crate::codec::{DeltaOptions, encode_delta};
+    use crate::dtype::Dtype;
+    let words = (crate::codec::compact::BLOCK_WORDS + (1 << 20)) as usize;
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let v0: Vec<u8> = (0..words)
+        .flat_map(|_| ((next() as u16 & 0x3fff) | 0x3c00).to_le_bytes())
+        .collect();
+    let mut v1 = v0.clone();
+    let changed: Vec<usize> = (0..words).filter(|i| i % 37 == 5).collect();
+    for &i in &changed {
+        let w = u16::from_le_bytes([v1[2 * i], v1[2 * i + 1]]);
+        // Mostly one ulp; now and then a far jump (raw-coded where cheaper).
+        let n = if i % 7 == 0 { w ^ 0x00f0 } else { w + 1 };
+        v1[2 * i..2 * i + 2].copy_from_slice(&n.to_le_bytes());
+    }
+    let set = |d: &[u8]| {
+        TensorSet::from_tensors([("w".to_string(), Dtype::BF16, vec![words], d.to_vec())]).unwrap()
+    };
+    let base = set(&v0);
+    for encoding in [Encoding::Compact, Encoding::Trl] {
+        let mut new = set(&v1);
+        let (bytes, _) = encode_delta(&base, &mut new, &DeltaOptions::new(encoding, 1, 0)).unwrap();
+        let d = Delta::parse(&bytes).unwrap();
+        let c = d.changes("w").unwrap();
+        assert_eq!(c.len(), changed.len(), "{encoding:?}");
+        assert!(c.held_bytes() >= c.len() * 12);
+        assert!(c.digests().is_some());
+        let pos: Vec<usize> = (0..c.len())
+            .map(|j| c.positions.get(j).unwrap() as usize)
+            .collect();
+        assert_eq!(
+            pos, changed,
+            "{encoding:?}: positions in order across parts"
+        );
+        let old: Vec<u8> = pos
+            .iter()
+            .flat_map(|&p| [v0[2 * p], v0[2 * p + 1]])
+            .collect();
+        let mut out = vec![0u8; c.new_bytes()];
+        c.resolve(&old, &mut out).unwrap();
+        let want: Vec<u8> = pos
+            .iter()
+            .flat_map(|&p| [v1[2 * p], v1[2 * p + 1]])
+            .collect();
+        assert!(out == want, "{encoding:?}: new words");
+        // The wrapper agrees.
+        assert!(d.resolve("w", &c.positions, &old).unwrap() == want);
+        // A wrong base in the last part: refused.
+        let mut drift = old.clone();
+        let at = drift.len() - 2;
+        drift[at] ^= 1;
+        let e = c.resolve(&drift, &mut out).unwrap_err();
+        assert!(matches!(e, Error::WrongBase { .. }), "{encoding:?}: {e}");
+        // Lengths that do not fit.
+        assert!(c.resolve(&old[2..], &mut out).is_err());
+        let mut short = vec![0u8; c.new_bytes() - 2];
+        assert!(c.resolve(&old, &mut short).is_err());
+        // A raw-coded word said to change that holds its new value already.
+        if encoding == Encoding::Compact {
+            let mut same = old.clone();
+            let j = (0..pos.len()).find(|&j| pos[j].is_multiple_of(7)).unwrap();
+            same[2 * j..2 * j + 2].copy_from_slice(&want[2 * j..2 * j + 2]);
+            assert!(c.resolve(&same, &mut out).is_err());
+        }
+    }
+}
