@@ -794,6 +794,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeUpdate>()?;
     m.add_function(wrap_pyfunction!(tools::run_hooks, m)?)?;
     m.add_function(wrap_pyfunction!(tools::tensor_digest, m)?)?;
+    m.add_function(wrap_pyfunction!(tools::file_blake3, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -1,9 +1,10 @@
-//! Free functions of the package: engine hooks and tensor digests, the
-//! library's, over Python's arguments.
+//! Free functions of the package: engine hooks, tensor digests and file
+//! checksums, the library's, over Python's arguments.
 
 use pyo3::prelude::*;
 
 use weightcast::digest::tensor_digest_of;
+use weightcast::error::Error;
 
 use crate::{OrPy, Result, Spec, block_on, json, lend};
 
@@ -58,6 +59,19 @@ pub(crate) fn tensor_digest(py: Python<'_>, tensor: Spec) -> PyResult<String> {
         let lent = lend(vec![tensor], false)?;
         let l = &lent[0];
         Ok(tensor_digest_of(&l.name, l.dtype, &l.shape, l.buf.bytes())?.to_string())
+    })
+    .py()
+}
+
+/// The BLAKE3 of a file's bytes (hex), read through a memory map and hashed
+/// on every core: the checksum of the node's hand-off to its ranks.
+#[pyfunction]
+pub(crate) fn file_blake3(py: Python<'_>, path: String) -> PyResult<String> {
+    py.detach(|| -> Result<String> {
+        let mut h = blake3::Hasher::new();
+        h.update_mmap_rayon(&path)
+            .map_err(|e| Error::BadRequest(format!("reading {path}: {e}")))?;
+        Ok(h.finalize().to_hex().to_string())
     })
     .py()
 }

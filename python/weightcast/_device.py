@@ -59,7 +59,10 @@ class Staging:
         torch = _torch()
         buf = self._bufs.get(key)
         if buf is None or buf.numel() < nbytes or (pin and not buf.is_pinned()):
-            size = max(nbytes, 0 if buf is None else buf.numel() + buf.numel() // 2)
+            # A quarter of headroom: the next version's changes differ a
+            # little in number, and pinning memory again costs more than
+            # the copies it serves.
+            size = max(nbytes + nbytes // 4, 0 if buf is None else buf.numel() + buf.numel() // 2)
             buf = None
             try:
                 buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin)

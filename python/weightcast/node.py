@@ -36,7 +36,6 @@ are detected and rebuilt, never read stale.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -50,7 +49,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from . import Subscriber, Update
-from ._errors import BadRequest, BaseMismatch, Corrupt, Unavailable
+from ._errors import BadRequest, BaseMismatch, Corrupt, Error, Unavailable
 from ._tensors import _DTYPE_BYTES, _WORDS_NUMPY, Raw
 from .shard import Mapping as ShardMap
 from .shard import Unmappable, copy_runs, probe
@@ -73,16 +72,16 @@ def _words(dtype: str) -> Any:
 def _checksum_or_none(path: Path) -> Optional[str]:
     try:
         return _checksum(path)
-    except OSError:
+    except (OSError, Error):
         return None
 
 
 def _checksum(path: Path) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    """BLAKE3 of a file, memory-mapped and hashed on every core (the
+    library's): the ranks check the node's patch with it."""
+    from . import _native
+
+    return _native.file_blake3(str(path))
 
 
 class HostState:
@@ -226,6 +225,11 @@ class NodeFollower:
                     entry[part] = off
                     f.write(b)
                     off += len(b)
+                    # Every part starts at a multiple of 8 bytes: the ranks
+                    # view them as words in place (on the device too).
+                    pad = -off % 8
+                    f.write(bytes(pad))
+                    off += pad
                 index[name] = entry
         meta = {"version": u.version, "base": u.base_version, "tensors": index,
                 "blob": _checksum(blob)}
@@ -330,36 +334,38 @@ class RankFollower:
         vdir = Path(h.patch or "")
         try:
             meta = json.loads((vdir / "patch.json").read_text())
+            ok = meta["version"] == h.version and _checksum(vdir / "patch.bin") == h.checksum
             blob = np.memmap(vdir / "patch.bin", dtype=np.uint8, mode="r")
-            h2 = hashlib.blake2b(digest_size=16)
-            h2.update(blob)
-            ok = meta["version"] == h.version and h2.hexdigest() == h.checksum
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, Error):
             ok = False
         if not ok:
             raise Corrupt(f"the hand-off of version {h.version} in {vdir} is missing or not the "
                           "node's (removed or changed under the follower); the node rebuilds it")
+        # The whole patch where the parameters are (one copy to a GPU; on
+        # the CPU a view of the file): positions mapped, old words checked
+        # and new words picked there, with one synchronization at the end.
+        dev = next((t.device for t in self.params.values()), torch.device("cpu"))
+        with warnings.catch_warnings():  # read-only memory, only read
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(np.asarray(blob))
+        if dev.type != "cpu":
+            data = data.to(dev)
         staged = []
-        # Old words checked on the device without a synchronization per
-        # parameter: one flag each, read once at the end.
         checks: List[Tuple[str, str, Any, Any, Any]] = []
         for cname, e in meta["tensors"].items():
             if cname not in self.mapping.tensors:
                 continue
             n, wb = e["n"], e["wb"]
-            w = _WORDS_NUMPY[wb]
-            pos = torch.from_numpy(np.array(blob[e["pos"]: e["pos"] + 8 * n].view(np.int64)))
-            old = np.array(blob[e["old"]: e["old"] + wb * n].view(w))
-            new = np.array(blob[e["new"]: e["new"] + wb * n].view(w))
+            words_t = _torch_words(wb)
+            pos = data[e["pos"]: e["pos"] + 8 * n].view(torch.int64)
+            old = data[e["old"]: e["old"] + wb * n].view(words_t)
+            new = data[e["new"]: e["new"] + wb * n].view(words_t)
             for pname, ppos, idx in self.mapping.locate(cname, pos):
                 words = self._words(pname)
-                sel = idx.numpy()
-                want_old = torch.from_numpy(old[sel].view(_signed(wb))).to(words.device)
-                ppos = ppos.to(words.device)
-                have = words.index_select(0, ppos).view(want_old.dtype)
-                checks.append((pname, cname, ppos, have, want_old))
-                vals = torch.from_numpy(new[sel].view(_signed(wb))).to(words.device)
-                staged.append((words, ppos, vals.view(words.dtype)))
+                ppos, idx = ppos.to(words.device), idx.to(words.device)
+                have = words.index_select(0, ppos).view(words_t)
+                checks.append((pname, cname, ppos, have, old.to(words.device)[idx]))
+                staged.append((words, ppos, new.to(words.device)[idx].view(words.dtype)))
         differ = [(have != want).any() for _p, _c, _pos, have, want in checks]
         if differ and bool(torch.stack([d.cpu() for d in differ]).any()):
             for (pname, cname, ppos, have, want), d in zip(checks, differ):
@@ -397,6 +403,11 @@ def _synchronize(tensors: Any) -> None:
     torch = _torch()
     for dev in {t.device for t in tensors if t.device.type == "cuda"}:
         torch.cuda.synchronize(dev)
+
+
+def _torch_words(wb: int) -> Any:
+    torch = _torch()
+    return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[wb]
 
 
 def _signed(wb: int) -> Any:

@@ -71,6 +71,8 @@ class Runs:
     # parameter stride, length, count) when the runs are rows of a regular
     # grid (a shard of rows or columns): positions then map arithmetically.
     grid: Optional[Tuple[int, int, int, int, int, int]] = None
+    _copies: Dict[str, Tuple[Any, Any, Any]] = field(default_factory=dict, repr=False,
+                                                      compare=False)
 
     def __post_init__(self) -> None:
         k = self.length.numel()
@@ -89,6 +91,15 @@ class Runs:
 
     def elements(self) -> int:
         return int(self.length.sum())
+
+    def on(self, device: Any) -> Tuple[Any, Any, Any]:
+        """(checkpoint starts, parameter starts, lengths) on ``device``
+        (copied there once)."""
+        key = str(device)
+        if key not in self._copies:
+            self._copies[key] = tuple(t.to(device) for t in
+                                      (self.ckpt_start, self.param_start, self.length))
+        return self._copies[key]
 
 
 @dataclass
@@ -129,14 +140,15 @@ class Mapping:
                 if idx.numel():
                     out.append((r.param, p0 + row[idx] * pstride + col[idx], idx))
                 continue
-            k = torch.searchsorted(r.ckpt_start, positions, right=True) - 1
+            cs, ps, ln = r.on(positions.device)
+            k = torch.searchsorted(cs, positions, right=True) - 1
             valid = k >= 0
             kc = k.clamp(min=0)
-            off = positions - r.ckpt_start[kc]
-            valid &= off < r.length[kc]
+            off = positions - cs[kc]
+            valid &= off < ln[kc]
             idx = valid.nonzero().flatten()
             if idx.numel():
-                out.append((r.param, (r.param_start[kc[idx]] + off[idx]), idx))
+                out.append((r.param, (ps[kc[idx]] + off[idx]), idx))
         return out
 
 
