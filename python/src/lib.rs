@@ -663,6 +663,7 @@ impl NativeUpdate {
     /// every tensor's old words at its word offset; checks them all against
     /// the delta's base and, only when every tensor passed, leaves the new
     /// words at the same offsets in `new` (which must not overlap `old`).
+    /// Uses up what `device_changes` decoded.
     fn device_resolve(
         &self,
         py: Python<'_>,
@@ -676,7 +677,7 @@ impl NativeUpdate {
                 ));
             }
             let mut st = self.staged()?;
-            let held = lock(&self.device)?;
+            let mut held = lock(&self.device)?;
             let changes = held.as_ref().ok_or_else(no_device_changes)?;
             let old_buf = Lent::new("old words", old.0, old.1, false)?;
             let mut new_buf = Lent::new("new words", new.0, new.1, true)?;
@@ -696,7 +697,11 @@ impl NativeUpdate {
                 news.push(&mut wh[..len]);
                 (o, w) = (ot, wt);
             }
-            st.sub.resolve_changes(changes, &olds, &mut news)
+            let r = st.sub.resolve_changes(changes, &olds, &mut news);
+            // Used up: the new words are all the commit needs (the decoded
+            // changes are freed here, not in the pause).
+            *held = None;
+            r
         })
         .py()
     }

@@ -179,6 +179,8 @@ def test_the_device_calls_refuse_misuse_and_write_nothing(bucket):
     # would record the version refuses too (nothing was resolved).
     with pytest.raises(weightcast.BaseMismatch):
         n.device_resolve((at, word_bytes), (at + word_bytes, word_bytes))
+    with pytest.raises(weightcast.BadRequest, match="device_changes first"):  # used up
+        n.device_resolve((at, word_bytes), (at + word_bytes, word_bytes))
     with pytest.raises(weightcast.BadRequest, match="not resolved"):
         n.commit_resolved()
     assert {k: as_bytes(_arr(v)) for k, v in mine.items()} == before

@@ -54,10 +54,12 @@ class Staging:
 
     def __init__(self) -> None:
         self._bufs: Dict[Any, Any] = {}
+        self._cannot_pin = False
 
     def get(self, key: Any, nbytes: int, pin: bool) -> Any:
         torch = _torch()
         buf = self._bufs.get(key)
+        pin = pin and not self._cannot_pin
         if buf is None or buf.numel() < nbytes or (pin and not buf.is_pinned()):
             # A quarter of headroom: the next version's changes differ a
             # little in number, and pinning memory again costs more than
@@ -66,7 +68,8 @@ class Staging:
             buf = None
             try:
                 buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
-            except RuntimeError:
+            except RuntimeError:  # no pinnable memory: pageable (synchronous copies)
+                self._cannot_pin = True
                 buf = torch.empty(size, dtype=torch.uint8)
             self._bufs[key] = buf
         return buf[:nbytes]

@@ -133,12 +133,24 @@ class Mapping:
         for r in self.tensors.get(tensor, []):
             if r.grid is not None:
                 c0, cstride, p0, pstride, L, count = r.grid
-                rel = positions - c0
+                # The positions within the grid's span (they are sorted).
+                lo, hi = (int(i) for i in torch.searchsorted(
+                    positions, torch.tensor([c0, c0 + (count - 1) * cstride + L],
+                                            device=positions.device)))
+                if hi <= lo:
+                    continue
+                if cstride == L and pstride == L:
+                    # One stretch on both sides (a shard of whole rows, a
+                    # replicated tensor): a shift, nothing to filter.
+                    idx = torch.arange(lo, hi, device=positions.device)
+                    out.append((r.param, positions[lo:hi] - (c0 - p0), idx))
+                    continue
+                rel = positions[lo:hi] - c0
                 row = torch.div(rel, cstride, rounding_mode="floor")
                 col = rel - row * cstride
-                idx = ((rel >= 0) & (row < count) & (col < L)).nonzero().flatten()
-                if idx.numel():
-                    out.append((r.param, p0 + row[idx] * pstride + col[idx], idx))
+                keep = (col < L).nonzero().flatten()
+                if keep.numel():
+                    out.append((r.param, p0 + row[keep] * pstride + col[keep], keep + lo))
                 continue
             cs, ps, ln = r.on(positions.device)
             k = torch.searchsorted(cs, positions, right=True) - 1
@@ -299,21 +311,15 @@ def copy_runs(dst: Any, src: Any, r: Runs) -> None:
     strided copy when the runs are regular (rows of a shard: equal lengths,
     evenly spaced on both sides), else one copy per run."""
     torch = _torch()
-    k = r.length.numel()
-    if k == 0:
+    if r.length.numel() == 0:
         return
-    L = int(r.length[0])
-    if k > 1:
-        ds, ss = r.param_start[1:] - r.param_start[:-1], r.ckpt_start[1:] - r.ckpt_start[:-1]
-        regular = bool((r.length == L).all()) and bool((ds == ds[0]).all()) and bool(
-            (ss == ss[0]).all()) and int(ds[0]) > 0 and int(ss[0]) > 0
-    else:
-        regular = True
-    if regular:
-        dstride = int(r.param_start[1] - r.param_start[0]) if k > 1 else L
-        sstride = int(r.ckpt_start[1] - r.ckpt_start[0]) if k > 1 else L
-        d = torch.as_strided(dst, (k, L), (dstride, 1), int(r.param_start[0]))
-        s = torch.as_strided(src, (k, L), (sstride, 1), int(r.ckpt_start[0]))
+    if r.grid is not None:  # regular runs (found once, when the runs were made)
+        c0, sstride, p0, dstride, L, k = r.grid
+        if sstride == L and dstride == L:  # one stretch on both sides
+            dst[p0: p0 + k * L].copy_(src[c0: c0 + k * L])
+            return
+        d = torch.as_strided(dst, (k, L), (dstride, 1), p0)
+        s = torch.as_strided(src, (k, L), (sstride, 1), c0)
         d.copy_(s)
         return
     for c, p, n in zip(r.ckpt_start.tolist(), r.param_start.tolist(), r.length.tolist()):
