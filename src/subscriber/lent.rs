@@ -536,7 +536,7 @@ impl LentSink {
         new: &mut [&mut [u8]],
     ) -> Result<()> {
         let decoded = self.replay()?.decoded.as_deref().unwrap_or_default();
-        let given: Vec<(String, Option<(Digest, Digest)>)> = changes
+        let given: Vec<Decoded> = changes
             .iter()
             .map(|c| (c.name.clone(), c.digests()))
             .collect();

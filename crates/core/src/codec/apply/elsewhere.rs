@@ -325,64 +325,6 @@ impl<'a> Delta<'a> {
             .ok_or_else(|| Error::tensor(tensor, "not changed by this delta"))
     }
 
-    /// Decodes every entry of `tensor`'s payload, calling `f(position,
-    /// value)` in order; checks the count against the header.
-    fn entries(
-        &self,
-        tensor: &str,
-        mut f: impl FnMut(u64, Value) -> Result<()>,
-    ) -> Result<(Dtype, usize)> {
-        let (job, dtype, words) = self.find(tensor)?;
-        let wb = word_bytes(dtype);
-        let mut n = 0u64;
-        match &job.payload {
-            Payload::Trl { indices, values } => {
-                let run = TrlRun {
-                    name: tensor,
-                    indices: *indices,
-                    values,
-                    seed: TensorSeed(0),
-                };
-                crate::with_word_width!(wb, W => run.check_len::<W>())?;
-                let mut err = Ok(());
-                run.positions(words, |j, i| {
-                    if err.is_ok() {
-                        err = f(i as u64, Value::Raw(read_word(values, wb, j)));
-                    }
-                })?;
-                err?;
-                n = indices.len() as u64;
-            }
-            Payload::Compact {
-                block_words,
-                blocks,
-                streams,
-                context,
-            } => {
-                let chunk = (*block_words).min(words as u64);
-                for (b, (entry, stream)) in blocks.iter().zip(streams).enumerate() {
-                    let first = b as u64 * chunk;
-                    let block = Block {
-                        tensor,
-                        index: b,
-                        entry,
-                        stream,
-                        wb,
-                        words: chunk.min(words as u64 - first),
-                        context: context.map(|c| c.block(b)),
-                    };
-                    compact::decode_block(&block, None, |i, v| f(first + i, v))?;
-                    n += entry.changes;
-                }
-            }
-        }
-        let want = job.expect.expect("weightcast jobs carry digests").changed;
-        if n != want {
-            return Err(count_error(tensor, want, n));
-        }
-        Ok((dtype, words))
-    }
-
     /// Every change of `tensor`, decoded once (blocks in parallel) and
     /// checked as an apply checks the payload: the positions to gather
     /// wherever the tensor lives, and what [`Changes::resolve`] needs to
@@ -530,28 +472,46 @@ impl Context {
         if h.encoding != crate::format::Encoding::Compact2 {
             return Ok(None);
         }
-        let mut tensors = std::collections::BTreeMap::new();
-        for (job, dtype, words) in &d.jobs {
-            let Payload::Compact { block_words, .. } = &job.payload else {
-                continue;
-            };
-            let wb = word_bytes(*dtype);
-            let chunk = (*block_words).min(*words as u64).max(1);
-            let mut blocks: Vec<Vec<compact::context::Member>> =
-                vec![Vec::new(); (*words as u64).div_ceil(chunk) as usize];
-            d.entries(&job.name, |i, v| {
-                let b = (i / chunk) as usize;
-                blocks[b].push(compact::entry_member(i % chunk, v, wb));
-                Ok(())
-            })?;
-            tensors.insert(
-                job.name.clone(),
-                TensorContext {
-                    block_words: *block_words,
-                    blocks,
-                },
-            );
-        }
+        // Each tensor's changes (blocks and tensors in parallel), block by
+        // block as members.
+        let tensors = d
+            .jobs
+            .par_iter()
+            .filter_map(|(job, dtype, words)| match &job.payload {
+                Payload::Compact { block_words, .. } => Some((job, *dtype, *words, *block_words)),
+                Payload::Trl { .. } => None,
+            })
+            .map(|(job, dtype, words, block_words)| {
+                let c = d.changes(&job.name)?;
+                let (wb, chunk) = (word_bytes(dtype), block_words.min(words as u64).max(1));
+                let mut first = 0usize;
+                let blocks = c
+                    .parts
+                    .iter()
+                    .map(|p| {
+                        let members = p
+                            .values
+                            .iter()
+                            .enumerate()
+                            .map(|(k, &v)| {
+                                let i = c.positions.get(first + k).unwrap_or(0);
+                                let v = if p.raw { Value::Raw(v) } else { Value::Step(v) };
+                                compact::entry_member(i % chunk, v, wb)
+                            })
+                            .collect();
+                        first += p.values.len();
+                        members
+                    })
+                    .collect();
+                Ok((
+                    job.name.clone(),
+                    TensorContext {
+                        block_words,
+                        blocks,
+                    },
+                ))
+            })
+            .collect::<Result<std::collections::BTreeMap<_, _>>>()?;
         let base = h.base_digest.expect("deltas have a base digest");
         Ok(Some(Context::new(
             h.model_version,
