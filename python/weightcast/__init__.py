@@ -307,7 +307,10 @@ class Update:
         them: the engine pauses for the commit only, one scatter of the
         changed words. Nothing may write ``params`` between the two calls.
 
-        Holds about 6 bytes per changed bf16 element until the commit.
+        Holds about 6 bytes per changed bf16 element until the commit (CPU
+        tensors); on a device, 10 bytes per change there (the index and the
+        new word), and pinned host buffers of 8 bytes per change are kept
+        for the next version.
         Returns False when there was nothing to do ahead (an anchor, a
         TRL-encoded delta): :meth:`commit` then applies it whole."""
         params = self._untied(params)

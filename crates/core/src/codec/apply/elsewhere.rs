@@ -83,8 +83,11 @@ pub struct Changes {
 struct Part {
     /// Positions, until they are moved into [`Changes::positions`].
     pos: Vec<u64>,
-    /// Steps of the key, or new words (`raw`).
-    values: Vec<u64>,
+    /// Steps of the key, or new words (`raw`): the tensor's word width
+    /// each, little-endian.
+    values: Vec<u8>,
+    /// Entries.
+    len: usize,
     raw: bool,
     /// A raw word equal to the old one is refused (compact blocks list
     /// changed words only).
@@ -92,8 +95,9 @@ struct Part {
 }
 
 impl Part {
-    fn new(pos: Vec<u64>, values: Vec<u64>, raw: bool, must_change: bool) -> Part {
+    fn new(pos: Vec<u64>, values: Vec<u8>, raw: bool, must_change: bool) -> Part {
         Part {
+            len: pos.len(),
             pos,
             values,
             raw,
@@ -174,7 +178,7 @@ impl Changes {
             Positions::U32(_) => 4,
             Positions::U64(_) => 8,
         };
-        self.len() * (pw + 8)
+        self.len() * (pw + self.word_bytes())
     }
 
     /// Writes into `new` the new word of every change given the old words
@@ -202,11 +206,11 @@ impl Changes {
         let mut pieces = Vec::with_capacity(self.parts.len());
         let (mut o, mut w, mut first) = (old, &mut new[..], 0usize);
         for p in &self.parts {
-            let k = p.values.len() * wb;
+            let k = p.len * wb;
             let (oh, ot) = o.split_at(k);
             let (wh, wt) = std::mem::take(&mut w).split_at_mut(k);
             pieces.push((p, oh, wh, first));
-            (o, w, first) = (ot, wt, first + p.values.len());
+            (o, w, first) = (ot, wt, first + p.len);
         }
         let sums: Vec<u64> = pieces
             .into_par_iter()
@@ -227,8 +231,8 @@ impl Changes {
         first: usize,
     ) -> Result<u64> {
         let (mut dig, mut batch) = (0u64, ChangeBatch::default());
-        for (k, &v) in p.values.iter().enumerate() {
-            let j = first + k;
+        for k in 0..p.len {
+            let (j, v) = (first + k, load::<W>(&p.values, k));
             let i = match &self.positions {
                 Positions::U32(v) => v[j] as u64,
                 Positions::U64(v) => v[j],
@@ -344,10 +348,9 @@ impl<'a> Delta<'a> {
                 crate::with_word_width!(wb, W => run.check_len::<W>())?;
                 let mut pos = Vec::with_capacity(indices.len());
                 run.positions(words, |_, i| pos.push(i as u64))?;
-                let values: Vec<u64> = (0..pos.len()).map(|j| read_word(values, wb, j)).collect();
                 // One part per stretch of entries, so resolving runs in parallel.
                 pos.chunks(TRL_PART)
-                    .zip(values.chunks(TRL_PART))
+                    .zip(values.chunks(TRL_PART * wb))
                     .map(|(p, v)| Part::new(p.to_vec(), v.to_vec(), true, false))
                     .collect()
             }
@@ -375,17 +378,18 @@ impl<'a> Delta<'a> {
                             .unwrap_or(0)
                             .min(block.words as usize);
                         let (mut pos, mut vals) =
-                            (Vec::with_capacity(cap), Vec::with_capacity(cap));
+                            (Vec::with_capacity(cap), Vec::with_capacity(cap * wb));
                         let mut raw = false;
                         compact::decode_block(&block, None, |i, v| {
                             pos.push(first + i);
-                            vals.push(match v {
+                            let v = match v {
                                 Value::Raw(w) => {
                                     raw = true;
                                     w
                                 }
                                 Value::Step(s) => s,
-                            });
+                            };
+                            vals.extend_from_slice(&v.to_le_bytes()[..wb]);
                             Ok(())
                         })?;
                         Ok(Part::new(pos, vals, raw, true))
@@ -393,7 +397,7 @@ impl<'a> Delta<'a> {
                     .collect::<Result<_>>()?
             }
         };
-        let n: usize = parts.iter().map(|p| p.values.len()).sum();
+        let n: usize = parts.iter().map(|p| p.len).sum();
         let expect = job.expect.expect("weightcast jobs carry digests");
         if n as u64 != expect.changed {
             return Err(count_error(tensor, expect.changed, n as u64));
@@ -489,17 +493,15 @@ impl Context {
                     .parts
                     .iter()
                     .map(|p| {
-                        let members = p
-                            .values
-                            .iter()
-                            .enumerate()
-                            .map(|(k, &v)| {
+                        let members = (0..p.len)
+                            .map(|k| {
+                                let v = read_word(&p.values, wb, k);
                                 let i = c.positions.get(first + k).unwrap_or(0);
                                 let v = if p.raw { Value::Raw(v) } else { Value::Step(v) };
                                 compact::entry_member(i % chunk, v, wb)
                             })
                             .collect();
-                        first += p.values.len();
+                        first += p.len;
                         members
                     })
                     .collect();
@@ -527,7 +529,7 @@ mod tests {
 
     #[test]
     fn positions_pick_their_width() {
-        let part = |pos: Vec<u64>| Part::new(pos.clone(), vec![0; pos.len()], false, true);
+        let part = |pos: Vec<u64>| Part::new(pos.clone(), vec![0; 2 * pos.len()], false, true);
         let p = concat_positions(&mut [part(vec![1]), part(vec![]), part(vec![5])], true, 2);
         assert_eq!(p, Positions::U32(vec![1, 5]));
         assert_eq!((p.len(), p.get(1), p.get(2)), (2, Some(5), None));
