@@ -151,6 +151,8 @@ fn main() {
         t.elapsed().as_secs_f64()
     };
     let mut compare_secs = Vec::new();
+    // Each operation's own times (for the best-of-reps ratios).
+    let mut secs: [Vec<f64>; 4] = Default::default();
     for _ in 0..reps {
         let mut cmp = || {
             let c = time(&mut || {
@@ -160,25 +162,27 @@ fn main() {
             c
         };
         let c = cmp();
-        e1.push(
-            c / time(&mut || {
-                drop(encode_delta(&s1, &mut s2w, &opts(Encoding::Compact, 2)).unwrap())
-            }),
-        );
+        let t =
+            time(&mut || drop(encode_delta(&s1, &mut s2w, &opts(Encoding::Compact, 2)).unwrap()));
+        secs[0].push(t);
+        e1.push(c / t);
         let c = cmp();
-        e2.push(
-            c / time(&mut || {
-                drop(
-                    encode_delta_ctx(&s1, &mut s2w, &opts(Encoding::Compact2, 2), Some(&ctx1))
-                        .unwrap(),
-                )
-            }),
-        );
+        let t = time(&mut || {
+            drop(
+                encode_delta_ctx(&s1, &mut s2w, &opts(Encoding::Compact2, 2), Some(&ctx1)).unwrap(),
+            )
+        });
+        secs[1].push(t);
+        e2.push(c / t);
         let c = cmp();
-        a1.push(c / time(&mut || drop(apply_delta(&mut state, &v1_fwd).unwrap())));
+        let t = time(&mut || drop(apply_delta(&mut state, &v1_fwd).unwrap()));
+        secs[2].push(t);
+        a1.push(c / t);
         drop(apply_delta(&mut state, &v1_back).unwrap());
         let c = cmp();
-        a2.push(c / time(&mut || drop(apply_delta_ctx(&mut state, &v2_fwd, Some(&ctx1)).unwrap())));
+        let t = time(&mut || drop(apply_delta_ctx(&mut state, &v2_fwd, Some(&ctx1)).unwrap()));
+        secs[3].push(t);
+        a2.push(c / t);
         drop(apply_delta_ctx(&mut state, &v2_back, Some(&ctx2)).unwrap());
     }
     assert_eq!(state.digest(), s1.digest());
@@ -187,7 +191,7 @@ fn main() {
         println!("{name:<16} {m:.3}x the compare ({lo:.3}–{hi:.3})");
         m
     };
-    let (cm, ..) = median(compare_secs);
+    let (cm, ..) = median(compare_secs.clone());
     println!("compare          {:.2} ms (median)", cm * 1e3);
     let (x1, x2) = (show("encode compact", &e1), show("encode compact2", &e2));
     let (y1, y2) = (show("apply compact", &a1), show("apply compact2", &a2));
@@ -201,5 +205,18 @@ fn main() {
         x2 / x1,
         pa,
         y2 / y1
+    );
+    // The best (least disturbed) time of each operation over the
+    // repetitions: on a shared machine, the steadier ratio.
+    let best = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
+    println!(
+        "best of {reps}: compare {:.2} ms; encode compact {:.2} ms, compact2 {:.2} ms ({:.3}); apply compact {:.2} ms, compact2 {:.2} ms ({:.3})",
+        best(&compare_secs) * 1e3,
+        best(&secs[0]) * 1e3,
+        best(&secs[1]) * 1e3,
+        best(&secs[0]) / best(&secs[1]),
+        best(&secs[2]) * 1e3,
+        best(&secs[3]) * 1e3,
+        best(&secs[2]) / best(&secs[3]),
     );
 }

@@ -143,9 +143,7 @@ impl Context {
         (from, to): (Digest, Digest),
         tensors: std::collections::BTreeMap<String, TensorContext>,
     ) -> Context {
-        let checksum = tensors
-            .iter()
-            .fold(0u64, |a, (n, t)| a.wrapping_add(t.checksum(tensor_seed(n))));
+        let checksum = checksum_of(&tensors);
         Context {
             id: ContextId {
                 version,
@@ -174,10 +172,31 @@ impl Context {
 
     /// The checksum recomputed from the members (what `id.checksum` must be).
     pub fn recompute_checksum(&self) -> u64 {
-        self.tensors
-            .iter()
-            .fold(0u64, |a, (n, t)| a.wrapping_add(t.checksum(tensor_seed(n))))
+        checksum_of(&self.tensors)
     }
+}
+
+/// The checksum of a context's tensors (see [`member_hash`]), every block
+/// in parallel: it is made once per version, on its path.
+fn checksum_of(tensors: &std::collections::BTreeMap<String, TensorContext>) -> u64 {
+    use rayon::prelude::*;
+    let blocks: Vec<(u64, u64, &[Member])> = tensors
+        .iter()
+        .flat_map(|(n, t)| {
+            let seed = tensor_seed(n);
+            t.blocks
+                .iter()
+                .enumerate()
+                .map(move |(b, ms)| (seed, b as u64, ms.as_slice()))
+        })
+        .collect();
+    blocks
+        .par_iter()
+        .map(|&(seed, b, ms)| {
+            ms.iter()
+                .fold(0u64, |a, &m| a.wrapping_add(member_hash(seed, b, m)))
+        })
+        .reduce(|| 0, u64::wrapping_add)
 }
 
 /// Magic of a saved context ([`Context::to_bytes`]).

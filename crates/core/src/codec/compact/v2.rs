@@ -376,9 +376,10 @@ pub(crate) struct Plan {
 /// Scratch the decoder reuses across blocks.
 #[derive(Default)]
 pub(crate) struct Scratch {
-    /// Indices into the context's members of classes 1 and 2: the first
-    /// `class_len` of each list.
-    class_members: [Vec<u32>; 2],
+    /// Indices into the context's members of classes 1 and 2, in one list
+    /// of one entry per member: class 1's ascending from the front, class
+    /// 2's descending from the back (`class_len` of each).
+    class_order: Vec<u32>,
     class_len: [usize; 2],
     /// The class being read: its escapes' ranks and magnitudes, its listed
     /// signs' ranks.
@@ -423,26 +424,26 @@ impl Plan {
         if block.words > 1 << 32 {
             return Err("compact2 blocks have at most 2^32 words");
         }
-        // Classes 1 and 2: the members without and with the `big` bit. The
-        // lists keep their length (what they hold past `class_len` is
-        // stale), so that only growing them writes zeros.
-        let [small, big] = &mut s.class_members;
+        // Classes 1 and 2: the members without and with the `big` bit, in
+        // one list, one store per member (class 2's from the back). The list
+        // keeps its length (what it holds past the members is stale), so
+        // that only growing it writes zeros.
         s.class_len = [0, 0];
         if block.entry.changes > 0 && !members.is_empty() {
-            // Both lists written at every member, each count moved by its bit.
-            let need = members.len() + 1;
-            if small.len() < need {
-                small.resize(need, 0);
-                big.resize(need, 0);
+            let order = &mut s.class_order;
+            if order.len() < members.len() {
+                order.resize(members.len(), 0);
             }
-            let (small, big) = (&mut small[..need], &mut big[..need]);
+            let order = &mut order[..members.len()];
+            let last = members.len() - 1;
             let (mut a, mut b) = (0usize, 0usize);
             for (j, &m) in members.iter().enumerate() {
-                let bit = (m & BIG) as usize;
-                small[a] = j as u32;
-                big[b] = j as u32;
-                a += 1 - bit;
-                b += bit;
+                let big = (m & BIG) as usize;
+                // a + b = j ≤ last: both slots are in the list.
+                let at = if big == 1 { last - b } else { a };
+                order[at] = j as u32;
+                a += 1 - big;
+                b += big;
             }
             s.class_len = [a, b];
         }
@@ -478,15 +479,25 @@ impl Plan {
         let h = self.p.class[c];
         let region = &block.stream[self.start[c]..self.start[c] + h.len];
         let mut cur = Cursor { s: region, at: 0 };
-        let class_members: &[u32] = if c == 0 {
-            &[]
-        } else {
-            &s.class_members[c - 1][..s.class_len[c - 1]]
+        let [small, big] = s.class_len;
+        let class_members = match c {
+            0 => ClassMembers::default(),
+            1 => ClassMembers {
+                order: &s.class_order[..small],
+                flip: 0,
+            },
+            _ => {
+                let total = small + big;
+                ClassMembers {
+                    order: &s.class_order[small..total],
+                    flip: u64::MAX,
+                }
+            }
         };
         let space = if c == 0 {
             block.words
         } else {
-            class_members.len() as u64
+            class_members.order.len() as u64
         };
         let top = block.wb as u32 * 8 - 1;
         if h.n > 0 && !self.raw {
@@ -557,8 +568,27 @@ pub(crate) struct ClassReader<'r> {
     esc_rank: &'r [u64],
     esc_mag: &'r [u64],
     listed: &'r [u64],
-    class_members: &'r [u32],
+    class_members: ClassMembers<'r>,
     members: &'r [Member],
+}
+
+/// The members of a class, by rank: `order[p]` (class 1) or
+/// `order[len − 1 − p]` (class 2, listed from the back).
+#[derive(Clone, Copy, Default)]
+struct ClassMembers<'r> {
+    order: &'r [u32],
+    /// `0` (ascending) or all ones (descending).
+    flip: u64,
+}
+
+impl ClassMembers<'_> {
+    /// The member index of rank `p` (`p` < the class's size).
+    #[inline(always)]
+    fn get(&self, p: u64) -> u32 {
+        // Descending: (len − 1) − p = len + !p (wrapping).
+        let at = (p ^ self.flip).wrapping_add(self.flip & self.order.len() as u64);
+        self.order[at as usize]
+    }
 }
 
 /// One decoded entry: block index, value (masked step or new word) and,
@@ -608,7 +638,7 @@ impl ClassReader<'_> {
         let (i, j, last_neg) = if self.c == 0 {
             (p as u32, 0, 0)
         } else {
-            let j = self.class_members[p as usize];
+            let j = self.class_members.get(p);
             let m = self.members[j as usize];
             (index(m), j, ((m & NEG) >> 1) as u64)
         };
@@ -741,7 +771,7 @@ impl ClassReader<'_> {
             let (i, jm, last_neg) = if C0 {
                 (p as u32, 0, 0)
             } else {
-                let jm = class_members[p as usize];
+                let jm = class_members.get(p);
                 let m = members[jm as usize];
                 (index(m), jm, ((m & NEG) >> 1) as u64)
             };
@@ -1717,6 +1747,58 @@ mod tests {
                 prop_assert_eq!(out.index.len() as u64, changes);
                 prop_assert!(out.index.windows(2).all(|w| w[0] < w[1]));
                 prop_assert!(out.index.iter().all(|&i| (i as u64) < words));
+            }
+        }
+    }
+
+    /// One class-0 change at a member's position, wherever it falls among
+    /// the other changes, with every pattern of flags on a few members:
+    /// always refused; the same lists without it merge as the plain merge
+    /// does.
+    #[test]
+    fn one_shared_position_anywhere_is_found() {
+        for members in 1..7u32 {
+            for flags in 0..1u32 << members {
+                let b: Vec<Member> = (0..members).map(|k| (2 * k + 1) << 2).collect();
+                let again: Vec<u8> = (0..members)
+                    .map(|k| {
+                        if flags >> k & 1 == 1 {
+                            4 | (k as u8 & 3)
+                        } else {
+                            0
+                        }
+                    })
+                    .collect();
+                for shared in 0..members {
+                    for around in 0..1u32 << (members + 1) {
+                        // Class-0 changes at even positions (chosen by `around`)
+                        // and at member `shared`'s.
+                        let mut c0: Vec<Member> = (0..=members)
+                            .filter(|k| around >> k & 1 == 1)
+                            .map(|k| (2 * k) << 2)
+                            .collect();
+                        let clean = Record {
+                            c0: c0.clone(),
+                            again: again.clone(),
+                        };
+                        c0.push((2 * shared + 1) << 2 | 2);
+                        c0.sort_unstable_by_key(|&m| m >> 2);
+                        let rec = Record {
+                            c0,
+                            again: again.clone(),
+                        };
+                        let mut out = Vec::new();
+                        assert!(
+                            finish(&b, &rec, Some(&mut out)).is_err(),
+                            "{members} {flags} {shared} {around}"
+                        );
+                        assert!(finish(&b, &rec, None).is_err());
+                        let (mut got, mut want) = (Vec::new(), Vec::new());
+                        finish(&b, &clean, Some(&mut got)).unwrap();
+                        finish_reference(&b, &clean, Some(&mut want)).unwrap();
+                        assert_eq!(got, want);
+                    }
+                }
             }
         }
     }
