@@ -57,6 +57,60 @@ fn start(program: &str, args: &[String], what: &str, hint: &str) -> Child {
         .unwrap_or_else(|e| panic!("cannot start {what} (`{program}`): {e}"))
 }
 
+/// An HTTP client for the tests' requests to the daemons they start: every
+/// request bounded (5 minutes: a publish on a loaded machine), so that a
+/// server that never answers fails the test instead of hanging the suite.
+pub fn http_client() -> reqwest::Client {
+    weightcast::store::install_crypto_provider();
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(300))
+        .build()
+        .expect("an HTTP client")
+}
+
+/// The HTTP client of the helpers below: every request bounded, so that a
+/// server that accepts and never answers fails the test, naming it, instead
+/// of hanging the suite.
+fn helper_client() -> reqwest::Client {
+    weightcast::store::install_crypto_provider();
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .expect("an HTTP client")
+}
+
+/// Asks `GET /` of the server on `port` (bounded: 10 s) and checks that the
+/// answer holds `expect`: the process listening there is the one started,
+/// not another that took the port between its pick and the server's bind.
+fn http_probe(port: u16, expect: &str, what: &str) {
+    use std::io::{Read, Write};
+    let fail = |why: String| -> ! {
+        panic!(
+            "{what} on 127.0.0.1:{port} did not answer as {what} ({why}); \
+             another process may hold the port: rerun the test"
+        )
+    };
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap_or_else(|e| fail(e.to_string()));
+    let limit = Some(Duration::from_secs(10));
+    s.set_read_timeout(limit)
+        .and(s.set_write_timeout(limit))
+        .unwrap_or_else(|e| fail(e.to_string()));
+    s.write_all(b"GET / HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        .unwrap_or_else(|e| fail(e.to_string()));
+    let mut body = Vec::new();
+    // At most 1 MiB: enough for a listing of the few test buckets.
+    if let Err(e) = s.take(1 << 20).read_to_end(&mut body) {
+        fail(format!("reading the answer: {e}"));
+    }
+    let text = String::from_utf8_lossy(&body);
+    if !text.contains(expect) {
+        fail(format!(
+            "no `{expect}` in {:?}",
+            text.chars().take(200).collect::<String>()
+        ));
+    }
+}
+
 fn free_port() -> u16 {
     free_ports::<1>()[0]
 }
@@ -102,7 +156,7 @@ pub fn moto() -> &'static Server {
     S.get_or_init(|| {
         let port = free_port();
         let program = std::env::var("MOTO_SERVER").unwrap_or_else(|_| "moto_server".into());
-        spawn(
+        let server = spawn(
             &program,
             &[
                 "-H".into(),
@@ -112,21 +166,21 @@ pub fn moto() -> &'static Server {
             ],
             "moto_server",
             port,
-        )
+        );
+        // moto's ListBuckets answer.
+        http_probe(server.port, "ListAllMyBucketsResult", "moto_server");
+        server
     })
 }
 
 /// Creates an S3 bucket on moto (moto accepts unsigned requests).
 pub async fn moto_bucket(name: &str) {
     let port = moto().port;
-    let r = {
-        weightcast::store::install_crypto_provider();
-        reqwest::Client::new()
-    }
-    .put(format!("http://127.0.0.1:{port}/{name}"))
-    .send()
-    .await
-    .expect("moto create-bucket request");
+    let r = helper_client()
+        .put(format!("http://127.0.0.1:{port}/{name}"))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("moto_server on 127.0.0.1:{port}: create bucket {name}: {e}"));
     assert!(
         r.status().is_success(),
         "moto create bucket {name}: {}",
@@ -351,16 +405,15 @@ pub fn fake_gcs() -> &'static Server {
 /// Creates a bucket on fake-gcs-server (JSON API).
 pub async fn fake_gcs_bucket(name: &str) {
     let port = fake_gcs().port;
-    let r = {
-        weightcast::store::install_crypto_provider();
-        reqwest::Client::new()
-    }
-    .post(format!("http://127.0.0.1:{port}/storage/v1/b"))
-    .body(format!("{{\"name\":\"{name}\"}}"))
-    .header("content-type", "application/json")
-    .send()
-    .await
-    .expect("fake-gcs create-bucket request");
+    let r = helper_client()
+        .post(format!("http://127.0.0.1:{port}/storage/v1/b"))
+        .body(format!("{{\"name\":\"{name}\"}}"))
+        .header("content-type", "application/json")
+        .send()
+        .await
+        .unwrap_or_else(|e| {
+            panic!("fake-gcs-server on 127.0.0.1:{port}: create bucket {name}: {e}")
+        });
     assert!(
         r.status().is_success(),
         "create bucket {name}: {}",
@@ -377,15 +430,12 @@ pub async fn fake_gcs_upload(bucket: &str, key: &str, body: Vec<u8>) {
         &[("uploadType", "media"), ("name", key)],
     )
     .unwrap();
-    let r = {
-        weightcast::store::install_crypto_provider();
-        reqwest::Client::new()
-    }
-    .post(url)
-    .body(body)
-    .send()
-    .await
-    .expect("fake-gcs upload request");
+    let r = helper_client()
+        .post(url)
+        .body(body)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("fake-gcs-server on 127.0.0.1:{port}: upload {key}: {e}"));
     assert!(r.status().is_success(), "upload {key}: {}", r.status());
 }
 

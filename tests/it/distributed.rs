@@ -713,7 +713,7 @@ async fn two_publisher_daemons_publish_one_version_per_step() {
             std::future::pending(),
         ));
     }
-    let client = reqwest::Client::new();
+    let client = common::http_client();
     let post = |rank: usize, body: serde_json::Value| {
         client
             .post(format!("{}/v1/publish", bases[rank]))

@@ -698,7 +698,7 @@ async fn a_relative_out_reaches_hooks_environment_webhooks_and_status_as_absolut
     .spawn()
     .unwrap();
     weightcast::store::install_crypto_provider();
-    let client = reqwest::Client::new();
+    let client = common::http_client();
     let deadline = Instant::now() + Duration::from_secs(60);
     let status = loop {
         let r = client

@@ -124,10 +124,7 @@ async fn notifications_wake_subscribers_and_bad_ones_are_refused() {
             .notified,
         Some(0)
     );
-    let client = {
-        weightcast::store::install_crypto_provider();
-        reqwest::Client::new()
-    };
+    let client = common::http_client();
     let body = format!(
         r#"{{"store":"{}","version":2,"anchor_version":0}}"#,
         store.url()

@@ -49,10 +49,7 @@ async fn publish_over_http() {
     ));
 
     let mut g = Generator::new(GeneratorConfig::tiny(8));
-    let client = {
-        weightcast::store::install_crypto_provider();
-        reqwest::Client::new()
-    };
+    let client = common::http_client();
     let post = |token: &'static str, body: serde_json::Value| {
         client
             .post(format!("{base}/v1/publish"))
@@ -383,10 +380,7 @@ async fn a_sigterm_during_a_publish_leaves_a_committed_version_or_a_503() {
     let work = tempfile::tempdir().unwrap();
     let root = work.path().join("checkpoints");
     large_checkpoint(&root.join("a"), 1);
-    let client = {
-        weightcast::store::install_crypto_provider();
-        reqwest::Client::new()
-    };
+    let client = common::http_client();
     // One run per grace: the default-like 30 s (the publish finishes and is
     // answered) and 0 (it is stopped before its commit).
     let ckpt = "a";
