@@ -28,6 +28,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 VERSIONS = 6  # an anchor and five deltas
 
 
+
+def _close(dist):
+    """Leaves the process group once every rank is past its last collective:
+    a rank that tears its connections down while the other still finishes
+    one makes gloo's transport thread abort that rank (``terminate called
+    without an active exception``, seen under load)."""
+    dist.barrier()
+    dist.destroy_process_group()
+
 def _worker(rank, world, url, state, root, init, out):
     import torch.distributed as dist
 
@@ -87,7 +96,7 @@ def _worker(rank, world, url, state, root, init, out):
         assert follower.node is None, "only the node's rank reads the bucket"
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
         json.dump(report, f)
-    dist.destroy_process_group()
+    _close(dist)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -156,7 +165,7 @@ def _unmappable_worker(rank, world, url, state, root, init, out):
     assert all("float8_e4m3fn" in (e or "") for e in r.failures), r.failures
     for n, t in params.items():
         assert t.data.dtype != before[n].dtype or torch.equal(t.data, before[n]), n
-    dist.destroy_process_group()
+    _close(dist)
 
 
 def test_an_unmappable_layout_is_refused_by_name_on_every_rank(bucket):
@@ -230,7 +239,7 @@ def _vllm_extension_worker(rank, world, url, state, root, init, out):
                                p.data.view(-1).view(torch.int16)), f"{name} at version {v}"
     assert [r["op"] for r in reports] == ["load", "patch", "patch"], reports
     assert w.weightcast_catch_up() == 2
-    dist.destroy_process_group()
+    _close(dist)
 
 
 def test_the_vllm_worker_extension_follows_as_one_node(bucket):
@@ -328,7 +337,7 @@ def _restarted_worker(rank, world, url, root, init, out):
     for name, p in fresh.named_parameters():
         assert torch.equal(params[name].data.view(-1).view(torch.int16),
                            p.data.view(-1).view(torch.int16)), name
-    dist.destroy_process_group()
+    _close(dist)
 
 
 @pytest.mark.parametrize("phase", ["prepare", "commit"])
