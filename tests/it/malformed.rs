@@ -597,6 +597,55 @@ fn crafted_containers_are_rejected() {
 }
 
 // ---------------------------------------------------------------------------
+/// A `compact2` delta's context keys: `context_version` must be the delta's
+/// base version (format.md §6.3), present with the other two, and only on
+/// `compact2` deltas; each lie is refused by the key's name before anything
+/// is written.
+#[test]
+fn context_key_lies_are_rejected() {
+    use weightcast::codec::{apply_delta_ctx, encode_delta_ctx};
+    let fx = Fixture::new();
+    let opts = |v: u64| DeltaOptions::new(Encoding::Compact2, v, v - 1);
+    let mut s1 = TensorSet::from_tensors_unhashed(fx.items[1].clone()).unwrap();
+    let (_, _, ctx) = encode_delta_ctx(&fx.sets[0], &mut s1, &opts(1), None).unwrap();
+    let ctx = ctx.expect("a compact2 context");
+    let mut s2 = TensorSet::from_tensors_unhashed(fx.items[2].clone()).unwrap();
+    let (d, _, _) = encode_delta_ctx(&s1, &mut s2, &opts(2), Some(&ctx)).unwrap();
+    // As written, it applies with its context.
+    let mut ok = s1.clone();
+    apply_delta_ctx(&mut ok, &d, Some(&ctx)).unwrap();
+    assert_eq!(ok.digest(), s2.digest());
+    let m = |k: &str, v: Option<&str>| with_meta(&d, k, v);
+    for (bytes, needles) in [
+        (
+            m("weightcast.context_version", Some("0")),
+            vec!["weightcast.context_version", "base version 1"],
+        ),
+        (
+            m("weightcast.context_version", Some("2")),
+            vec!["weightcast.context_version", "base version 1"],
+        ),
+        (
+            m("weightcast.context_version", None),
+            vec!["weightcast.context_version", "missing beside"],
+        ),
+        (
+            m("weightcast.context_checksum", None),
+            vec!["weightcast.context_checksum", "missing"],
+        ),
+        (
+            m("weightcast.encoding", Some("compact")),
+            vec!["weightcast.context_version", "only compact2"],
+        ),
+    ] {
+        let mut s = s1.clone();
+        let before = snapshot(&s);
+        let err = apply_delta_ctx(&mut s, &bytes, Some(&ctx)).unwrap_err();
+        assert_mentions(&err, &needles);
+        assert!(snapshot(&s) == before, "{err}: the state was modified");
+    }
+}
+
 // Top-level metadata lies.
 
 #[test]

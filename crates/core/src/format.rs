@@ -476,6 +476,19 @@ impl Header {
                 checksum: digest_of(keys::CONTEXT_CHECKSUM)?.0,
             }),
         };
+        if let Some(c) = &context
+            && Some(c.version) != base_version
+        {
+            return Err(Error::metadata(
+                keys::CONTEXT_VERSION,
+                format!(
+                    "{} is not the delta's base version {}: a delta's context is the changes \
+                     that produced its base",
+                    c.version,
+                    base_version.unwrap_or_default()
+                ),
+            ));
+        }
         if context.is_none()
             && (m.contains_key(keys::CONTEXT_BASE_DIGEST) || m.contains_key(keys::CONTEXT_CHECKSUM))
         {

@@ -255,9 +255,7 @@ fn run_v2<S: Sink>(
             block.words
         )));
     }
-    v2::DECODE.with(|cell| {
-        let mut guard = cell.borrow_mut();
-        let scratch = &mut guard.0;
+    v2::with_scratch(|scratch, _| {
         let plan = v2::Plan::new(block, members, scratch)?;
         let mut rec = std::mem::take(&mut scratch.record);
         rec.reset(members.len(), block.entry.changes);

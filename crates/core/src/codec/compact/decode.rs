@@ -240,9 +240,7 @@ pub fn decode_block(
 ) -> Result<()> {
     if let Some(members) = block.context {
         // A `compact2` block: decoded whole, then handed over in order.
-        return super::v2::DECODE.with(|cell| {
-            let mut guard = cell.borrow_mut();
-            let (scratch, dec) = &mut *guard;
+        return super::v2::with_scratch(|scratch, dec| {
             super::v2::decode(block, members, scratch, dec)?;
             let raw = block.entry.values == ValueCoding::Raw;
             let count = limit.map_or(dec.index.len(), |l| l.min(dec.index.len() as u64) as usize);

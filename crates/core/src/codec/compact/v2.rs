@@ -405,8 +405,21 @@ pub(crate) struct Record {
 
 thread_local! {
     /// Per-thread decode scratch and output, reused across blocks.
-    pub(crate) static DECODE: std::cell::RefCell<(Scratch, Decoded)> =
+    static DECODE: std::cell::RefCell<(Scratch, Decoded)> =
         std::cell::RefCell::new((Scratch::default(), Decoded::default()));
+}
+
+/// Runs `f` with this thread's decode scratch, or with a fresh one when the
+/// thread's is in use: a callback of [`super::decode_block`] may decode
+/// another `compact2` block on the same thread.
+pub(crate) fn with_scratch<T>(f: impl FnOnce(&mut Scratch, &mut Decoded) -> T) -> T {
+    DECODE.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut guard) => {
+            let (s, d) = &mut *guard;
+            f(s, d)
+        }
+        Err(_) => f(&mut Scratch::default(), &mut Decoded::default()),
+    })
 }
 
 impl Plan {
@@ -1020,8 +1033,7 @@ pub(crate) fn for_each_applied(
     limit: u64,
     mut f: impl FnMut(u32, u64),
 ) {
-    DECODE.with(|cell| {
-        let s = &mut cell.borrow_mut().0;
+    with_scratch(|s, _| {
         let Ok(plan) = Plan::new_raw(block, members, s) else {
             return;
         };
@@ -1627,6 +1639,43 @@ mod tests {
         assert!(e2.tensor.payload.len() < v1.payload.len());
         // A delta made with context does not decode without it.
         assert!(apply_one(&e2, &b, 2, &[]).is_err());
+    }
+
+    /// A callback of `decode_block` that decodes a `compact2` block itself
+    /// (the thread's scratch is then in use) gets a scratch of its own: the
+    /// same entries, no panic.
+    #[test]
+    fn a_decode_inside_a_decode_callback() {
+        let (a, b, c) = chain(20_000, 3);
+        let e1 = enc(&a, &b, 2, None);
+        let e2 = enc(&b, &c, 2, Some(&e1.next));
+        let block = Block {
+            tensor: "t",
+            index: 0,
+            entry: &e2.tensor.blocks[0],
+            stream: &e2.tensor.payload,
+            wb: 2,
+            words: (b.len() / 2) as u64,
+            context: Some(e1.next.block(0)),
+        };
+        let all = |block: &Block<'_>| {
+            let mut v = Vec::new();
+            super::super::decode_block(block, None, |i, x| {
+                v.push((i, x));
+                Ok(())
+            })
+            .unwrap();
+            v
+        };
+        let outer = all(&block);
+        assert!(!outer.is_empty());
+        let mut inner = Vec::new();
+        super::super::decode_block(&block, Some(1), |_, _| {
+            inner = all(&block);
+            Ok(())
+        })
+        .unwrap();
+        assert!(inner == outer);
     }
 
     #[test]
