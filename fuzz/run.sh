@@ -38,7 +38,10 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
 fi
 
 echo "== seed corpus"
-cargo run --release --quiet --example fuzz_seeds
+# The debug build with the fault-injection points is the one the test suite
+# (scripts/test.sh) has already made: no rebuild (the seeds are small, and
+# they use none of the points, which act only when WEIGHTCAST_FAILPOINT is set).
+cargo run --quiet --features failpoints --example fuzz_seeds
 
 echo "== build (sanitizer: $sanitizer)"
 cargo fuzz build --sanitizer "$sanitizer"

@@ -24,7 +24,7 @@ scenario it measures the raw link: a GET of a `--link-test-mb` object from
 the origin's moto through one link, through all links at once, and on the
 origin's loopback (moto's own speed, no link).
 
-The checkpoint comes from `examples/bench_model.rs` (a Hugging Face sharded
+The checkpoint comes from `crates/core/examples/bench_model.rs` (a Hugging Face sharded
 directory rewritten in place per step). Everything is verified at the end of
 each mode: every subscriber holds the last version, its tensors are
 bit-identical to the trainer's checkpoint (BLAKE2b of every tensor's bytes,
@@ -39,7 +39,7 @@ server package (run this with the Python that has moto: the repository's test
 venv, `.ci-work/venv/bin/python`), numpy is not needed; matplotlib only for
 `--plot`. Build first:
 
-    cargo build --release --bin weightcast --example bench_model
+    cargo build --release --bin weightcast && cargo build --release -p weightcast-core --example bench_model
     sudo .ci-work/venv/bin/python scripts/bench_regions.py --small
     sudo .ci-work/venv/bin/python scripts/bench_regions.py --elements 1e9 \\
         --json docs/bench/regions-1e9.json --plot docs/bench/regions-1e9.png
@@ -916,7 +916,7 @@ def main(argv: list[str] | None = None) -> int:
         if not os.access(p, os.X_OK):
             raise SystemExit(
                 f"{what} {p}: not an executable; build with "
-                "`cargo build --release --bin weightcast --example bench_model`"
+                "`cargo build --release --bin weightcast && cargo build --release -p weightcast-core --example bench_model`"
             )
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     if not modes or any(m not in ("delta", "full") for m in modes):

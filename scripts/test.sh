@@ -160,7 +160,10 @@ if [ "$failpoints_in_release" != 0 ]; then
 fi
 
 step "regions over emulated links (bench_regions.py --small: namespaces, tbf links, moto, relays; needs root)"
-cargo build --release --quiet --example bench_model
+# bench_model is weightcast-core's example: building it does not bring in the
+# main crate's dev-dependencies (testcontainers and its Docker client), whose
+# features would rebuild much of the release tree.
+cargo build --release --quiet -p weightcast-core --example bench_model
 "$venv/bin/python" scripts/bench_regions.py --small
 
 if [ "${FUZZ_SECONDS:-20}" != "0" ] && [ -x fuzz/run.sh ]; then

@@ -5,7 +5,7 @@
 //! small `config.json` — and rewritten in place, one optimizer step at a time.
 //!
 //! ```sh
-//! cargo build --release --example bench_model
+//! cargo build --release -p weightcast-core --example bench_model
 //! target/release/examples/bench_model --elements 1000000000 --shards 4 \
 //!     --lr 1.5e-6 --out /tmp/wc-model
 //! ```
@@ -33,9 +33,9 @@ use std::time::Instant;
 
 use clap::Parser;
 use rayon::prelude::*;
-use weightcast::dtype::Dtype;
-use weightcast::generator::{Generator, GeneratorConfig};
-use weightcast::tensors::{Digests, TensorSet, write_safetensors};
+use weightcast_core::dtype::Dtype;
+use weightcast_core::generator::{Generator, GeneratorConfig};
+use weightcast_core::tensors::{Digests, TensorSet, write_safetensors};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -98,7 +98,7 @@ fn plan_shards(sizes: &[u64], n: usize) -> Vec<usize> {
 fn changed_words(a: &[u8], b: &[u8]) -> u64 {
     a.par_chunks(1 << 20)
         .zip(b.par_chunks(1 << 20))
-        .map(|(x, y)| weightcast::codec::scan::count_changed_plain(2, x, y))
+        .map(|(x, y)| weightcast_core::codec::scan::count_changed_plain(2, x, y))
         .sum()
 }
 
