@@ -1405,9 +1405,9 @@ fn stage<const W: usize>(
     let top = W as u32 * 8 - 1;
     let mut dig = 0u64;
     // Where the members stand: the next one not below the change, and how
-    // many of each class came before it.
-    let (mut p, mut rank) = (0usize, [0u32; 2]);
-    let mut next = [0u32; CLASSES];
+    // many of each class came before it (kept in registers: an array indexed
+    // by the class would chain every change through a store and a load).
+    let (mut p, mut rank_small, mut rank_big) = (0usize, 0u32, 0u32);
     let [s0, s1, s2] = &mut s.class;
     let class = [s0, s1, s2];
     let out = &mut s.next;
@@ -1426,16 +1426,19 @@ fn stage<const W: usize>(
                     let step = to_key(ctx.kind, W, b).wrapping_sub(to_key(ctx.kind, W, a)) & mask;
                     out.push(member(i as u64, step, W));
                     while p < members.len() && index(members[p]) < i {
-                        rank[(members[p] & BIG) as usize] += 1;
+                        let big = members[p] & BIG;
+                        rank_small += 1 - big;
+                        rank_big += big;
                         p += 1;
                     }
                     let (cl, at, flip) = match members.get(p) {
                         Some(&m) if index(m) == i => {
-                            let c = (m & BIG) as usize;
-                            let r = rank[c];
-                            rank[c] += 1;
+                            let big = m & BIG;
+                            let r = if big == 1 { rank_big } else { rank_small };
+                            rank_small += 1 - big;
+                            rank_big += big;
                             p += 1;
-                            (1 + c, r, ((m & NEG) >> 1) as u64)
+                            (1 + big as usize, r, ((m & NEG) >> 1) as u64)
                         }
                         _ => (0, i, 0),
                     };
@@ -1446,16 +1449,25 @@ fn stage<const W: usize>(
                         crate::dtype::step_magnitude(W, step)
                     );
                     let _ = top;
+                    // The position or rank itself: the gaps are taken after.
                     let st = &mut *class[cl];
                     st.idx.push(i);
-                    st.gap.push(at - next[cl]);
+                    st.gap.push(at);
                     st.step.push(rel);
-                    next[cl] = at + 1;
                 }
                 dig = dig.wrapping_add(ctx.seed.change_sum_on(platform, &batch));
             }
         },
     );
+    // Each class's positions or ranks (ascending) into gaps.
+    for st in &mut s.class {
+        let mut next = 0u32;
+        for g in &mut st.gap {
+            let at = *g;
+            *g = at - next;
+            next = at + 1;
+        }
+    }
     dig
 }
 
