@@ -89,14 +89,17 @@ impl TensorContext {
 
     /// Its checksum (see [`member_hash`]).
     pub fn checksum(&self, seed: u64) -> u64 {
-        let mut sum = 0u64;
-        for (b, ms) in self.blocks.iter().enumerate() {
-            for &m in ms {
-                sum = sum.wrapping_add(member_hash(seed, b as u64, m));
-            }
-        }
-        sum
+        self.blocks.iter().enumerate().fold(0u64, |a, (b, ms)| {
+            a.wrapping_add(block_checksum(seed, b as u64, ms))
+        })
     }
+}
+
+/// The checksum of one block's members (see [`member_hash`]).
+fn block_checksum(seed: u64, block: u64, members: &[Member]) -> u64 {
+    members
+        .iter()
+        .fold(0u64, |a, &m| a.wrapping_add(member_hash(seed, block, m)))
 }
 
 /// Where a context stands in the version chain: the changes from the state
@@ -192,10 +195,7 @@ fn checksum_of(tensors: &std::collections::BTreeMap<String, TensorContext>) -> u
         .collect();
     blocks
         .par_iter()
-        .map(|&(seed, b, ms)| {
-            ms.iter()
-                .fold(0u64, |a, &m| a.wrapping_add(member_hash(seed, b, m)))
-        })
+        .map(|&(seed, b, ms)| block_checksum(seed, b, ms))
         .reduce(|| 0, u64::wrapping_add)
 }
 
