@@ -875,6 +875,10 @@ impl Publisher {
         let mut anchor_bytes = 0u64;
         let mut tensor_files = BTreeMap::new();
         let spill_dir = dir.join("spill");
+        // One object uploads while the next file is written and compressed
+        // (the link and the cores both busy); at most one upload is in
+        // flight, so the objects go up in order and memory stays that of one.
+        let mut uploading: Option<Upload> = None;
         for (name, set) in &cp.tensors {
             let path = next_dir.join(name);
             let (written, data_start) = write_snapshot_file(&path, set)?;
@@ -951,17 +955,23 @@ impl Publisher {
                 let (size, blake3) = hash_sources(&sources)?;
                 staged.check(&key, size, &blake3)?;
             }
-            let (size, blake3) = self.store.put_sources(&key, &sources).await?;
-            crate::failpoint::hit("publisher.mid_upload");
-            drop(spill);
-            anchor_bytes += size;
-            staging.record(crate::protocol::ObjectEntry {
-                name: name.clone(),
-                role: ObjectRole::Anchor,
+            if let Some(up) = uploading.take() {
+                let entry = up.finish().await?;
+                anchor_bytes += entry.size;
+                staging.record(entry);
+            }
+            uploading = Some(Upload::start(
+                &self.store,
+                name.clone(),
                 key,
-                size,
-                blake3,
-            });
+                sources,
+                spill,
+            ));
+        }
+        if let Some(up) = uploading.take() {
+            let entry = up.finish().await?;
+            anchor_bytes += entry.size;
+            staging.record(entry);
         }
         crate::fsio::sync_dir(&next_dir)?;
         let bridged = !bridges.is_empty();
@@ -1297,6 +1307,55 @@ fn write_snapshot_file(
 
 /// Size and BLAKE3 of what `sources` upload, read locally (a restarted rank
 /// checks an anchor object against its earlier part before uploading it).
+/// An anchor object uploading in a task of its own (see
+/// [`Publisher::publish_anchor`]); dropped unfinished, the upload is
+/// cancelled (an incomplete multipart upload is the bucket's lifecycle rule's
+/// to remove, and nothing refers to the object).
+struct Upload {
+    name: String,
+    key: String,
+    task: tokio_util::task::AbortOnDropHandle<Result<(u64, String)>>,
+}
+
+impl Upload {
+    /// Starts uploading `sources` as object `key`; `spill` (the file the
+    /// sources read from, if any) lives until the upload ends.
+    fn start(
+        store: &Store,
+        name: String,
+        key: String,
+        sources: Vec<Source>,
+        spill: Option<tempfile::NamedTempFile>,
+    ) -> Upload {
+        let store = store.clone();
+        let k = key.clone();
+        let task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
+            let r = store.put_sources(&k, &sources).await;
+            drop(spill);
+            r
+        }));
+        Upload { name, key, task }
+    }
+
+    /// Waits for the upload; the object's manifest entry.
+    async fn finish(self) -> Result<crate::protocol::ObjectEntry> {
+        let (size, blake3) = self.task.await.map_err(|e| {
+            Error::io(
+                format!("uploading object {}", self.key),
+                std::io::Error::other(e),
+            )
+        })??;
+        crate::failpoint::hit("publisher.mid_upload");
+        Ok(crate::protocol::ObjectEntry {
+            name: self.name,
+            role: ObjectRole::Anchor,
+            key: self.key,
+            size,
+            blake3,
+        })
+    }
+}
+
 fn hash_sources(sources: &[Source]) -> Result<(u64, String)> {
     use std::io::{Read, Seek};
     let mut h = blake3::Hasher::new();

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use serde::Serialize;
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::protocol::{Manifest, ObjectEntry, ObjectRole};
@@ -39,6 +40,10 @@ use super::update::{Log, Ready, StepOptions, Update};
 pub const PREFETCH_BYTES: u64 = 64 << 20;
 /// Objects downloaded ahead of the one being applied.
 const PREFETCH_OBJECTS: usize = 8;
+/// Bootstrap objects downloading at once while another is decoded.
+const ANCHOR_DOWNLOADS: usize = 2;
+/// Bytes of bootstrap objects downloading at once (or one object, if larger).
+const ANCHOR_AHEAD_BYTES: u64 = 1 << 30;
 
 /// How many versions one catch-up tries, newest first, before giving up
 /// for this iteration (the next iterations go on below the quarantined ones).
@@ -233,6 +238,36 @@ impl Drop for Prefetch {
     fn drop(&mut self) {
         for (_, t) in &self.running {
             t.abort();
+        }
+    }
+}
+
+/// A bootstrap object on its way to the sink (see `Subscriber::feed`).
+enum Got {
+    /// An anchor object, downloaded and checked against its entry.
+    Anchor(AnchorObject),
+    /// A non-tensor file's bytes.
+    File(Bytes),
+}
+
+/// A bootstrap object: already at hand, or downloading in a task of its own
+/// (aborted if dropped unfinished).
+enum Fetching {
+    Ready(Got),
+    Task(AbortOnDropHandle<Result<Got>>),
+}
+
+impl Fetching {
+    fn spawn(f: impl std::future::Future<Output = Result<Got>> + Send + 'static) -> Fetching {
+        Fetching::Task(AbortOnDropHandle::new(tokio::spawn(f)))
+    }
+
+    async fn finish(self) -> Result<Got> {
+        match self {
+            Fetching::Ready(got) => Ok(got),
+            Fetching::Task(task) => task
+                .await
+                .map_err(|e| Error::io("downloading an object", std::io::Error::other(e)))?,
         }
     }
 }
@@ -577,6 +612,35 @@ impl<S: Sink> Subscriber<S> {
         Ok(update.version)
     }
 
+    /// Starts getting bootstrap object `o`: from `ready` (read while
+    /// planning), or downloaded where the sink wants it.
+    fn start_bootstrap_object(
+        &mut self,
+        o: &ObjectEntry,
+        ready: &mut BTreeMap<String, Ready>,
+    ) -> Result<Fetching> {
+        let f = self.fetcher.clone();
+        let o = o.clone();
+        Ok(match (o.role, ready.remove(&o.key)) {
+            (ObjectRole::Anchor, Some(Ready::Tensors(set))) => {
+                Fetching::Ready(Got::Anchor(AnchorObject::Tensors(set)))
+            }
+            (ObjectRole::Anchor, _) => match self.sink.anchor_dest(&o.name)? {
+                AnchorDest::Memory => Fetching::spawn(async move {
+                    Ok(Got::Anchor(AnchorObject::Bytes(
+                        f.bytes(&o).await?.to_vec(),
+                    )))
+                }),
+                AnchorDest::File(p) => Fetching::spawn(async move {
+                    f.to_file(&o, &p).await?;
+                    Ok(Got::Anchor(AnchorObject::File(p)))
+                }),
+            },
+            (_, Some(Ready::Bytes(body))) => Fetching::Ready(Got::File(body)),
+            _ => Fetching::spawn(async move { Ok(Got::File(f.bytes(&o).await?)) }),
+        })
+    }
+
     async fn feed(
         &mut self,
         base: Option<u64>,
@@ -591,41 +655,38 @@ impl<S: Sink> Subscriber<S> {
         add_since(&mut out.prepare_s, t);
         if let Some(a) = anchor {
             let m = &chain[&a];
-            for o in m.bootstrap_objects() {
-                out.downloaded += o.size;
-                let got = ready.remove(&o.key);
-                match (o.role, got) {
-                    (ObjectRole::Anchor, Some(Ready::Tensors(set))) => {
-                        let t = Instant::now();
-                        self.sink.anchor(&o.name, AnchorObject::Tensors(set))?;
-                        add_since(&mut out.prepare_s, t);
-                    }
-                    (ObjectRole::Anchor, _) => {
-                        let object = match self.sink.anchor_dest(&o.name)? {
-                            AnchorDest::Memory => {
-                                AnchorObject::Bytes(self.fetcher.bytes(o).await?.to_vec())
-                            }
-                            AnchorDest::File(p) => {
-                                self.fetcher.to_file(o, &p).await?;
-                                AnchorObject::File(p)
-                            }
-                        };
-                        let t = Instant::now();
-                        self.sink.anchor(&o.name, object)?;
-                        add_since(&mut out.prepare_s, t);
-                    }
-                    (_, Some(Ready::Bytes(body))) => {
-                        let t = Instant::now();
-                        self.sink.file(a, &o.name, &body)?;
-                        add_since(&mut out.prepare_s, t);
-                    }
-                    _ => {
-                        let body = self.fetcher.bytes(o).await?;
-                        let t = Instant::now();
-                        self.sink.file(a, &o.name, &body)?;
-                        add_since(&mut out.prepare_s, t);
-                    }
+            // The next objects download while this one is decoded into the
+            // sink (the link and the cores both busy): up to
+            // [`ANCHOR_DOWNLOADS`] at a time, in order, holding at most
+            // [`ANCHOR_AHEAD_BYTES`] (or one object) beyond the one decoded.
+            let objects: Vec<&ObjectEntry> = m.bootstrap_objects().collect();
+            let mut started: VecDeque<(u64, Fetching)> = VecDeque::new();
+            let mut queued = 0;
+            for (i, o) in objects.iter().enumerate() {
+                if started.is_empty() {
+                    started.push_back((o.size, self.start_bootstrap_object(o, ready)?));
+                    queued = i + 1;
                 }
+                let this = started.pop_front().expect("started").1;
+                while let Some(n) = objects.get(queued) {
+                    let ahead: u64 = started.iter().map(|s| s.0).sum();
+                    if !started.is_empty()
+                        && (started.len() >= ANCHOR_DOWNLOADS
+                            || ahead.saturating_add(n.size) > ANCHOR_AHEAD_BYTES)
+                    {
+                        break;
+                    }
+                    started.push_back((n.size, self.start_bootstrap_object(n, ready)?));
+                    queued += 1;
+                }
+                out.downloaded += o.size;
+                let got = this.finish().await?;
+                let t = Instant::now();
+                match got {
+                    Got::Anchor(object) => self.sink.anchor(&o.name, object)?,
+                    Got::File(body) => self.sink.file(a, &o.name, &body)?,
+                }
+                add_since(&mut out.prepare_s, t);
             }
             let t = Instant::now();
             self.sink.version_done(m)?;

@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Anchors against the link (issue 27, item 4): publish and fresh bootstrap.
+
+Writes `bench_e2e.py`'s bf16 model (`--elements`, `--shards` files), then,
+for each repetition and each binary given with `--bin` (alternating, so that
+two builds are compared under the same conditions):
+
+1. `weightcast publish` of the checkpoint into a fresh prefix: the first
+   version, an anchor (compressed `planes` objects), timed as a whole;
+2. `weightcast subscribe --once` into a fresh directory: a fresh bootstrap
+   (download, verify, decode, write the output files), timed as a whole and
+   until the version is visible (its JSON's `fetch_s + prepare_s + pause_s +
+   apply_s`; the rest of the run brings the second slot forward).
+
+The store is moto (`scripts/netlab.py`'s, which serves ranged GETs from the
+object's spool) in its own network namespace behind a veth pair shaped with
+`tc tbf` to `--link-mbps` MB/s in each direction, or on loopback without a
+link (`--link-mbps 0`). The object bytes of each run are read from the
+bucket listing; their rate is compared with the nominal link and with what a
+tuned client gets from the same server over the same link in the same run:
+boto3 uploading and downloading the same number of bytes (multipart, 16 MiB
+parts, 8 threads). Peak RssAnon is sampled from /proc every 2 ms.
+
+    cargo build --release
+    .ci-work/venv/bin/python scripts/bench_anchor.py --elements 1e9 --reps 2 \\
+        --work /dev/shm/wcanchor --json docs/bench/anchor-link-1e9.json
+
+Needs root (namespaces, tc) unless `--link-mbps 0`, numpy, boto3 and moto
+(`.ci-work/venv/bin/python`, which `./scripts/test.sh` sets up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_e2e import ShapedS3, run_measured, write_model  # noqa: E402
+
+
+class LoopbackS3:
+    """netlab's moto on 127.0.0.1, no link in between."""
+
+    def __init__(self):
+        from bench_e2e import free_port
+
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.p = subprocess.Popen(
+            [sys.executable, str(ROOT / "scripts/netlab.py"), "--max-seconds", "14400",
+             "moto", "127.0.0.1", str(port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(self.url, timeout=1)
+                return
+            except OSError:
+                if self.p.poll() is not None:
+                    sys.exit(f"moto exited ({self.p.returncode})")
+                time.sleep(0.1)
+        sys.exit("moto did not start on loopback")
+
+    env = ShapedS3.env
+    bucket = ShapedS3.bucket
+
+    def cleanup(self):
+        self.p.terminate()
+        self.p.wait(10)
+
+
+def boto3_client(url: str):
+    import boto3
+
+    return boto3.client("s3", endpoint_url=url, aws_access_key_id="test",
+                        aws_secret_access_key="test", region_name="us-east-1")
+
+
+def prefix_bytes(url: str, bucket: str, prefix: str) -> int:
+    s3 = boto3_client(url)
+    total = 0
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        total += sum(o["Size"] for o in page.get("Contents", []))
+    return total
+
+
+def tuned_client(url: str, bucket: str, size: int, scratch: Path) -> dict:
+    """boto3 moving `size` bytes up and down again (the same server and link)."""
+    from boto3.s3.transfer import TransferConfig
+
+    s3 = boto3_client(url)
+    cfg = TransferConfig(multipart_chunksize=16 << 20, max_concurrency=8)
+    scratch.mkdir(parents=True, exist_ok=True)
+    src, dst = scratch / "probe.bin", scratch / "probe.back"
+    with open(src, "wb") as f:
+        left = size
+        while left:
+            n = min(left, 64 << 20)
+            f.write(os.urandom(n))
+            left -= n
+    t = time.perf_counter()
+    s3.upload_file(str(src), bucket, "probe.bin", Config=cfg)
+    up = time.perf_counter() - t
+    t = time.perf_counter()
+    s3.download_file(bucket, "probe.bin", str(dst), Config=cfg)
+    down = time.perf_counter() - t
+    s3.delete_object(Bucket=bucket, Key="probe.bin")
+    src.unlink()
+    dst.unlink()
+    return {"bytes": size, "upload_s": up, "download_s": down,
+            "upload_mb_s": size / up / 1e6, "download_mb_s": size / down / 1e6}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--elements", type=float, default=1e9)
+    ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--link-mbps", type=float, default=100.0, help="MB/s; 0: loopback, no link")
+    ap.add_argument("--work", default="/dev/shm/wcanchor", help="checkpoint, state, output")
+    ap.add_argument("--bin", action="append", help="weightcast binaries to compare (repeatable)")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    bins = a.bin or [str(ROOT / "target/release/weightcast")]
+    work = Path(a.work)
+    shutil.rmtree(work, ignore_errors=True)
+    ckpt = work / "ckpt"
+    elements = int(a.elements)
+    write_model(ckpt, elements, a.shards, seed=1)
+    model_bytes = sum(p.stat().st_size for p in ckpt.glob("model-*.safetensors"))
+    s3 = ShapedS3(a.link_mbps) if a.link_mbps > 0 else LoopbackS3()
+    rows = []
+    try:
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("WEIGHTCAST_", "AWS_"))}
+        env = s3.env(base)
+        env["RUST_LOG"] = "weightcast=warn"
+        s3.bucket("anchors")
+        for rep in range(a.reps):
+            for bi, b in enumerate(bins):
+                prefix = f"r{rep}b{bi}"
+                store = f"s3://anchors/{prefix}"
+                state, out = work / "state", work / "out"
+                for p in (state, out):
+                    shutil.rmtree(p, ignore_errors=True)
+                pub = run_measured([b, "publish", "--quiet", "--store", store, "--state", str(state),
+                                    "--checkpoint", str(ckpt)], env)
+                shutil.rmtree(state, ignore_errors=True)  # room on tmpfs
+                objects = prefix_bytes(s3.url, "anchors", prefix + "/")
+                sub = run_measured([b, "subscribe", "--once", "--quiet", "--store", store,
+                                    "--out", str(out)], env)
+                shutil.rmtree(out, ignore_errors=True)
+                row = {"rep": rep, "bin": b, "object_bytes": objects, "model_bytes": model_bytes,
+                       "publish_s": pub["seconds"], "publish_rss_anon_mib": pub["peak_rss_anon_mib"],
+                       "bootstrap_s": sub["seconds"], "bootstrap_rss_anon_mib": sub["peak_rss_anon_mib"]}
+                # Until the version is visible (the rest of the run brings the
+                # second slot forward, after the switch).
+                got = json.loads(sub["stdout"])
+                row["bootstrap_visible_s"] = sum(got[k] for k in ("fetch_s", "prepare_s", "pause_s",
+                                                                  "apply_s"))
+                row["publish_mb_s"] = objects / row["publish_s"] / 1e6
+                row["bootstrap_mb_s"] = objects / row["bootstrap_s"] / 1e6
+                row["bootstrap_visible_mb_s"] = objects / row["bootstrap_visible_s"] / 1e6
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+            probe = tuned_client(s3.url, "anchors", rows[-1]["object_bytes"], work / "probe")
+            probe["rep"] = rep
+            print(json.dumps(probe), flush=True)
+            rows.append({"tuned_client": probe})
+    finally:
+        s3.cleanup()
+        shutil.rmtree(work, ignore_errors=True)
+    probes = [r["tuned_client"] for r in rows if "tuned_client" in r]
+    summary = {"elements": elements, "link_mb_s": a.link_mbps or None,
+               "tuned_upload_mb_s": statistics.median(p["upload_mb_s"] for p in probes),
+               "tuned_download_mb_s": statistics.median(p["download_mb_s"] for p in probes),
+               "bins": {}}
+    for b in bins:
+        rs = [r for r in rows if r.get("bin") == b]
+        s = {k: statistics.median(r[k] for r in rs)
+             for k in ("publish_s", "bootstrap_s", "bootstrap_visible_s", "publish_mb_s",
+                       "bootstrap_mb_s", "bootstrap_visible_mb_s",
+                       "publish_rss_anon_mib", "bootstrap_rss_anon_mib")}
+        if a.link_mbps:
+            s["publish_of_link"] = s["publish_mb_s"] / a.link_mbps
+            s["bootstrap_of_link"] = s["bootstrap_mb_s"] / a.link_mbps
+            s["bootstrap_visible_of_link"] = s["bootstrap_visible_mb_s"] / a.link_mbps
+        s["publish_of_tuned"] = s["publish_mb_s"] / summary["tuned_upload_mb_s"]
+        s["bootstrap_of_tuned"] = s["bootstrap_mb_s"] / summary["tuned_download_mb_s"]
+        s["bootstrap_visible_of_tuned"] = (s["bootstrap_visible_mb_s"]
+                                           / summary["tuned_download_mb_s"])
+        summary["bins"][b] = s
+    print(json.dumps(summary, indent=1))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
