@@ -13,13 +13,15 @@ two builds are compared under the same conditions):
    apply_s`; the rest of the run brings the second slot forward).
 
 The store is moto (`scripts/netlab.py`'s, which serves ranged GETs from the
-object's spool) in its own network namespace behind a veth pair shaped with
+object's spool) or Garage (`--server garage`) in its own network namespace behind a veth pair shaped with
 `tc tbf` to `--link-mbps` MB/s in each direction, or on loopback without a
 link (`--link-mbps 0`). The object bytes of each run are read from the
 bucket listing; their rate is compared with the nominal link and with what a
 tuned client gets from the same server over the same link in the same run:
 boto3 uploading and downloading the same number of bytes (multipart, 16 MiB
-parts, 8 threads). Peak RssAnon is sampled from /proc every 2 ms.
+parts, 8 threads). Peak RssAnon is sampled from /proc every 2 ms; the CPU
+seconds each command used (user + system) give the model bytes one core
+sustains (`*_gb_s_per_core`).
 
     cargo build --release
     .ci-work/venv/bin/python scripts/bench_anchor.py --elements 1e9 --reps 2 \\
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -78,26 +81,133 @@ class LoopbackS3:
         self.p.wait(10)
 
 
-def boto3_client(url: str):
+class GarageS3:
+    """Garage 2.5 (Rust, `GARAGE` or `garage` on PATH) as the server: in its
+    own namespace behind the shaped link, or on loopback when `mbps` is 0.
+    Blocks are stored uncompressed in `data` (tmpfs keeps the disk out of it).
+    Garage accepts conditional writes without enforcing them: the publisher
+    runs with `--single-writer`."""
+
+    publish_args = ["--single-writer"]
+
+    def __init__(self, mbps: float, data: Path):
+        import secrets
+
+        from bench_e2e import free_port
+
+        self.program = os.environ.get("GARAGE", "garage")
+        self.lab, self.ns = None, None
+        if mbps > 0:
+            from netlab import HOST, Lab
+
+            self.lab = Lab(prefix="wcanc", net=232)
+            self.ns = self.lab.namespace("s3")
+            link = self.lab.link(HOST, self.ns, rate_mbit=mbps * 8)
+            host = link.addr_b
+        else:
+            host = "127.0.0.1"
+        s3, rpc = free_port(), free_port()
+        data.mkdir(parents=True, exist_ok=True)
+        self.config = data / "garage.toml"
+        self.config.write_text(
+            f'metadata_dir = "{data / "meta"}"\ndata_dir = "{data / "data"}"\n'
+            f'db_engine = "sqlite"\nreplication_factor = 1\ncompression_level = "none"\n'
+            f'rpc_bind_addr = "127.0.0.1:{rpc}"\nrpc_public_addr = "127.0.0.1:{rpc}"\n'
+            f'rpc_secret = "{secrets.token_hex(32)}"\n'
+            f'[s3_api]\ns3_region = "garage"\napi_bind_addr = "{host}:{s3}"\n'
+            f'root_domain = ".s3.garage.localhost"\n')
+        argv = [self.program, "-c", str(self.config), "server"]
+        log = data / "garage.log"
+        if self.lab:
+            self.p = self.lab.spawn(self.ns, argv, log=log)
+        else:
+            self.p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(log, "wb"))
+        self.url = f"http://{host}:{s3}"
+        for _ in range(300):
+            try:
+                self.cli("status")
+                break
+            except subprocess.CalledProcessError:
+                if self.p.poll() is not None:
+                    sys.exit(f"garage exited: {log.read_text()[-2000:]}")
+                time.sleep(0.1)
+        node = self.cli("node", "id", "-q").strip().split("@")[0]
+        self.cli("layout", "assign", "-z", "dc1", "-c", "100G", node)
+        self.cli("layout", "apply", "--version", "1")
+        key = self.cli("key", "create", "bench")
+        field = lambda label: next(l.split(":", 1)[1].strip() for l in key.splitlines()
+                                   if l.strip().startswith(label))
+        self.key_id, self.secret = field("Key ID"), field("Secret key")
+
+    def cli(self, *args: str) -> str:
+        argv = [self.program, "-c", str(self.config), *args]
+        if self.ns:
+            argv = ["ip", "netns", "exec", self.ns, *argv]
+        return subprocess.run(argv, check=True, capture_output=True, text=True, timeout=60).stdout
+
+    def env(self, base: dict) -> dict:
+        e = dict(base)
+        e.update(AWS_ENDPOINT=self.url, AWS_ALLOW_HTTP="true", AWS_ACCESS_KEY_ID=self.key_id,
+                 AWS_SECRET_ACCESS_KEY=self.secret, AWS_REGION="garage")
+        return e
+
+    def bucket(self, name: str) -> None:
+        self.cli("bucket", "create", name)
+        self.cli("bucket", "allow", "--read", "--write", "--owner", name, "--key", "bench")
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.url, aws_access_key_id=self.key_id,
+                            aws_secret_access_key=self.secret, region_name="garage")
+
+    def cleanup(self):
+        self.p.terminate()
+        try:
+            self.p.wait(10)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait(10)
+        if self.lab:
+            self.lab.close()
+
+
+def moto_client(self):
     import boto3
 
-    return boto3.client("s3", endpoint_url=url, aws_access_key_id="test",
+    return boto3.client("s3", endpoint_url=self.url, aws_access_key_id="test",
                         aws_secret_access_key="test", region_name="us-east-1")
 
 
-def prefix_bytes(url: str, bucket: str, prefix: str) -> int:
-    s3 = boto3_client(url)
+for cls in (ShapedS3, LoopbackS3):
+    cls.client = moto_client
+    cls.publish_args = []
+
+
+def measured(cmd: list[str], env: dict) -> dict:
+    """`run_measured`, plus the CPU seconds (user + system) the command used."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r = run_measured(cmd, env)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r["cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return r
+
+
+def prefix_bytes(s3, bucket: str, prefix: str, delete: bool = False) -> int:
+    """Bytes of the objects under `prefix` (deleted afterwards with `delete`)."""
     total = 0
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         total += sum(o["Size"] for o in page.get("Contents", []))
+        if delete:
+            for o in page.get("Contents", []):
+                s3.delete_object(Bucket=bucket, Key=o["Key"])
     return total
 
 
-def tuned_client(url: str, bucket: str, size: int, scratch: Path) -> dict:
+def tuned_client(s3, bucket: str, size: int, scratch: Path) -> dict:
     """boto3 moving `size` bytes up and down again (the same server and link)."""
     from boto3.s3.transfer import TransferConfig
 
-    s3 = boto3_client(url)
     cfg = TransferConfig(multipart_chunksize=16 << 20, max_concurrency=8)
     scratch.mkdir(parents=True, exist_ok=True)
     src, dst = scratch / "probe.bin", scratch / "probe.back"
@@ -127,6 +237,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--link-mbps", type=float, default=100.0, help="MB/s; 0: loopback, no link")
     ap.add_argument("--work", default="/dev/shm/wcanchor", help="checkpoint, state, output")
+    ap.add_argument("--server", choices=["moto", "garage"], default="moto")
     ap.add_argument("--bin", action="append", help="weightcast binaries to compare (repeatable)")
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -137,7 +248,11 @@ def main() -> None:
     elements = int(a.elements)
     write_model(ckpt, elements, a.shards, seed=1)
     model_bytes = sum(p.stat().st_size for p in ckpt.glob("model-*.safetensors"))
-    s3 = ShapedS3(a.link_mbps) if a.link_mbps > 0 else LoopbackS3()
+    if a.server == "garage":
+        s3 = GarageS3(a.link_mbps, work / "garage")
+    else:
+        s3 = ShapedS3(a.link_mbps) if a.link_mbps > 0 else LoopbackS3()
+    client = s3.client()
     rows = []
     try:
         base = {k: v for k, v in os.environ.items() if not k.startswith(("WEIGHTCAST_", "AWS_"))}
@@ -151,16 +266,21 @@ def main() -> None:
                 state, out = work / "state", work / "out"
                 for p in (state, out):
                     shutil.rmtree(p, ignore_errors=True)
-                pub = run_measured([b, "publish", "--quiet", "--store", store, "--state", str(state),
-                                    "--checkpoint", str(ckpt)], env)
+                pub = measured([b, "publish", "--quiet", "--store", store, "--state", str(state),
+                                    "--checkpoint", str(ckpt), *s3.publish_args], env)
                 shutil.rmtree(state, ignore_errors=True)  # room on tmpfs
-                objects = prefix_bytes(s3.url, "anchors", prefix + "/")
-                sub = run_measured([b, "subscribe", "--once", "--quiet", "--store", store,
+                objects = prefix_bytes(client, "anchors", prefix + "/")
+                sub = measured([b, "subscribe", "--once", "--quiet", "--store", store,
                                     "--out", str(out)], env)
                 shutil.rmtree(out, ignore_errors=True)
+                prefix_bytes(client, "anchors", prefix + "/", delete=True)  # room on tmpfs
                 row = {"rep": rep, "bin": b, "object_bytes": objects, "model_bytes": model_bytes,
                        "publish_s": pub["seconds"], "publish_rss_anon_mib": pub["peak_rss_anon_mib"],
-                       "bootstrap_s": sub["seconds"], "bootstrap_rss_anon_mib": sub["peak_rss_anon_mib"]}
+                       "bootstrap_s": sub["seconds"], "bootstrap_rss_anon_mib": sub["peak_rss_anon_mib"],
+                       "publish_cpu_s": pub["cpu_s"], "bootstrap_cpu_s": sub["cpu_s"]}
+                # Model bytes per CPU second: what one core sustains.
+                row["publish_gb_s_per_core"] = model_bytes / pub["cpu_s"] / 1e9
+                row["bootstrap_gb_s_per_core"] = model_bytes / sub["cpu_s"] / 1e9
                 # Until the version is visible (the rest of the run brings the
                 # second slot forward, after the switch).
                 got = json.loads(sub["stdout"])
@@ -171,7 +291,7 @@ def main() -> None:
                 row["bootstrap_visible_mb_s"] = objects / row["bootstrap_visible_s"] / 1e6
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-            probe = tuned_client(s3.url, "anchors", rows[-1]["object_bytes"], work / "probe")
+            probe = tuned_client(client, "anchors", rows[-1]["object_bytes"], work / "probe")
             probe["rep"] = rep
             print(json.dumps(probe), flush=True)
             rows.append({"tuned_client": probe})
@@ -179,7 +299,7 @@ def main() -> None:
         s3.cleanup()
         shutil.rmtree(work, ignore_errors=True)
     probes = [r["tuned_client"] for r in rows if "tuned_client" in r]
-    summary = {"elements": elements, "link_mb_s": a.link_mbps or None,
+    summary = {"elements": elements, "link_mb_s": a.link_mbps or None, "server": a.server,
                "tuned_upload_mb_s": statistics.median(p["upload_mb_s"] for p in probes),
                "tuned_download_mb_s": statistics.median(p["download_mb_s"] for p in probes),
                "bins": {}}
@@ -188,7 +308,8 @@ def main() -> None:
         s = {k: statistics.median(r[k] for r in rs)
              for k in ("publish_s", "bootstrap_s", "bootstrap_visible_s", "publish_mb_s",
                        "bootstrap_mb_s", "bootstrap_visible_mb_s",
-                       "publish_rss_anon_mib", "bootstrap_rss_anon_mib")}
+                       "publish_rss_anon_mib", "bootstrap_rss_anon_mib", "publish_cpu_s",
+                       "bootstrap_cpu_s", "publish_gb_s_per_core", "bootstrap_gb_s_per_core")}
         if a.link_mbps:
             s["publish_of_link"] = s["publish_mb_s"] / a.link_mbps
             s["bootstrap_of_link"] = s["bootstrap_mb_s"] / a.link_mbps
