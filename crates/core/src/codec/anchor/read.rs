@@ -96,20 +96,19 @@ fn load(object: AnchorObject) -> Result<(Option<Header>, TensorSet)> {
                 // the header's; the set takes the digests without a second pass.
                 let (layout, raw) = planes::decode_object(&buf)?;
                 drop(buf);
-                let mut set = TensorSet::from_safetensors(raw, Digests::Skip)?;
-                for (i, t) in layout.tensors.iter().enumerate() {
-                    debug_assert_eq!(set.tensors()[i].name, t.name);
-                    set.set_digest(i, t.digest);
-                }
-                set.mark_digests_valid();
-                return Ok((Some(layout.header), set));
+                let set = TensorSet::from_safetensors(raw, Digests::Skip)?;
+                return with_layout_digests(layout, set);
             }
             TensorSet::from_safetensors(buf, Digests::Compute)?
         }
-        AnchorObject::File(p) => {
-            expand_planes(&p)?;
-            TensorSet::map(&p, true, Digests::Compute)?
-        }
+        AnchorObject::File(p) => match expand(&p)? {
+            // As for bytes: the digests were checked while decoding, into a
+            // file of the caller's that nothing else writes.
+            Some(layout) => {
+                return with_layout_digests(layout, TensorSet::map(&p, true, Digests::Skip)?);
+            }
+            None => TensorSet::map(&p, true, Digests::Compute)?,
+        },
         AnchorObject::Tensors(set) => set,
     };
     let Some(h) = Header::from_metadata(set.metadata())? else {
@@ -117,6 +116,32 @@ fn load(object: AnchorObject) -> Result<(Option<Header>, TensorSet)> {
     };
     verify(&h, &set)?;
     Ok((Some(h), set))
+}
+
+/// A set decoded from a `planes` anchor, whose every digest the decode
+/// checked against `layout`: the set takes them without a second pass. The
+/// set must list the layout's tensors in its order (its header was made from
+/// the layout's).
+fn with_layout_digests(
+    layout: planes::PlanesLayout,
+    mut set: TensorSet,
+) -> Result<(Option<Header>, TensorSet)> {
+    if set.len() != layout.tensors.len()
+        || set
+            .tensors()
+            .iter()
+            .zip(&layout.tensors)
+            .any(|(a, b)| a.name != b.name)
+    {
+        return Err(Error::Container(
+            "the decoded anchor's tensors differ from its layout's".into(),
+        ));
+    }
+    for (i, t) in layout.tensors.iter().enumerate() {
+        set.set_digest(i, t.digest);
+    }
+    set.mark_digests_valid();
+    Ok((Some(layout.header), set))
 }
 
 /// Checks a raw anchor's computed digests (and its tensors' names, dtypes
@@ -187,6 +212,12 @@ fn verify(h: &Header, set: &TensorSet) -> Result<()> {
 /// cache, not the heap — then renamed over the object. A raw anchor is left
 /// as it is. The file is the caller's, as for [`AnchorObject::File`].
 pub fn expand_planes(path: &Path) -> Result<()> {
+    expand(path).map(|_| ())
+}
+
+/// [`expand_planes`], returning the layout of a `planes` anchor it decoded
+/// (whose digests the decode checked), `None` for a raw one.
+fn expand(path: &Path) -> Result<Option<planes::PlanesLayout>> {
     let io = |what: &str, e| Error::io(format!("{what} {}", path.display()), e);
     let file = std::fs::File::open(path).map_err(|e| io("opening", e))?;
     // SAFETY: a map is sound while no one else changes or truncates the
@@ -197,7 +228,7 @@ pub fn expand_planes(path: &Path) -> Result<()> {
     let object = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| io("mapping", e))?;
     let (_, header) = inspect(&object)?;
     if !header.as_ref().is_some_and(planes::is_planes) {
-        return Ok(());
+        return Ok(None);
     }
     let layout = planes::PlanesLayout::parse(&object[..planes::prefix_len(&object)? as usize])?;
     let prefix = layout.raw_prefix()?;
@@ -223,7 +254,8 @@ pub fn expand_planes(path: &Path) -> Result<()> {
         map.flush().map_err(|e| io("writing", e))?;
     }
     drop(object);
-    std::fs::rename(&tmp, path).map_err(|e| io("renaming", e))
+    std::fs::rename(&tmp, path).map_err(|e| io("renaming", e))?;
+    Ok(Some(layout))
 }
 
 /// Writes the plain (`full`) anchor that an anchor object stands for into
@@ -331,6 +363,34 @@ mod tests {
             std::fs::write(&path, &bad).unwrap();
             assert!(decode_anchor("x", AnchorObject::File(path)).is_err());
         }
+        // A compressed file whose data decodes but whose digest does not
+        // match (a byte of a raw-stored plane): refused by the digests,
+        // which are checked once, while the file is expanded.
+        let layout = planes::PlanesLayout::parse(&packed).unwrap();
+        let (t, c) = layout
+            .tensors
+            .iter()
+            .find_map(|t| {
+                let wb = crate::dtype::word_bytes(t.dtype) as u64;
+                t.chunks.iter().find_map(|c| {
+                    let words = (c.decoded.end - c.decoded.start) / wb;
+                    let p = c.planes.iter().position(|&n| n == words)?;
+                    let at = c.stored.start + c.planes[..p].iter().sum::<u64>();
+                    Some((t.name.clone(), at))
+                })
+            })
+            .expect("a chunk with a raw plane");
+        let mut bad = packed.clone();
+        bad[c as usize] ^= 1;
+        let path = dir.path().join("low.download");
+        std::fs::write(&path, &bad).unwrap();
+        let err = decode_anchor("x", AnchorObject::File(path))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("integrity check failed for tensor {t}")),
+            "{err}"
+        );
         let mut plain = Vec::new();
         let views: Vec<_> = set
             .tensors()
