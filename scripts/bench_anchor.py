@@ -42,13 +42,12 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_e2e import ShapedS3, run_measured, write_model  # noqa: E402
+from bench_e2e import ShapedS3, run_measured, wait_http, write_model  # noqa: E402
 
 
 class LoopbackS3:
@@ -63,15 +62,7 @@ class LoopbackS3:
             [sys.executable, str(ROOT / "scripts/netlab.py"), "--max-seconds", "14400",
              "moto", "127.0.0.1", str(port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(self.url, timeout=1)
-                return
-            except OSError:
-                if self.p.poll() is not None:
-                    sys.exit(f"moto exited ({self.p.returncode})")
-                time.sleep(0.1)
-        sys.exit("moto did not start on loopback")
+        wait_http(self.url, self.p, "moto on loopback")
 
     env = ShapedS3.env
     bucket = ShapedS3.bucket
@@ -96,6 +87,9 @@ class GarageS3:
         from bench_e2e import free_port
 
         self.program = os.environ.get("GARAGE", "garage")
+        if not shutil.which(self.program):
+            sys.exit(f"Garage not found at `{self.program}`: set GARAGE to its binary "
+                     "(./scripts/test.sh builds it under .ci-work/garage/bin)")
         self.lab, self.ns = None, None
         if mbps > 0:
             from netlab import HOST, Lab

@@ -329,6 +329,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_http(url: str, proc: subprocess.Popen, what: str) -> None:
+    """Waits (30 s at most) until `url` answers while `proc` runs."""
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            return
+        except OSError:
+            if proc.poll() is not None:
+                sys.exit(f"{what} exited ({proc.returncode})")
+            time.sleep(0.1)
+    sys.exit(f"{what} did not start")
+
+
 # ------------------------------------------------------ S3 behind a link
 
 
@@ -346,16 +359,7 @@ class ShapedS3:
         # netlab's moto serves ranged GETs from the object's spool (stock
         # moto reads the whole object for each one).
         moto = self.lab.tool(ns, ["--max-seconds", "14400", "moto", self.link.addr_b, "9000"])
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(self.url, timeout=1)
-                break
-            except OSError:
-                if moto.poll() is not None:
-                    sys.exit(f"moto exited ({moto.returncode}) in the namespace")
-                time.sleep(0.1)
-        else:
-            sys.exit("moto did not start in the namespace")
+        wait_http(self.url, moto, "moto in the namespace")
 
     def env(self, base: dict) -> dict:
         e = dict(base)
