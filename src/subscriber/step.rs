@@ -653,6 +653,23 @@ impl<S: Sink> Subscriber<S> {
         let t = Instant::now();
         self.sink.begin(base)?;
         add_since(&mut out.prepare_s, t);
+        // The replay's objects start downloading now, beside the anchor's
+        // (at most PREFETCH_BYTES ahead), so that a fresh subscriber's deltas
+        // are in hand when its anchor is.
+        let objects: Vec<ObjectEntry> = replay
+            .iter()
+            .flat_map(|v| chain[v].replay_objects().cloned())
+            .collect();
+        let mut bytes = BTreeMap::new();
+        for o in &objects {
+            if matches!(ready.get(&o.key), Some(Ready::Bytes(_)))
+                && let Some(Ready::Bytes(b)) = ready.remove(&o.key)
+            {
+                bytes.insert(o.key.clone(), b);
+            }
+        }
+        let mut prefetch = Prefetch::new(self.fetcher.clone(), objects, bytes);
+        prefetch.fill();
         if let Some(a) = anchor {
             let m = &chain[&a];
             // The next objects download while this one is decoded into the
@@ -692,18 +709,6 @@ impl<S: Sink> Subscriber<S> {
             self.sink.version_done(m)?;
             add_since(&mut out.prepare_s, t);
         }
-        let objects = replay
-            .iter()
-            .flat_map(|v| chain[v].replay_objects().cloned())
-            .collect();
-        let bytes = std::mem::take(ready)
-            .into_iter()
-            .filter_map(|(k, r)| match r {
-                Ready::Bytes(b) => Some((k, b)),
-                Ready::Tensors(_) => None,
-            })
-            .collect();
-        let mut prefetch = Prefetch::new(self.fetcher.clone(), objects, bytes);
         let mut changed = BTreeSet::new();
         for v in replay {
             let m = &chain[v];
