@@ -1305,8 +1305,6 @@ fn write_snapshot_file(
     Ok((written, data_start))
 }
 
-/// Size and BLAKE3 of what `sources` upload, read locally (a restarted rank
-/// checks an anchor object against its earlier part before uploading it).
 /// An anchor object uploading in a task of its own (see
 /// [`Publisher::publish_anchor`]); dropped unfinished, the upload is
 /// cancelled (an incomplete multipart upload is the bucket's lifecycle rule's
@@ -1356,6 +1354,8 @@ impl Upload {
     }
 }
 
+/// Size and BLAKE3 of what `sources` upload, read locally (a restarted rank
+/// checks an anchor object against its earlier part before uploading it).
 fn hash_sources(sources: &[Source]) -> Result<(u64, String)> {
     use std::io::{Read, Seek};
     let mut h = blake3::Hasher::new();
