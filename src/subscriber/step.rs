@@ -686,7 +686,8 @@ impl<S: Sink> Subscriber<S> {
                 }
                 let this = started.pop_front().expect("started").1;
                 while let Some(n) = objects.get(queued) {
-                    let ahead: u64 = started.iter().map(|s| s.0).sum();
+                    // Sizes from the manifest, not yet checked: saturating.
+                    let ahead = started.iter().fold(0u64, |t, s| t.saturating_add(s.0));
                     if !started.is_empty()
                         && (started.len() >= ANCHOR_DOWNLOADS
                             || ahead.saturating_add(n.size) > ANCHOR_AHEAD_BYTES)
