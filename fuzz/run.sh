@@ -2,6 +2,11 @@
 # Bounded fuzzing run over every target, for CI and for a quick local check.
 #
 #   fuzz/run.sh [seconds-per-target]      (default 30)
+#   fuzz/run.sh --build-only              install cargo-fuzz if missing and build
+#                                         every target, nothing else (scripts/test.sh
+#                                         runs it early, at low priority, in the
+#                                         background: the build fills the cores the
+#                                         other steps leave idle)
 #
 # Installs cargo-fuzz if it is missing, regenerates the seed corpus
 # (examples/fuzz_seeds.rs), builds every target, then fuzzes each one for the
@@ -19,6 +24,11 @@
 # cargo-fuzz passes (-Zsanitizer=address among them).
 set -euo pipefail
 
+build_only=0
+if [ "${1:-}" = --build-only ]; then
+    build_only=1
+    set -- 0
+fi
 secs="${1:-30}"
 case "$secs" in '' | *[!0-9]*)
     echo "usage: $0 [seconds-per-target]" >&2
@@ -37,13 +47,20 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
     cargo install cargo-fuzz --locked
 fi
 
+if [ "$build_only" = 1 ]; then
+    echo "== build (sanitizer: $sanitizer)"
+    exec cargo fuzz build --sanitizer "$sanitizer"
+fi
+
 echo "== seed corpus"
 # The debug build with the fault-injection points is the one the test suite
 # (scripts/test.sh) has already made: no rebuild (the seeds are small, and
 # they use none of the points, which act only when WEIGHTCAST_FAILPOINT is set).
-cargo run --quiet --features failpoints --example fuzz_seeds
+# Without RUSTC_BOOTSTRAP: build scripts that read it (proc-macro2, anyhow,
+# thiserror) would otherwise rebuild the whole debug tree (two minutes in CI).
+env -u RUSTC_BOOTSTRAP cargo run --quiet --features failpoints --example fuzz_seeds
 
-echo "== build (sanitizer: $sanitizer)"
+echo "== build (sanitizer: $sanitizer; nothing to do after --build-only)"
 cargo fuzz build --sanitizer "$sanitizer"
 
 mkdir -p fuzz/artifacts/logs

@@ -63,9 +63,22 @@ if ! "$venv/bin/python" -c 'import torch' 2>/dev/null && [ "${WEIGHTCAST_ALLOW_N
   ) >.ci-work/torch-download.log 2>&1 &
   torch_pid=$!
 fi
+# The fuzz targets' sanitizer build (fuzz/target, its own workspace: it
+# takes no lock the other steps wait on) is the suite's longest compile, about
+# 8 minutes of both cores. It starts now at the lowest priority and takes only
+# the cycles the other steps leave idle (the serial tails of every build, the
+# tests waiting on their servers); the fuzz step at the end waits for it.
+fuzz_build_pid=""
+if [ "${FUZZ_SECONDS:-20}" != "0" ] && [ -x fuzz/run.sh ]; then
+  mkdir -p .ci-work
+  # its own process group (setsid), so that cleanup stops its compilers too
+  setsid nice -n 19 fuzz/run.sh --build-only >.ci-work/fuzz-build.log 2>&1 &
+  fuzz_build_pid=$!
+fi
 # The tests start each server once per test binary; none of them, and no
-# download, outlives this script.
+# download or build, outlives this script.
 cleanup() {
+  if [ -n "$fuzz_build_pid" ]; then kill -- "-$fuzz_build_pid" 2>/dev/null || kill "$fuzz_build_pid" 2>/dev/null || true; fi
   for s in "${MOTO_SERVER:-}" "${FAKE_GCS_SERVER:-}" "${GARAGE:-}" "${AZURITE_BLOB:-}" "--dest .ci-work/wheels"; do
     if [ -n "$s" ]; then pkill -f -- "$s" 2>/dev/null || true; fi
   done
@@ -166,8 +179,11 @@ step "regions over emulated links (bench_regions.py --small: namespaces, tbf lin
 cargo build --release --quiet -p weightcast-core --example bench_model
 "$venv/bin/python" scripts/bench_regions.py --small
 
-if [ "${FUZZ_SECONDS:-20}" != "0" ] && [ -x fuzz/run.sh ]; then
+if [ -n "$fuzz_build_pid" ]; then
   step "fuzz smoke: every decoder target for ${FUZZ_SECONDS:-20}s"
+  wait "$fuzz_build_pid" || { cat .ci-work/fuzz-build.log >&2; echo "building the fuzz targets failed (log above)" >&2; exit 1; }
+  fuzz_build_pid=""
+  tail -n 1 .ci-work/fuzz-build.log
   fuzz/run.sh "${FUZZ_SECONDS:-20}"
 fi
 
