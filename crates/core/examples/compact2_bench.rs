@@ -121,7 +121,12 @@ fn main() {
     );
     let mut state = s1.clone();
     let mut s2w = s2.clone();
-    // WEIGHTCAST_PHASE=encode1|encode2|apply1|apply2: only that, `reps` times (for perf).
+    // Without context (every change in class 0), for the phase `apply2n`.
+    let (v2n_fwd, _, _) =
+        encode_delta_ctx(&s1, &mut s2.clone(), &opts(Encoding::Compact2, 2), None).unwrap();
+    let (v2n_back, _, _) =
+        encode_delta_ctx(&s2, &mut s1.clone(), &opts(Encoding::Compact2, 3), None).unwrap();
+    // WEIGHTCAST_PHASE=encode1|encode2|apply1|apply2|apply2n: only that, `reps` times (for perf).
     if let Ok(phase) = std::env::var("WEIGHTCAST_PHASE") {
         for _ in 0..reps {
             match phase.as_str() {
@@ -132,6 +137,10 @@ fn main() {
                     encode_delta_ctx(&s1, &mut s2w, &opts(Encoding::Compact2, 2), Some(&ctx1))
                         .unwrap(),
                 ),
+                "apply2n" => {
+                    apply_delta_ctx(&mut state, &v2n_fwd, None).unwrap();
+                    apply_delta_ctx(&mut state, &v2n_back, None).unwrap();
+                }
                 "apply1" => {
                     apply_delta(&mut state, &v1_fwd).unwrap();
                     apply_delta(&mut state, &v1_back).unwrap();

@@ -1082,19 +1082,88 @@ fn merge(idx: &[Vec<u32>; CLASSES], val: &[Vec<u64>; CLASSES], out: &mut Decoded
 /// One class's staged entries: block indices, gaps (positions or member
 /// ranks) and steps with the sign relative to the member's last step
 /// (classes 1 and 2; class 0: the step itself).
+///
+/// The vectors keep their length across blocks (what they hold past `n` is
+/// stale): the staging loop writes entry `n` in place, with no capacity
+/// check or length update per push, and only growing them writes zeros.
 #[derive(Default)]
 pub(crate) struct Staged {
+    /// Entries staged.
+    n: usize,
+    /// The position or rank the next entry's gap counts from.
+    next: u32,
     idx: Vec<u32>,
     gap: Vec<u32>,
     step: Vec<u64>,
 }
 
+impl Staged {
+    /// Empty, for a new block.
+    fn clear(&mut self) {
+        (self.n, self.next) = (0, 0);
+    }
+
+    /// Room for `more` entries past `n`.
+    #[inline(always)]
+    fn room(&mut self, more: usize) {
+        let want = self.n + more;
+        if self.idx.len() < want {
+            let len = want.max(2 * self.idx.len());
+            self.idx.resize(len, 0);
+            self.gap.resize(len, 0);
+            self.step.resize(len, 0);
+        }
+    }
+
+    /// Stages an entry at position or rank `at` (above the previous one's).
+    #[inline(always)]
+    fn put(&mut self, i: u32, at: u32, step: u64) {
+        let k = self.n;
+        self.idx[k] = i;
+        self.gap[k] = at - self.next;
+        self.step[k] = step;
+        self.next = at + 1;
+        self.n = k + 1;
+    }
+
+    fn idx(&self) -> &[u32] {
+        &self.idx[..self.n]
+    }
+
+    fn gaps(&self) -> &[u32] {
+        &self.gap[..self.n]
+    }
+
+    fn steps(&self) -> &[u64] {
+        &self.step[..self.n]
+    }
+
+    /// The sum of the gaps: the last position or rank plus one, less the
+    /// entries.
+    fn gap_sum(&self) -> u64 {
+        if self.n == 0 {
+            0
+        } else {
+            self.next as u64 - self.n as u64
+        }
+    }
+}
+
 /// Per-thread encoder scratch: each class's entries, and the block's
-/// members for the next context.
+/// members for the next context (the first `next_n` of `next`, which keeps
+/// its length as [`Staged`]'s vectors do).
 #[derive(Default)]
 pub(crate) struct EncodeScratch {
     class: [Staged; CLASSES],
-    pub(crate) next: Vec<Member>,
+    next: Vec<Member>,
+    next_n: usize,
+}
+
+impl EncodeScratch {
+    /// The block's members for the next context.
+    pub(crate) fn next(&self) -> &[Member] {
+        &self.next[..self.next_n]
+    }
 }
 
 thread_local! {
@@ -1216,7 +1285,7 @@ struct Choice {
 
 /// Chooses a class's parameters from its staged entries (`wb`-byte words).
 fn choose(st: &Staged, wb: usize) -> Choice {
-    let n = st.gap.len() as u64;
+    let n = st.n as u64;
     let mut h = ClassHead {
         n,
         ..ClassHead::default()
@@ -1228,17 +1297,18 @@ fn choose(st: &Staged, wb: usize) -> Choice {
             raw_bits: 0,
         };
     }
-    let sum: u64 = st.gap.iter().map(|&g| g as u64).sum();
-    let (k, pos_bits) = best_rice(&st.gap, sum);
+    let (k, pos_bits) = best_rice(st.gaps(), st.gap_sum());
     h.k = k;
     // Escapes, signs: counts, rank-gap sums, magnitudes.
     let top = wb as u32 * 8 - 1;
     let (mut esc, mut esc_sum, mut esc_next) = (0u64, 0u64, 0u64);
     let (mut set, mut set_sum, mut set_next) = (0u64, 0u64, 0u64);
     let (mut small, mut large) = ([0u64; 64], [0u64; 65]);
-    for (r, &s) in st.step.iter().enumerate() {
+    for (r, &s) in st.steps().iter().enumerate() {
         let r = r as u64;
         let m = crate::dtype::step_magnitude(wb, s);
+        // Escapes are rare (a predictable branch); signs are a coin toss,
+        // counted without a branch.
         if m >= 2 {
             esc += 1;
             esc_sum += r - esc_next;
@@ -1250,11 +1320,10 @@ fn choose(st: &Staged, wb: usize) -> Choice {
                 large[64 - x.leading_zeros() as usize] += 1;
             }
         }
-        if (s >> top) & 1 != 0 {
-            set += 1;
-            set_sum += r - set_next;
-            set_next = r + 1;
-        }
+        let bit = (s >> top) & 1;
+        set += bit;
+        set_sum += (r - set_next) & bit.wrapping_neg();
+        set_next += (r + 1 - set_next) & bit.wrapping_neg();
     }
     h.esc = esc;
     let mut step_bits = pos_bits;
@@ -1284,10 +1353,10 @@ fn choose(st: &Staged, wb: usize) -> Choice {
 /// Writes a class's region.
 fn write_class(st: &Staged, h: &ClassHead, raw: bool, (wb, new): (usize, &[u8])) -> Vec<u8> {
     let mut w = FastWriter::default();
-    w.reserve(st.gap.len() * 4 + 64);
+    w.reserve(st.n * 4 + 64);
     if raw {
         let bits = 8 * wb as u32;
-        for (&g, &i) in st.gap.iter().zip(&st.idx) {
+        for (&g, &i) in st.gaps().iter().zip(st.idx()) {
             put_rice(&mut w, g as u64, h.k, (0, 0));
             w.put(crate::dtype::read_word(new, wb, i as usize), bits);
         }
@@ -1296,7 +1365,7 @@ fn write_class(st: &Staged, h: &ClassHead, raw: bool, (wb, new): (usize, &[u8]))
     let top = wb as u32 * 8 - 1;
     if h.esc > 0 {
         let mut next = 0u64;
-        for (r, &s) in st.step.iter().enumerate() {
+        for (r, &s) in st.steps().iter().enumerate() {
             let m = crate::dtype::step_magnitude(wb, s);
             if m >= 2 {
                 put_rice(&mut w, r as u64 - next, h.ke, (0, 0));
@@ -1307,17 +1376,17 @@ fn write_class(st: &Staged, h: &ClassHead, raw: bool, (wb, new): (usize, &[u8]))
     }
     if h.list.is_some() {
         let mut next = 0u64;
-        for (r, &s) in st.step.iter().enumerate() {
+        for (r, &s) in st.steps().iter().enumerate() {
             if (s >> top) & 1 != 0 {
                 put_rice(&mut w, r as u64 - next, h.ko, (0, 0));
                 next = r as u64 + 1;
             }
         }
-        for &g in &st.gap {
+        for &g in st.gaps() {
             put_rice(&mut w, g as u64, h.k, (0, 0));
         }
     } else {
-        for (&g, &s) in st.gap.iter().zip(&st.step) {
+        for (&g, &s) in st.gaps().iter().zip(st.steps()) {
             put_rice(&mut w, g as u64, h.k, ((s >> top) & 1, 1));
         }
     }
@@ -1364,7 +1433,7 @@ pub(crate) fn encode(wb: usize, new: &[u8], s: &mut EncodeScratch) -> (BlockEntr
         }
     }
     if raw {
-        for m in &mut s.next {
+        for m in &mut s.next[..s.next_n] {
             *m = (*m & !3) | BIG;
         }
     }
@@ -1396,11 +1465,9 @@ fn stage<const W: usize>(
     use crate::digest::{ChangeBatch, LANES};
     use crate::dtype::load;
     for st in &mut s.class {
-        st.idx.clear();
-        st.gap.clear();
-        st.step.clear();
+        st.clear();
     }
-    s.next.clear();
+    let mut next_n = 0usize;
     let mask = word_mask(W);
     let top = W as u32 * 8 - 1;
     let mut dig = 0u64;
@@ -1409,7 +1476,7 @@ fn stage<const W: usize>(
     // by the class would chain every change through a store and a load).
     let (mut p, mut rank_small, mut rank_big) = (0usize, 0u32, 0u32);
     let [s0, s1, s2] = &mut s.class;
-    let class = [s0, s1, s2];
+    let mut class = [s0, s1, s2];
     let out = &mut s.next;
     crate::codec::scan::for_each_change_piece_on(
         platform,
@@ -1417,6 +1484,15 @@ fn stage<const W: usize>(
         base,
         new,
         |first, changed, pa, pb| {
+            // Room for the piece's changes in every class and in the next
+            // context: the loop below writes in place.
+            for st in class.iter_mut() {
+                st.room(changed.len());
+            }
+            if out.len() < next_n + changed.len() {
+                let len = (next_n + changed.len()).max(2 * out.len());
+                out.resize(len, 0);
+            }
             for chunk in changed.chunks(LANES) {
                 let mut batch = ChangeBatch::default();
                 for (j, &c) in chunk.iter().enumerate() {
@@ -1424,7 +1500,8 @@ fn stage<const W: usize>(
                     let i = (first + c as usize) as u32;
                     (batch.index[j], batch.old[j], batch.new[j]) = (ctx.first + i as u64, a, b);
                     let step = to_key(ctx.kind, W, b).wrapping_sub(to_key(ctx.kind, W, a)) & mask;
-                    out.push(member(i as u64, step, W));
+                    out[next_n] = member(i as u64, step, W);
+                    next_n += 1;
                     while p < members.len() && index(members[p]) < i {
                         let big = members[p] & BIG;
                         rank_small += 1 - big;
@@ -1449,25 +1526,13 @@ fn stage<const W: usize>(
                         crate::dtype::step_magnitude(W, step)
                     );
                     let _ = top;
-                    // The position or rank itself: the gaps are taken after.
-                    let st = &mut *class[cl];
-                    st.idx.push(i);
-                    st.gap.push(at);
-                    st.step.push(rel);
+                    class[cl].put(i, at, rel);
                 }
                 dig = dig.wrapping_add(ctx.seed.change_sum_on(platform, &batch));
             }
         },
     );
-    // Each class's positions or ranks (ascending) into gaps.
-    for st in &mut s.class {
-        let mut next = 0u32;
-        for g in &mut st.gap {
-            let at = *g;
-            *g = at - next;
-            next = at + 1;
-        }
-    }
+    s.next_n = next_n;
     dig
 }
 
@@ -1513,7 +1578,7 @@ pub fn encode_tensor(
                     stage::<W>(platform, ctx, (old, new), members, s)
                 });
                 let (e, bytes) = encode(wb, new, s);
-                (e, bytes, dig, std::mem::take(&mut s.next))
+                (e, bytes, dig, s.next().to_vec())
             })
         })
         .collect();
