@@ -742,7 +742,14 @@ impl ClassReader<'_> {
         let (mut next_esc, mut next_list) = (self.next_esc, self.next_list);
         let sign = u64::from(BIT);
         let again = &mut rec.again[..];
+        // Class 0's members are written in place (the group's room made
+        // first, the unused part cut after): no capacity check and length
+        // update per entry.
         let c0 = &mut rec.c0;
+        let mut c0_n = c0.len();
+        if C0 {
+            c0.resize(c0_n + g.count.min(BATCH), 0);
+        }
         let mut result = Ok(());
         for j in 0..g.count.min(BATCH) {
             // Gap and sign bit from one window where they fit.
@@ -806,10 +813,14 @@ impl ClassReader<'_> {
             (g.index[j], g.step[j]) = (i as u64, v);
             let code = member(0, v, W);
             if C0 {
-                c0.push((i << 2) | code);
+                c0[c0_n] = (i << 2) | code;
+                c0_n += 1;
             } else {
                 again[jm as usize] = (code | 4) as u8;
             }
+        }
+        if C0 {
+            c0.truncate(c0_n);
         }
         self.cur.at = cur.at;
         (self.next, self.r, self.e, self.l) = (next, r, e, l);
