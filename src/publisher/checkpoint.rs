@@ -187,28 +187,34 @@ impl Checkpoint {
         tensors: BTreeMap<String, TensorSet>,
         files: BTreeMap<String, Bytes>,
     ) -> Result<Checkpoint> {
-        for name in tensors.keys().chain(files.keys()) {
-            if !is_safe_file_name(name) {
-                return Err(Error::BadRequest(format!(
-                    "file name `{name}` is not a plain relative path"
-                )));
-            }
-        }
-        if let Some(n) = tensors.keys().find(|n| !n.ends_with(".safetensors")) {
-            return Err(Error::BadRequest(format!(
-                "tensor file `{n}` must be named *.safetensors"
-            )));
-        }
-        if let Some(n) = files.keys().find(|n| n.ends_with(".safetensors")) {
-            return Err(Error::BadRequest(format!(
-                "file `{n}` is named like a tensor file; pass it as tensors"
-            )));
-        }
+        check_names(tensors.keys(), files.keys())?;
         if tensors.is_empty() || tensors.values().all(|s| s.is_empty()) {
             return Err(Error::BadRequest("no tensors to publish".into()));
         }
         Ok(Checkpoint {
             tensors,
+            files: files
+                .into_iter()
+                .map(|(k, v)| (k, FileSource::Bytes(v)))
+                .collect(),
+            origin: None,
+            stamps: Vec::new(),
+        })
+    }
+
+    /// The file names and non-tensor files of a version whose tensors the
+    /// caller hands over as changes ([`super::Publisher::publish_changes`]):
+    /// its tensor files hold no tensors here.
+    pub(crate) fn for_changes(
+        tensor_files: &[String],
+        files: BTreeMap<String, Bytes>,
+    ) -> Result<Checkpoint> {
+        check_names(tensor_files.iter(), files.keys())?;
+        Ok(Checkpoint {
+            tensors: tensor_files
+                .iter()
+                .map(|n| Ok((n.clone(), TensorSet::from_tensors(Vec::new())?)))
+                .collect::<Result<_>>()?,
             files: files
                 .into_iter()
                 .map(|(k, v)| (k, FileSource::Bytes(v)))
@@ -276,6 +282,39 @@ impl Checkpoint {
             |p| p.display().to_string(),
         )
     }
+}
+
+/// Tensor files are plain relative paths named `*.safetensors`; other files
+/// are plain relative paths not named so.
+fn check_names<'a, 'b>(
+    tensors: impl Iterator<Item = &'a String>,
+    files: impl Iterator<Item = &'b String>,
+) -> Result<()> {
+    for name in tensors {
+        if !is_safe_file_name(name) {
+            return Err(Error::BadRequest(format!(
+                "file name `{name}` is not a plain relative path"
+            )));
+        }
+        if !name.ends_with(".safetensors") {
+            return Err(Error::BadRequest(format!(
+                "tensor file `{name}` must be named *.safetensors"
+            )));
+        }
+    }
+    for name in files {
+        if !is_safe_file_name(name) {
+            return Err(Error::BadRequest(format!(
+                "file name `{name}` is not a plain relative path"
+            )));
+        }
+        if name.ends_with(".safetensors") {
+            return Err(Error::BadRequest(format!(
+                "file `{name}` is named like a tensor file; pass it as tensors"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The error for a checkpoint path that cannot be read: not found (the same

@@ -20,6 +20,7 @@
 //! the state have seen), and a commit lost to another writer is followed by a
 //! resync and one retry as an anchor.
 
+mod changes;
 pub mod checkpoint;
 pub mod dist;
 mod gate;
@@ -41,6 +42,7 @@ use crate::protocol::{
 };
 use crate::store::{ConditionalWrites, Source, Store};
 
+pub use changes::{ChangedTensor, Changes, ChangesOutcome};
 pub use checkpoint::{
     Checkpoint, CheckpointOptions, DEFAULT_EXCLUDES, FileSource, SINGLE_FILE_NAME,
 };
@@ -433,15 +435,7 @@ impl Publisher {
         if let Some(done) = self.already_committed(&pos, opts, &cp)? {
             return Ok(done);
         }
-        if let (Some(step), Some(last)) = (opts.step, pos.last_step)
-            && step <= last
-        {
-            return Err(Error::Conflict(format!(
-                "step {step} is not newer than step {last} of the last committed version {}; \
-                 steps must increase",
-                pos.last.unwrap_or_default()
-            )));
-        }
+        pos.check_step(opts)?;
         let next = pos.next()?;
         match self.publish_at(&mut cp, next, opts).await {
             Err(Error::Conflict(why))
@@ -552,7 +546,6 @@ impl Publisher {
                 }
             }
             let st = &snap.state;
-            let anchor = st.anchor_bytes.max(1) as f64;
             let delta_bytes: u64 = deltas.iter().map(|d| d.1.len() as u64).sum();
             if let Some(why) = structure {
                 deltas.clear();
@@ -561,19 +554,13 @@ impl Publisher {
                 // The same content as the last version: nothing to publish.
                 cp.check_unchanged()?;
                 return Ok(Published::unchanged(st, total));
-            } else if delta_bytes as f64 > self.cfg.anchors.max_delta_fraction * anchor {
-                // Nearly the model: not worth keeping even as a bridge.
-                deltas.clear();
-                anchor_reason = Some(format!(
-                    "delta would be {:.0}% of an anchor",
-                    100.0 * delta_bytes as f64 / anchor
-                ));
-            } else if anchor_reason.is_none()
-                && (st.bytes_since_anchor + delta_bytes) as f64
-                    > self.cfg.anchors.max_replay_fraction * anchor
-            {
-                anchor_reason =
-                    Some("a newcomer's replay since the last anchor would exceed the limit".into());
+            } else if let Some((why, bridge)) = self.size_reason(st, delta_bytes) {
+                if !bridge {
+                    deltas.clear();
+                    anchor_reason = Some(why);
+                } else if anchor_reason.is_none() {
+                    anchor_reason = Some(why);
+                }
             }
         }
         // Several ranks: they agree on the kind (an anchor if any of them
@@ -602,7 +589,13 @@ impl Publisher {
                     .await
             }
             None => {
-                self.publish_delta(cp, staging, deltas, changed, opts, &staged)
+                let tensor_files = cp
+                    .tensors
+                    .iter()
+                    .map(|(n, s)| (n.clone(), FileDigests::of(s)))
+                    .collect();
+                let counts = (changed, cp.total_elements());
+                self.publish_delta(cp, staging, deltas, counts, tensor_files, opts, &staged)
                     .await
             }
         }
@@ -697,6 +690,30 @@ impl Publisher {
         None
     }
 
+    /// Why deltas of `delta_bytes` after `st` make the version an anchor, by
+    /// size; with whether they are still kept as its bridges.
+    fn size_reason(&self, st: &State, delta_bytes: u64) -> Option<(String, bool)> {
+        let anchor = st.anchor_bytes.max(1) as f64;
+        if delta_bytes as f64 > self.cfg.anchors.max_delta_fraction * anchor {
+            // Nearly the model: not worth keeping even as a bridge.
+            return Some((
+                format!(
+                    "delta would be {:.0}% of an anchor",
+                    100.0 * delta_bytes as f64 / anchor
+                ),
+                false,
+            ));
+        }
+        ((st.bytes_since_anchor + delta_bytes) as f64
+            > self.cfg.anchors.max_replay_fraction * anchor)
+            .then(|| {
+                (
+                    "a newcomer's replay since the last anchor would exceed the limit".into(),
+                    true,
+                )
+            })
+    }
+
     /// Whether every non-tensor file is the same as in the last version.
     fn files_unchanged(&self, cp: &Checkpoint) -> Result<bool> {
         let Some(snap) = &self.snapshot else {
@@ -718,7 +735,8 @@ impl Publisher {
         cp: &mut Checkpoint,
         mut staging: Staging,
         deltas: Vec<(String, Vec<u8>)>,
-        changed: u64,
+        (changed, total): (u64, u64),
+        tensor_files: BTreeMap<String, FileDigests>,
         opts: &PublishOptions,
         staged: &dist::Staged,
     ) -> Result<Published> {
@@ -759,11 +777,7 @@ impl Publisher {
             step: opts.step,
             world: self.cfg.distributed.as_ref().map(|d| d.world),
             files: files.0,
-            tensor_files: cp
-                .tensors
-                .iter()
-                .map(|(n, s)| (n.clone(), FileDigests::of(s)))
-                .collect(),
+            tensor_files,
             overlay: Vec::new(),
             snapshot_files: BTreeMap::new(),
             stamps: BTreeMap::new(),
@@ -813,7 +827,7 @@ impl Publisher {
             kind: VersionKind::Delta,
             bytes: written,
             changed,
-            total: cp.total_elements(),
+            total,
             step: opts.step,
             unchanged: false,
             anchor_reason: None,
@@ -1240,6 +1254,20 @@ impl Publisher {
 }
 
 impl Position {
+    /// A step must be newer than the last committed version's.
+    fn check_step(&self, opts: &PublishOptions) -> Result<()> {
+        if let (Some(step), Some(last)) = (opts.step, self.last_step)
+            && step <= last
+        {
+            return Err(Error::Conflict(format!(
+                "step {step} is not newer than step {last} of the last committed version {}; \
+                 steps must increase",
+                self.last.unwrap_or_default()
+            )));
+        }
+        Ok(())
+    }
+
     /// The number of the next version. A bucket whose newest manifest claims
     /// the last possible version (something other than weightcast wrote it)
     /// is refused by name rather than wrapped around.

@@ -546,3 +546,157 @@ async fn a_checkpoint_written_during_its_publish_never_poisons_the_publisher() {
     assert_eq!((out.version, out.kind), (4, VersionKind::Delta));
     fresh(4, t.weights(), t.config(), "a delta after that anchor").await;
 }
+
+/// Per tensor of `a`: the word indices where `b` differs and `b`'s words there.
+fn diff_words(a: &TensorSet, b: &TensorSet) -> Vec<(String, Vec<u64>, Vec<u8>)> {
+    a.tensors()
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let wb = weightcast::dtype::word_bytes(t.dtype);
+            let j = b.position(&t.name).unwrap();
+            let (x, y) = (a.data(i), b.data(j));
+            let (mut pos, mut new) = (Vec::new(), Vec::new());
+            for (k, (p, q)) in x.chunks(wb).zip(y.chunks(wb)).enumerate() {
+                if p != q {
+                    pos.push(k as u64);
+                    new.extend_from_slice(q);
+                }
+            }
+            (t.name.clone(), pos, new)
+        })
+        .collect()
+}
+
+fn as_changes<'a>(
+    set: &TensorSet,
+    diff: &'a [(String, Vec<u64>, Vec<u8>)],
+) -> weightcast::publisher::Changes<'a> {
+    let tensors = diff
+        .iter()
+        .map(|(name, pos, new)| {
+            let t = &set.tensors()[set.position(name).unwrap()];
+            weightcast::publisher::ChangedTensor {
+                name: name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                positions: weightcast::codec::compact::Positions::U64(pos),
+                new,
+            }
+        })
+        .collect();
+    weightcast::publisher::Changes {
+        tensor_files: BTreeMap::from([("weights.safetensors".to_string(), tensors)]),
+        files: BTreeMap::new(),
+    }
+}
+
+/// A trainer that compared versions on its GPU publishes only the changes:
+/// the versions replay bit-identically from the bucket, interleave with full
+/// publishes, and whatever a delta of those changes cannot be (an anchor
+/// due, changes found against another state, another structure) writes
+/// nothing and asks for the full tensors.
+#[tokio::test]
+async fn changes_found_by_the_trainer_publish_the_same_versions() {
+    use weightcast::publisher::{Checkpoint, ChangesOutcome};
+    let (store, _bucket) = common::local_store();
+    let work = tempfile::tempdir().unwrap();
+    let mut p = Publisher::open(store.clone(), cfg(&work.path().join("state"), 4))
+        .await
+        .unwrap();
+    let full = |set: &TensorSet| {
+        Checkpoint::from_sets(
+            BTreeMap::from([("weights.safetensors".to_string(), set.clone())]),
+            BTreeMap::new(),
+        )
+        .unwrap()
+    };
+    let mut g = Generator::new(GeneratorConfig::tiny(7));
+    let mut prev = g.snapshot();
+    let nothing = diff_words(&prev, &prev);
+    match p.publish_changes(as_changes(&prev, &nothing), &Default::default()).await.unwrap() {
+        ChangesOutcome::NeedsFull(why) => assert!(why.contains("no trusted snapshot"), "{why}"),
+        other => panic!("a first version from changes: {other:?}"),
+    }
+    p.publish(full(&prev), &Default::default()).await.unwrap();
+    // (One file is published as `model.safetensors`, whatever its name.)
+    for v in 1..=5u64 {
+        g.step();
+        let now = g.snapshot();
+        let diff = diff_words(&prev, &now);
+        let out = p
+            .publish_changes(as_changes(&prev, &diff), &Default::default())
+            .await
+            .unwrap();
+        match out {
+            ChangesOutcome::Published(pb) => {
+                assert_ne!(v, 4, "version 4 is an anchor by the cadence");
+                assert_eq!((pb.version, pb.kind), (v, VersionKind::Delta));
+                let changed: u64 = diff.iter().map(|d| d.1.len() as u64).sum();
+                assert_eq!(pb.changed, changed);
+            }
+            ChangesOutcome::NeedsFull(why) => {
+                assert_eq!(v, 4, "{why}");
+                assert!(why.contains("every 4 versions"), "{why}");
+                // nothing was written
+                assert_eq!(newest(&store).await, 3);
+                let pb = p.publish(full(&now), &Default::default()).await.unwrap();
+                assert_eq!((pb.version, pb.kind), (4, VersionKind::Anchor));
+            }
+        }
+        let (sets, _) = replay(&store, v).await;
+        assert!(same_tensors(&sets["model.safetensors"], &now), "version {v}");
+        prev = now;
+    }
+    // A full publish after a version of changes diffs against the snapshot
+    // those changes advanced.
+    g.step();
+    let now = g.snapshot();
+    let pb = p.publish(full(&now), &Default::default()).await.unwrap();
+    assert_eq!((pb.version, pb.kind), (6, VersionKind::Delta));
+    assert!(same_tensors(&replay(&store, 6).await.0["model.safetensors"], &now));
+
+    // Changes found against another state (version 5's changes again): the
+    // listed words are already the snapshot's; nothing is written.
+    let stale = diff_words(&prev, &now);
+    match p.publish_changes(as_changes(&prev, &stale), &Default::default()).await.unwrap() {
+        ChangesOutcome::NeedsFull(why) => {
+            assert!(why.contains("not found against version 6"), "{why}")
+        }
+        other => panic!("stale changes published: {other:?}"),
+    }
+    assert_eq!(newest(&store).await, 6);
+    // No changes: the version is unchanged.
+    let none: Vec<_> = stale.iter().map(|(n, _, _)| (n.clone(), Vec::new(), Vec::new())).collect();
+    match p.publish_changes(as_changes(&now, &none), &Default::default()).await.unwrap() {
+        ChangesOutcome::Published(pb) => assert!(pb.unchanged && pb.version == 6),
+        other => panic!("{other:?}"),
+    }
+    // Another structure (a tensor missing), malformed changes: refused.
+    let fewer = &none[1..];
+    assert!(matches!(
+        p.publish_changes(as_changes(&now, fewer), &Default::default()).await.unwrap(),
+        ChangesOutcome::NeedsFull(why) if why.contains("tensors given")
+    ));
+    g.step();
+    let next = g.snapshot();
+    let mut bad = diff_words(&now, &next);
+    let k = bad.iter().position(|d| d.1.len() > 2).unwrap();
+    bad[k].1.swap(0, 1);
+    let e = p
+        .publish_changes(as_changes(&now, &bad), &Default::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), weightcast::error::ErrorKind::BadRequest, "{e}");
+    assert!(e.to_string().contains(&bad[k].0) && e.to_string().contains("ascending"), "{e}");
+    assert_eq!(newest(&store).await, 6);
+    // And the good changes still publish.
+    let good = diff_words(&now, &next);
+    let out = p.publish_changes(as_changes(&now, &good), &Default::default()).await.unwrap();
+    assert!(matches!(out, ChangesOutcome::Published(ref pb) if pb.version == 7), "{out:?}");
+    assert!(same_tensors(&replay(&store, 7).await.0["model.safetensors"], &next));
+}
+
+async fn newest(store: &Store) -> u64 {
+    weightcast::protocol::newest_version(store).await.unwrap().unwrap()
+}

@@ -156,22 +156,11 @@ pub fn encode_delta_ctx(
             let wb = word_bytes(t.dtype);
             let (old, nw) = (base.data(idx), new.data(idx));
             match opts.encoding {
-                Encoding::Compact => {
-                    let e = compact::encode_tensor(key_kind(t.dtype), wb, t.seed, old, nw);
-                    Ok(TensorOut {
-                        idx,
-                        changed: e.changed,
-                        digest_change: e.digest_change,
-                        payload: vec![(
-                            format!("{}{}", t.name, compact::SUFFIX),
-                            Dtype::U8,
-                            vec![e.payload.len()],
-                            e.payload,
-                        )],
-                        blocks: Some(e.blocks),
-                        next: None,
-                    })
-                }
+                Encoding::Compact => Ok(compact_out(
+                    idx,
+                    &t.name,
+                    compact::encode_tensor(key_kind(t.dtype), wb, t.seed, old, nw),
+                )),
                 Encoding::Compact2 => {
                     let tctx = context.and_then(|c| c.tensors.get(&t.name));
                     let e =
@@ -206,6 +195,122 @@ pub fn encode_delta_ctx(
         })
         .collect::<Result<_>>()?;
 
+    let (out, summary, next, digests) = assemble(base, outs, opts, context, new.metadata())?;
+    for (idx, d) in digests.into_iter().enumerate() {
+        new.set_digest(idx, d);
+    }
+    new.mark_digests_valid();
+    Ok((out, summary, next))
+}
+
+/// One tensor's changes for [`encode_delta_changes`]: its name, the changed
+/// word indices (strictly ascending) and their new words, in order.
+#[derive(Clone, Copy, Debug)]
+pub struct TensorChanges<'a> {
+    /// The tensor.
+    pub name: &'a str,
+    /// Changed word indices.
+    pub positions: compact::Positions<'a>,
+    /// Their new words, `word_bytes(dtype)` bytes each.
+    pub new: &'a [u8],
+}
+
+/// A `compact` delta from `base` made of changes the caller found (a trainer
+/// that compared two versions on its GPU): no pass over the tensors, the old
+/// words read from `base` at the changed positions only. Tensors `changes`
+/// does not name are unchanged. Returns the object, its summary, and the new
+/// state's tensor digests in `base`'s order (derived from `base`'s).
+///
+/// The delta carries `base`'s `__metadata__`. Fails with
+/// [`Error::BaseMismatch`] when a listed word equals its old one (the changes
+/// were found against another state), [`Error::Tensor`] for malformed
+/// changes, [`Error::StructureChanged`] for a tensor `base` lacks.
+pub fn encode_delta_changes(
+    base: &TensorSet,
+    changes: &[TensorChanges<'_>],
+    opts: &DeltaOptions,
+) -> Result<(Vec<u8>, DeltaSummary, Vec<Digest>)> {
+    if !base.has_digests() {
+        return Err(Error::metadata("base", "base tensor set has no digests"));
+    }
+    if opts.encoding != Encoding::Compact {
+        return Err(Error::Unsupported {
+            encoding: "compact",
+            tensor: "(any)".into(),
+            reason: format!(
+                "changes found by the caller are encoded as `compact` only, not `{}`",
+                opts.encoding
+            ),
+        });
+    }
+    let mut by_tensor: Vec<Option<&TensorChanges<'_>>> = vec![None; base.len()];
+    for c in changes {
+        let idx = base.position(c.name).ok_or_else(|| {
+            Error::StructureChanged(format!("tensor `{}` is not in the base", c.name))
+        })?;
+        if by_tensor[idx].replace(c).is_some() {
+            return Err(Error::Tensor {
+                tensor: c.name.to_string(),
+                reason: "its changes are given twice".into(),
+            });
+        }
+    }
+    let outs: Vec<TensorOut> = base
+        .tensors()
+        .par_iter()
+        .enumerate()
+        .map(|(idx, t)| -> Result<TensorOut> {
+            let e = match by_tensor[idx] {
+                Some(c) if !c.positions.is_empty() => compact::encode_tensor_changes(
+                    key_kind(t.dtype),
+                    word_bytes(t.dtype),
+                    t.seed,
+                    &t.name,
+                    base.data(idx),
+                    c.positions,
+                    c.new,
+                )?,
+                _ => compact::EncodedTensor {
+                    changed: 0,
+                    digest_change: 0,
+                    blocks: Vec::new(),
+                    payload: Vec::new(),
+                },
+            };
+            Ok(compact_out(idx, &t.name, e))
+        })
+        .collect::<Result<_>>()?;
+    let (out, summary, _, digests) = assemble(base, outs, opts, None, base.metadata())?;
+    Ok((out, summary, digests))
+}
+
+fn compact_out(idx: usize, name: &str, e: compact::EncodedTensor) -> TensorOut {
+    TensorOut {
+        idx,
+        changed: e.changed,
+        digest_change: e.digest_change,
+        payload: vec![(
+            format!("{name}{}", compact::SUFFIX),
+            Dtype::U8,
+            vec![e.payload.len()],
+            e.payload,
+        )],
+        blocks: Some(e.blocks),
+        next: None,
+    }
+}
+
+/// The delta object from its tensors' parts: header, payload, summary, the
+/// next `compact2` context, and every tensor's new digest (in `base`'s order).
+#[allow(clippy::type_complexity)]
+fn assemble(
+    base: &TensorSet,
+    outs: Vec<TensorOut>,
+    opts: &DeltaOptions,
+    context: Option<&Context>,
+    metadata: &BTreeMap<String, String>,
+) -> Result<(Vec<u8>, DeltaSummary, Option<Context>, Vec<Digest>)> {
+    let mut digests: Vec<Digest> = base.tensors().iter().map(|t| t.digest).collect();
     let mut entries = BTreeMap::new();
     let mut payload = Vec::new();
     let mut next_tensors = BTreeMap::new();
@@ -215,7 +320,7 @@ pub fn encode_delta_ctx(
         let words = t.words() as u64;
         total += words;
         let digest = t.digest.wrapping_add(Digest(o.digest_change));
-        new.set_digest(o.idx, digest);
+        digests[o.idx] = digest;
         if o.changed == 0 {
             continue;
         }
@@ -239,7 +344,6 @@ pub fn encode_delta_ctx(
         );
         payload.extend(o.payload);
     }
-    new.mark_digests_valid();
     payload.sort_by(|a, b| a.0.cmp(&b.0));
 
     let mut hasher = blake3::Hasher::new();
@@ -252,7 +356,9 @@ pub fn encode_delta_ctx(
         model_version: opts.model_version,
         base_version: Some(opts.base_version),
         base_digest: Some(base.digest()),
-        digest: new.digest(),
+        digest: digests
+            .iter()
+            .fold(Digest::default(), |a, &d| a.wrapping_add(d)),
         tensor_count: base.len() as u64,
         total_elements: base.total_elements(),
         changed_elements: changed,
@@ -270,7 +376,7 @@ pub fn encode_delta_ctx(
         }),
     };
     let mut meta = header.to_metadata();
-    meta.insert(keys::METADATA.into(), trainer_metadata_json(new.metadata()));
+    meta.insert(keys::METADATA.into(), trainer_metadata_json(metadata));
     if opts.encoding == Encoding::Trl {
         add_trl_keys(&mut meta, &header, &opts.trl);
     }
@@ -297,7 +403,7 @@ pub fn encode_delta_ctx(
             next_tensors,
         )
     });
-    Ok((out, summary, next))
+    Ok((out, summary, next, digests))
 }
 
 /// The new file's `__metadata__` as a delta carries it ([`keys::METADATA`]):
@@ -327,4 +433,135 @@ fn add_trl_keys(meta: &mut BTreeMap<String, String>, h: &Header, opts: &TrlOptio
         h.total_elements,
         opts,
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::apply_delta;
+    use crate::codec::compact::{BLOCK_WORDS, Positions};
+    use crate::dtype::read_word;
+
+    /// A base and a new state of three tensors: a bf16 one of more than one
+    /// block with ±1-ulp steps, an f32 one whose changes are large jumps
+    /// (raw values), and an unchanged u8 one; with each tensor's changed
+    /// positions and new words.
+    #[allow(clippy::type_complexity)]
+    fn states() -> (TensorSet, TensorSet, Vec<(String, Vec<u64>, Vec<u8>)>) {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let big = BLOCK_WORDS as usize + 4099;
+        let shapes: [(&str, Dtype, usize); 3] =
+            [("a.bf16", Dtype::BF16, big), ("b.f32", Dtype::F32, 5000), ("c.u8", Dtype::U8, 300)];
+        let (mut base, mut new, mut changes) = (Vec::new(), Vec::new(), Vec::new());
+        for (name, dtype, words) in shapes {
+            let wb = word_bytes(dtype);
+            let old: Vec<u8> = (0..words * wb).map(|_| rnd() as u8 & 0x3f).collect();
+            let mut nw = old.clone();
+            let (mut pos, mut vals) = (Vec::new(), Vec::new());
+            if dtype != Dtype::U8 {
+                for i in 0..words {
+                    // dense at the start, sparse later, the last word too
+                    if (i < 64 || rnd() % 61 == 0 || i == words - 1) && i != 70 {
+                        let w = read_word(&old, wb, i);
+                        let w2 = if dtype == Dtype::F32 { w ^ 0x4000_0000 } else { w + 1 };
+                        nw[i * wb..(i + 1) * wb].copy_from_slice(&w2.to_le_bytes()[..wb]);
+                        pos.push(i as u64);
+                        vals.extend_from_slice(&w2.to_le_bytes()[..wb]);
+                    }
+                }
+            }
+            base.push((name.to_string(), dtype, vec![words], old));
+            new.push((name.to_string(), dtype, vec![words], nw));
+            changes.push((name.to_string(), pos, vals));
+        }
+        (
+            TensorSet::from_tensors(base).unwrap(),
+            TensorSet::from_tensors(new).unwrap(),
+            changes,
+        )
+    }
+
+    #[test]
+    fn changes_given_encode_the_delta_a_scan_finds() {
+        let (base, new, changes) = states();
+        let opts = DeltaOptions::new(Encoding::Compact, 1, 0);
+        let mut scanned = new.clone();
+        let (dense, dense_summary) = encode_delta(&base, &mut scanned, &opts).unwrap();
+        let narrow: Vec<Vec<u32>> = changes
+            .iter()
+            .map(|c| c.1.iter().map(|&p| p as u32).collect())
+            .collect();
+        for wide in [true, false] {
+            let given: Vec<TensorChanges<'_>> = changes
+                .iter()
+                .zip(&narrow)
+                .map(|((n, p, v), p32)| TensorChanges {
+                    name: n,
+                    positions: if wide { Positions::U64(p) } else { Positions::U32(p32) },
+                    new: v,
+                })
+                .collect();
+            let (bytes, summary, digests) = encode_delta_changes(&base, &given, &opts).unwrap();
+            assert_eq!(summary.changed, dense_summary.changed);
+            assert_eq!(summary.digest, dense_summary.digest);
+            let expect: Vec<Digest> = scanned.tensors().iter().map(|t| t.digest).collect();
+            assert_eq!(digests, expect);
+            // Staged exactly, never larger than the scanning encoder's.
+            assert!(bytes.len() <= dense.len() + 64, "{} vs {}", bytes.len(), dense.len());
+            let mut state = base.clone();
+            apply_delta(&mut state, &bytes).unwrap();
+            for i in 0..new.len() {
+                assert!(state.data(i) == new.data(i), "tensor {i} differs after applying");
+            }
+        }
+    }
+
+    #[test]
+    fn malformed_or_foreign_changes_are_refused_by_name() {
+        let (base, _, changes) = states();
+        let opts = DeltaOptions::new(Encoding::Compact, 1, 0);
+        let (name, pos, vals) = &changes[0];
+        let run = |pos: &[u64], vals: &[u8], n: &str| {
+            let one = [TensorChanges {
+                name: n,
+                positions: Positions::U64(pos),
+                new: vals,
+            }];
+            encode_delta_changes(&base, &one, &opts).unwrap_err()
+        };
+        // out of order
+        let mut swapped = pos.clone();
+        swapped.swap(3, 4);
+        let e = run(&swapped, vals, name);
+        assert!(matches!(&e, Error::Tensor { tensor, reason } if tensor == name && reason.contains("ascending")), "{e}");
+        // repeated
+        let mut twice = pos.clone();
+        twice[4] = twice[3];
+        assert!(matches!(run(&twice, vals, name), Error::Tensor { .. }));
+        // outside the tensor
+        let mut far = pos.clone();
+        *far.last_mut().unwrap() = base.tensors()[0].words() as u64;
+        let e = run(&far, vals, name);
+        assert!(e.to_string().contains("outside the tensor"), "{e}");
+        // wrong length of new words
+        let e = run(pos, &vals[..vals.len() - 2], name);
+        assert!(e.to_string().contains("bytes of new words"), "{e}");
+        // a word the base already has: found against another state
+        let mut same = vals.clone();
+        same[10..12].copy_from_slice(&base.data(0)[2 * pos[5] as usize..2 * pos[5] as usize + 2]);
+        let e = run(pos, &same, name);
+        assert!(matches!(&e, Error::BaseMismatch(m) if m.contains(name.as_str())), "{e}");
+        // a tensor the base lacks
+        assert!(matches!(run(pos, vals, "nope"), Error::StructureChanged(_)));
+        // another encoding
+        let one = [TensorChanges { name, positions: Positions::U64(pos), new: vals }];
+        let opts2 = DeltaOptions::new(Encoding::Compact2, 1, 0);
+        assert!(matches!(encode_delta_changes(&base, &one, &opts2), Err(Error::Unsupported { .. })));
+    }
 }

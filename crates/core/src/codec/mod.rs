@@ -39,7 +39,9 @@ pub use apply::{
 };
 pub use compact::vector;
 pub use compact::{Context, ContextId, TensorContext};
-pub use encode::{DeltaOptions, DeltaSummary, encode_delta, encode_delta_ctx};
+pub use encode::{
+    DeltaOptions, DeltaSummary, TensorChanges, encode_delta, encode_delta_changes, encode_delta_ctx,
+};
 pub use header::{AnchorSummary, keep_trainer_metadata};
 
 /// The cache hints the codec's scatter loops use, under their old path

@@ -299,7 +299,7 @@ fn encode_block_w<const W: usize>(
             stage_piece::<W>(ctx, &mut st, (piece_first, changed, pa, pb));
         });
     }
-    let bytes = write_staged::<W>(&st.stats, st.gaps, st.steps, new);
+    let bytes = write_staged::<W>(&st.stats, st.gaps, st.steps, |_, at| load::<W>(new, at));
     (bytes.0, bytes.1, st.dig)
 }
 
@@ -458,12 +458,14 @@ fn emit_long(
     w.reserve(room);
 }
 
-/// Encodes staged changes with parameters chosen from all of them.
-fn write_staged<const W: usize>(
+/// Encodes staged changes with parameters chosen from all of them;
+/// `new_word(j, at)` is the new word of the `j`-th change, at word `at` of the
+/// block (read only for raw values).
+pub(super) fn write_staged<const W: usize>(
     stats: &Stats,
     gaps: &[u64],
     steps: &[u64],
-    new: &[u8],
+    new_word: impl Fn(usize, usize) -> u64,
 ) -> (BlockEntry, Vec<u8>) {
     let n = gaps.len() as u64;
     if n == 0 {
@@ -496,11 +498,11 @@ fn write_staged<const W: usize>(
         ValueCoding::Raw => {
             // Raw mode is rare (large jumps); read the new words back.
             let mut at = 0u64;
-            for &g in gaps {
+            for (j, &g) in gaps.iter().enumerate() {
                 at += g;
                 w.put_unary(g >> k);
                 w.put(g & ((1u64 << k) - 1), k);
-                w.put(load::<W>(new, at as usize), W as u32 * 8);
+                w.put(new_word(j, at as usize), W as u32 * 8);
                 at += 1;
             }
         }
@@ -537,7 +539,7 @@ const SMALL: usize = 256;
 /// are chosen without another pass over its changes. The common cases (gap sum,
 /// ±1 and ±2 steps) are plain counters the hot loop keeps in registers; only the
 /// rare larger steps go to a histogram.
-struct Stats {
+pub(super) struct Stats {
     /// Number of changes.
     n: u64,
     /// Sum of the gaps.
@@ -576,8 +578,8 @@ impl Stats {
     }
 
     /// Records one change (the hot loop inlines the counters instead).
-    #[cfg(test)]
-    fn add(&mut self, gap: u64, magnitude: u64) {
+    #[inline]
+    pub(super) fn add(&mut self, gap: u64, magnitude: u64) {
         self.n += 1;
         self.gap_sum += gap;
         match magnitude {
@@ -673,7 +675,7 @@ mod tests {
         for_each_change_piece_on(Platform::detect(), 2, base, new, |pf, ch, pa, pb| {
             stage_piece::<2>(ctx, &mut st, (pf, ch, pa, pb))
         });
-        write_staged::<2>(&st.stats, st.gaps, st.steps, new).0
+        write_staged::<2>(&st.stats, st.gaps, st.steps, |_, at| load::<2>(new, at)).0
     }
 
     #[test]

@@ -33,6 +33,7 @@
 //!   over the types this file defines ([`Ctx`], `Group`).
 
 mod apply;
+mod changes;
 pub mod context;
 mod decode;
 mod encode;
@@ -41,6 +42,7 @@ pub mod vector;
 
 pub use apply::{BlockUndo, apply_block, apply_block_members, undo_block};
 pub(crate) use apply::{Kept, entry_member, verify_block, write_kept};
+pub use changes::{Positions, encode_tensor_changes};
 pub use context::{Context, ContextId, TensorContext};
 pub use decode::{decode_block, split_blocks};
 pub use encode::encode_tensor;
