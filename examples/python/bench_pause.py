@@ -290,12 +290,19 @@ def publish_from_device(a: argparse.Namespace, pub: "weightcast.Publisher", trai
                         dev: "torch.device", sync, step: int) -> dict:
     """The trainer side on a GPU: a delta published from device memory,
     against a pinned device-to-host copy of the model (the floor the issue
-    sets: at most 2x) and a comparison of two versions on the device."""
+    sets: at most 2x) and a comparison of two versions on the device. Both
+    ways: through host memory (``diff_on_device=False``: copy everything to
+    pinned memory, diff on the host) and from changes found on the device
+    (the default where the device has room for the copy)."""
     on_dev = {k: v.to(dev) for k, v in trainer.items()}
     pinned = {k: torch.empty_like(v, pin_memory=torch.cuda.is_available())
               for k, v in trainer.items()}
-    d2h, publish, compare = [], [], []
-    for r in range(a.repeats):
+    d2h, compare = [], []
+    publish = {"host": [], "device": []}
+    phases = []
+
+    def version(mode: str) -> None:
+        nonlocal step
         sync()
         t = time.perf_counter()
         for k, v in on_dev.items():
@@ -315,16 +322,36 @@ def publish_from_device(a: argparse.Namespace, pub: "weightcast.Publisher", trai
         compare.append(time.perf_counter() - t)
         del before
         t = time.perf_counter()
-        out = pub.publish(on_dev, step=step + r)
-        publish.append(time.perf_counter() - t)
+        out = pub.publish(on_dev, step=step)
+        took = time.perf_counter() - t
+        step += 1
         assert out["kind"] == "delta" and out["changed"] == n, (out, n)
-    p, c = statistics.median(publish), statistics.median(d2h)
-    return {
-        "publish_from_device_s": [round(x, 4) for x in publish],
+        if mode:
+            assert pub.last_phases["path"] == mode, (mode, pub.last_phases)
+            publish[mode].append(took)
+            if mode == "device":
+                phases.append({k: round(v, 4) for k, v in pub.last_phases.items()
+                               if isinstance(v, float)})
+
+    pub.diff_on_device = False
+    for _ in range(a.repeats):
+        version("host")
+    pub.diff_on_device = None
+    version("")  # takes the device copy (through host memory)
+    for _ in range(a.repeats):
+        version("device" if dev.type == "cuda" else "host")
+    c = statistics.median(d2h)
+    out = {
+        "publish_from_device_s": [round(x, 4) for x in publish["device"]],
+        "publish_from_device_host_path_s": [round(x, 4) for x in publish["host"]],
+        "publish_from_device_phases": phases,
         "pinned_d2h_s": [round(x, 4) for x in d2h],
         "device_compare_s": [round(x, 4) for x in compare],
-        "publish_from_device_over_d2h": round(p / c, 2),
+        "publish_host_path_over_d2h": round(statistics.median(publish["host"]) / c, 2),
     }
+    if publish["device"]:
+        out["publish_from_device_over_d2h"] = round(statistics.median(publish["device"]) / c, 2)
+    return out
 
 
 if __name__ == "__main__":

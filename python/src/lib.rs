@@ -131,7 +131,7 @@ type Spec = (String, String, Vec<usize>, usize, usize);
 ///    names for one storage), and the documented contract of every call that
 ///    releases the GIL is that no other thread mutates these tensors during
 ///    it (as with any extension that releases the GIL over a buffer).
-struct Lent {
+pub(crate) struct Lent {
     ptr: usize,
     len: usize,
     writable: bool,
@@ -155,6 +155,29 @@ impl Lent {
         // tensor's memory for the duration of the call, checked non-null and
         // not wrapping; bytes have no alignment or validity requirement.
         unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
+    }
+
+    /// The range as integers of type `T` (`u32` or `u64`: changed
+    /// positions), refused unless aligned and a whole number of them.
+    fn ints<T: PlainInt>(&self, name: &str) -> Result<&[T]> {
+        let bytes = self.slice();
+        // SAFETY: `T` is `u32` or `u64` (the sealed `PlainInt`), for which
+        // every bit pattern is a valid value, so reinterpreting initialized
+        // bytes is sound; `align_to` itself puts only correctly aligned,
+        // whole values in the middle part, and the prefix and suffix are
+        // required to be empty below, so the result covers exactly the lent
+        // range. The range's lifetime is `slice`'s.
+        let (pre, mid, post) = unsafe { bytes.align_to::<T>() };
+        if !pre.is_empty() || !post.is_empty() {
+            return Err(Error::BadRequest(format!(
+                "tensor `{name}`: changed positions must be {}-byte aligned whole integers \
+                 ({} bytes at {:#x})",
+                std::mem::size_of::<T>(),
+                self.len,
+                self.ptr
+            )));
+        }
+        Ok(mid)
     }
 
     fn slice_mut(&mut self) -> &mut [u8] {
@@ -183,7 +206,18 @@ impl ExternalBuffer for Lent {
     }
 }
 
-fn dtype(name: &str, d: &str) -> Result<Dtype> {
+/// Integers whose every bit pattern is a value (what [`Lent::ints`] may
+/// reinterpret bytes as).
+trait PlainInt: Copy + sealed::Sealed {}
+impl PlainInt for u32 {}
+impl PlainInt for u64 {}
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for u32 {}
+    impl Sealed for u64 {}
+}
+
+pub(crate) fn dtype(name: &str, d: &str) -> Result<Dtype> {
     parse_dtype(d)
         .map_err(|_| Error::BadRequest(format!("tensor `{name}`: unknown safetensors dtype `{d}`")))
 }

@@ -8,13 +8,29 @@ use std::sync::Mutex;
 use bytes::Bytes;
 use pyo3::prelude::*;
 
+use weightcast::codec::compact::PositionSlice;
 use weightcast::error::Error;
 use weightcast::publisher::{
-    AnchorEncoding, AnchorPolicy, Checkpoint, PublishOptions, Publisher, PublisherConfig,
+    AnchorEncoding, AnchorPolicy, ChangedTensor, Changes, ChangesOutcome, Checkpoint,
+    PublishOptions, Publisher, PublisherConfig,
 };
 use weightcast::tensors::TensorSet;
 
-use crate::{OrPy, Result, Spec, block_on, json, lend, seconds, store};
+use crate::{Lent, OrPy, Result, Spec, block_on, dtype, json, lend, seconds, store};
+
+/// One tensor's changes as the Python side lends them: name, dtype, shape,
+/// the positions (address, count, width in bytes: 4 or 8) and the new words
+/// (address, bytes), in host memory.
+type ChangeSpec = (
+    String,
+    String,
+    Vec<usize>,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+);
 
 /// One rank of `world` publishing its shards of each step
 /// (`weightcast publish --rank R --world W`); `None` for a lone publisher.
@@ -155,6 +171,79 @@ impl NativePublisher {
                 .map_err(|_| Error::BadRequest("a previous publish panicked".into()))?;
             let out = block_on(p.publish(cp, &PublishOptions { step }))??;
             Ok(json(&out))
+        };
+        py.detach(run).py()
+    }
+
+    /// Publishes the next version from changes (tensor file → every tensor's
+    /// changed positions and new words, lent in host memory) found against
+    /// the last version this publisher committed. Returns the `Published`
+    /// JSON, or `{"needs_full": reason}` when nothing was written and the
+    /// full tensors must be published instead.
+    #[pyo3(signature = (tensor_files, files, step))]
+    fn publish_changes(
+        &self,
+        py: Python<'_>,
+        tensor_files: Vec<(String, Vec<ChangeSpec>)>,
+        files: Vec<(String, Vec<u8>)>,
+        step: Option<u64>,
+    ) -> PyResult<String> {
+        let run = || -> Result<String> {
+            let mut lent = Vec::new();
+            for (file, specs) in tensor_files {
+                let mut tensors = Vec::with_capacity(specs.len());
+                for (name, d, shape, pos_ptr, count, width, new_ptr, new_len) in specs {
+                    let dtype = dtype(&name, &d)?;
+                    let pos_len = count.checked_mul(width).ok_or_else(|| {
+                        Error::BadRequest(format!("tensor `{name}`: {count} positions overflow"))
+                    })?;
+                    let pos = Lent::new(&name, pos_ptr, pos_len, false)?;
+                    let new = Lent::new(&name, new_ptr, new_len, false)?;
+                    tensors.push((name, dtype, shape, width, pos, new));
+                }
+                lent.push((file, tensors));
+            }
+            let mut changes = Changes {
+                files: files
+                    .into_iter()
+                    .map(|(n, b)| (n, Bytes::from(b)))
+                    .collect(),
+                ..Default::default()
+            };
+            for (file, tensors) in &lent {
+                let mut list = Vec::with_capacity(tensors.len());
+                for (name, dtype, shape, width, pos, new) in tensors {
+                    let positions = match width {
+                        4 => PositionSlice::U32(pos.ints::<u32>(name)?),
+                        8 => PositionSlice::U64(pos.ints::<u64>(name)?),
+                        w => {
+                            return Err(Error::BadRequest(format!(
+                                "tensor `{name}`: positions of {w} bytes (4 or 8 expected)"
+                            )));
+                        }
+                    };
+                    list.push(ChangedTensor {
+                        name: name.clone(),
+                        dtype: *dtype,
+                        shape: shape.clone(),
+                        positions,
+                        new: new.slice(),
+                    });
+                }
+                if changes.tensor_files.insert(file.clone(), list).is_some() {
+                    return Err(Error::BadRequest(format!(
+                        "tensor file `{file}` given twice"
+                    )));
+                }
+            }
+            let mut p = self
+                .inner
+                .lock()
+                .map_err(|_| Error::BadRequest("a previous publish panicked".into()))?;
+            match block_on(p.publish_changes(changes, &PublishOptions { step }))?? {
+                ChangesOutcome::Published(out) => Ok(json(&out)),
+                ChangesOutcome::NeedsFull(why) => Ok(json(&BTreeMap::from([("needs_full", why)]))),
+            }
         };
         py.detach(run).py()
     }

@@ -111,6 +111,81 @@ def test_training_steps_published_from_memory_applied_in_place_bit_identical(
     assert all(as_bytes(sd[k]) == as_bytes(params[k]) for k in sd)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_trainer_diffs_on_its_device_and_publishes_only_the_changes(torch, bucket, dtype, device):
+    """``diff_on_device``: the publisher compares each version with its copy
+    of the last one where the tensors live and hands the library only the
+    changes. Every version replays bit-identically; anchors (the cadence)
+    go the full way and take a fresh copy; a copy that is not the last
+    version (tampered with here) is caught by the library's check of the
+    listed words against its snapshot and the version goes the full way."""
+    url, state = bucket
+    dt = getattr(torch, dtype)
+    trainer = small_model(torch, dt).to(device)
+    pub = weightcast.Publisher(url, state_dir=state, anchor_every=4, diff_on_device=True)
+    sub = weightcast.Subscriber(url)
+    held = {k: torch.zeros_like(v, device="cpu") for k, v in trainer.state_dict().items()}
+    out = pub.publish(trainer.state_dict(), step=0)
+    assert out["kind"] == "anchor" and pub.last_phases["path"] == "host"
+    sub.poll().apply_to(held)
+    paths = []
+    # bf16: AdamW steps (sparse after rounding); f32: AdamW would move every
+    # element (anchors by size), so sparse nudges of 2%
+    steps = train(torch, trainer, 7, lr=1e-4) if dtype == "bfloat16" else nudges(torch, trainer, 7)
+    for step, sd in enumerate(steps, start=1):
+        if step == 6:
+            # the copy drifts from what was published: at an element this
+            # step leaves alone (the same word as the last version)
+            copy = pub._base.copy[("model.safetensors", "4.weight")]
+            same = (copy == sd["4.weight"]).view(-1).nonzero()
+            with torch.no_grad():
+                copy.view(-1)[same[0, 0]] += 1
+        n = sum(int((as_words(torch, v) != as_words(torch, held[k].to(device))).sum())
+                for k, v in sd.items())
+        out = pub.publish(sd, step=step)
+        paths.append((out["version"], out["kind"], pub.last_phases["path"]))
+        if out["kind"] == "delta":
+            assert out["changed"] == n, (out, n)
+        u = sub.poll()
+        assert u.version == out["version"]
+        u.apply_to(held)
+        for k, v in sd.items():
+            assert as_bytes(v.cpu()) == as_bytes(held[k]), f"{k} at step {step}"
+    kinds = {v: (k, p) for v, k, p in paths}
+    assert kinds[4][0] == "anchor" and kinds[4][1] == "host", paths
+    # version 6's copy was tampered with: refused by the library, published
+    # in full; the versions around it from changes found on the device
+    assert kinds[6][1] == "host", paths
+    for v in (1, 2, 3, 5, 7):
+        if kinds[v][0] == "delta":
+            assert kinds[v][1] == "device", paths
+    assert sum(k == "delta" and p == "device" for k, p in kinds.values()) >= 4, paths
+    # Off: every version through host memory.
+    pub2 = weightcast.Publisher(url, state_dir=state, diff_on_device=False)
+    sd = {k: v.clone() for k, v in trainer.state_dict().items()}
+    sd["1.weight"].view(-1)[::7] += 1
+    out = pub2.publish(sd, step=100)
+    assert pub2.last_phases["path"] == "host" and out["kind"] == "delta"
+
+
+def nudges(torch, model, steps):
+    """2% of each parameter's elements scaled a little per step."""
+    g = torch.Generator().manual_seed(2)
+    for _ in range(steps):
+        with torch.no_grad():
+            for p in model.parameters():
+                flat = p.view(-1)
+                idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 50),),
+                                    generator=g).to(p.device)
+                flat[idx] = flat[idx] * 1.01 + 1e-3
+        yield model.state_dict()
+
+
+def as_words(torch, t):
+    es = t.element_size()
+    return t.contiguous().view(-1).view({2: torch.int16, 4: torch.int32}[es])
+
+
 def test_publish_rejects_a_noncontiguous_write_target_and_accepts_views(torch, bucket):
     url, state = bucket
     pub = weightcast.Publisher(url, state_dir=state)

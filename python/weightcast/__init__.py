@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 import numpy as np
 
-from . import _device, _errors, _native
+from . import _device, _diff, _errors, _native
 from ._errors import (
     BadRequest,
     BaseMismatch,
@@ -88,6 +88,16 @@ class Publisher:
     (required); the version is committed once all ranks have uploaded
     (``weightcast publish --rank R --world W``, waiting up to
     ``rank_timeout`` seconds for the others).
+
+    ``diff_on_device`` (CUDA tensors, ``compact``, one rank): the publisher
+    keeps a copy of the last committed version on the tensors' device,
+    compares there, and moves only the changes to the host, so a delta costs
+    less than copying the model off the GPU. ``None`` (the default) does so
+    when the copy leaves at least a tenth of the device (and 1 GiB) free;
+    ``False`` never (every publish copies the tensors to pinned host memory
+    and diffs there); ``True`` always, CPU tensors included. Anchors and any
+    version the changes cannot make (see ``Publisher::publish_changes``) go
+    the full way, which takes a fresh copy.
     """
 
     def __init__(
@@ -106,8 +116,15 @@ class Publisher:
         rank: Optional[int] = None,
         world: int = 1,
         rank_timeout: float = 600.0,
+        diff_on_device: Optional[bool] = None,
     ) -> None:
         self.store_url = store_url
+        self.diff_on_device = diff_on_device
+        self._changes_ok = encoding == "compact" and int(world) == 1
+        self._base = _diff.DeviceBase()
+        #: Timings of the last publish's phases (``device_diff_s``, ``to_host_s``,
+        #: ``native_s``; ``path``: ``device`` or ``host``).
+        self.last_phases: Dict[str, Any] = {}
         self._native = _native.NativePublisher(
             store_url,
             os.fspath(state_dir),
@@ -164,7 +181,9 @@ class Publisher:
         dtype), numpy arrays or :class:`Raw`; they form one tensor file
         ``file_name``, or pass ``{file: {name: tensor}}`` for several.
         CPU tensors are read in place (do not modify them until this
-        returns); CUDA tensors are copied to pinned host memory first.
+        returns); CUDA tensors are compared on their device with the copy
+        of the last version (``diff_on_device``), or copied to pinned host
+        memory first.
         ``files`` adds other files (config, tokenizer): bytes, or a path to
         read. ``step`` is the trainer's step, which must increase.
 
@@ -173,11 +192,8 @@ class Publisher:
         exits right after publishing calls :meth:`notifications_settled`.
         """
         groups = group_files(tensors, file_name)
-        specs = []
-        keep: List[Any] = []
-        synced = False
+        untied: Dict[str, Mapping[str, Any]] = {}
         for file, group in groups.items():
-            lst = []
             group, tied = untie(group)
             if tied and tied != self._tied.get(file):
                 # Published once, under the first name: writing it in an
@@ -185,6 +201,55 @@ class Publisher:
                 logger.info("%s: tied tensors published once: %s", file,
                             ", ".join(f"{a} -> {k}" for a, k in sorted(tied.items())))
                 self._tied[file] = tied
+            untied[file] = group
+        bodies = []
+        for name, body in (files or {}).items():
+            if isinstance(body, (bytes, bytearray, memoryview)):
+                bodies.append((name, bytes(body)))
+            else:
+                with open(body, "rb") as f:
+                    bodies.append((name, f.read()))
+        diffable = self._changes_ok and _diff.DeviceBase.eligible(untied, self.diff_on_device)
+        if diffable and self._base.matches(untied, self._native.version):
+            out = self._publish_changes(untied, bodies, step)
+            if out is not None:
+                return out
+        keep_copy = diffable and (self.diff_on_device is True or _diff.DeviceBase.fits(untied))
+        return self._publish_full(untied, bodies, step, keep_copy)
+
+    def _publish_changes(self, untied: Mapping[str, Mapping[str, Any]],
+                         bodies: List[Tuple[str, bytes]], step: Optional[int]
+                         ) -> Optional[Dict[str, Any]]:
+        """The version from its changes, found on the device against the
+        copy of the last one; ``None`` when it must go the full way."""
+        specs, phases = self._base.changes(untied)
+        started = time.perf_counter()
+        out = json.loads(self._native.publish_changes(specs, bodies, step))
+        phases["native_s"] = time.perf_counter() - started
+        if "needs_full" in out:
+            logger.info("publishing in full: %s", out["needs_full"])
+            self._base.drop()
+            return None
+        if not out.get("unchanged"):
+            self._base.advance(out["version"])
+        self.last_phases = {"path": "device", **phases}
+        logger.info(
+            "published version %s (%s) from changes found on the device: %s bytes, %s of %s "
+            "elements changed; diff %.3f s, to host %.3f s, library %.3f s",
+            out.get("version"), out.get("kind"), out.get("bytes"), out.get("changed"),
+            out.get("total"), phases["device_diff_s"], phases["to_host_s"], phases["native_s"],
+        )
+        return out
+
+    def _publish_full(self, untied: Mapping[str, Mapping[str, Any]],
+                      bodies: List[Tuple[str, bytes]], step: Optional[int],
+                      keep_copy: bool) -> Dict[str, Any]:
+        specs = []
+        keep: List[Any] = []
+        synced = False
+        t0 = time.perf_counter()
+        for file, group in untied.items():
+            lst = []
             for name, t in group.items():
                 if not on_cpu(t):
                     t = self._host(file, str(name), t)
@@ -193,20 +258,26 @@ class Publisher:
                 lst.append(spec)
                 keep.append(owner)
             specs.append((file, lst))
+        # The copy to diff the next version against, queued after the host
+        # copies: both see the same words.
+        copy = self._base.take(untied) if keep_copy else None
+        if not keep_copy:
+            self._base.drop()
         if synced:
             import torch
 
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-        bodies = []
-        for name, body in (files or {}).items():
-            if isinstance(body, (bytes, bytearray, memoryview)):
-                bodies.append((name, bytes(body)))
-            else:
-                with open(body, "rb") as f:
-                    bodies.append((name, f.read()))
         started = time.perf_counter()
-        out = json.loads(self._native.publish(specs, bodies, step))
+        try:
+            out = json.loads(self._native.publish(specs, [(n, b) for n, b in bodies], step))
+        except BaseException:
+            self._base.drop()
+            raise
+        if copy is not None:
+            self._base.adopt(copy, out["version"])
+        self.last_phases = {"path": "host", "to_host_s": started - t0,
+                            "native_s": time.perf_counter() - started}
         logger.info(
             "published version %s (%s): %s bytes, %s of %s elements changed in %.3f s",
             out.get("version"), out.get("kind"), out.get("bytes"), out.get("changed"),

@@ -16,7 +16,7 @@ use bytes::Bytes;
 
 use super::state::FileDigests;
 use super::{LOST_RACE, PublishOptions, Published, Publisher, checkpoint::Checkpoint};
-use crate::codec::compact::Positions;
+use crate::codec::compact::PositionSlice;
 use crate::codec::{DeltaOptions, TensorChanges, encode_delta_changes};
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
@@ -33,7 +33,7 @@ pub struct ChangedTensor<'a> {
     /// Its shape (must be the snapshot's).
     pub shape: Vec<usize>,
     /// Changed word indices, strictly ascending (none: unchanged).
-    pub positions: Positions<'a>,
+    pub positions: PositionSlice<'a>,
     /// Their new words, in order.
     pub new: &'a [u8],
 }
@@ -185,7 +185,10 @@ impl Publisher {
 
 /// What differs between the snapshot's file and the tensors given for it
 /// (names, dtypes, shapes); `None` when they match.
-fn structure_differs(base: &crate::tensors::TensorSet, given: &[ChangedTensor<'_>]) -> Option<String> {
+fn structure_differs(
+    base: &crate::tensors::TensorSet,
+    given: &[ChangedTensor<'_>],
+) -> Option<String> {
     if given.len() != base.len() {
         return Some(format!(
             "{} tensors given, the last version has {}",

@@ -580,7 +580,7 @@ fn as_changes<'a>(
                 name: name.clone(),
                 dtype: t.dtype,
                 shape: t.shape.clone(),
-                positions: weightcast::codec::compact::Positions::U64(pos),
+                positions: weightcast::codec::compact::PositionSlice::U64(pos),
                 new,
             }
         })
@@ -598,7 +598,7 @@ fn as_changes<'a>(
 /// nothing and asks for the full tensors.
 #[tokio::test]
 async fn changes_found_by_the_trainer_publish_the_same_versions() {
-    use weightcast::publisher::{Checkpoint, ChangesOutcome};
+    use weightcast::publisher::{ChangesOutcome, Checkpoint};
     let (store, _bucket) = common::local_store();
     let work = tempfile::tempdir().unwrap();
     let mut p = Publisher::open(store.clone(), cfg(&work.path().join("state"), 4))
@@ -614,7 +614,11 @@ async fn changes_found_by_the_trainer_publish_the_same_versions() {
     let mut g = Generator::new(GeneratorConfig::tiny(7));
     let mut prev = g.snapshot();
     let nothing = diff_words(&prev, &prev);
-    match p.publish_changes(as_changes(&prev, &nothing), &Default::default()).await.unwrap() {
+    match p
+        .publish_changes(as_changes(&prev, &nothing), &Default::default())
+        .await
+        .unwrap()
+    {
         ChangesOutcome::NeedsFull(why) => assert!(why.contains("no trusted snapshot"), "{why}"),
         other => panic!("a first version from changes: {other:?}"),
     }
@@ -645,7 +649,10 @@ async fn changes_found_by_the_trainer_publish_the_same_versions() {
             }
         }
         let (sets, _) = replay(&store, v).await;
-        assert!(same_tensors(&sets["model.safetensors"], &now), "version {v}");
+        assert!(
+            same_tensors(&sets["model.safetensors"], &now),
+            "version {v}"
+        );
         prev = now;
     }
     // A full publish after a version of changes diffs against the snapshot
@@ -654,12 +661,19 @@ async fn changes_found_by_the_trainer_publish_the_same_versions() {
     let now = g.snapshot();
     let pb = p.publish(full(&now), &Default::default()).await.unwrap();
     assert_eq!((pb.version, pb.kind), (6, VersionKind::Delta));
-    assert!(same_tensors(&replay(&store, 6).await.0["model.safetensors"], &now));
+    assert!(same_tensors(
+        &replay(&store, 6).await.0["model.safetensors"],
+        &now
+    ));
 
     // Changes found against another state (version 5's changes again): the
     // listed words are already the snapshot's; nothing is written.
     let stale = diff_words(&prev, &now);
-    match p.publish_changes(as_changes(&prev, &stale), &Default::default()).await.unwrap() {
+    match p
+        .publish_changes(as_changes(&prev, &stale), &Default::default())
+        .await
+        .unwrap()
+    {
         ChangesOutcome::NeedsFull(why) => {
             assert!(why.contains("not found against version 6"), "{why}")
         }
@@ -667,8 +681,15 @@ async fn changes_found_by_the_trainer_publish_the_same_versions() {
     }
     assert_eq!(newest(&store).await, 6);
     // No changes: the version is unchanged.
-    let none: Vec<_> = stale.iter().map(|(n, _, _)| (n.clone(), Vec::new(), Vec::new())).collect();
-    match p.publish_changes(as_changes(&now, &none), &Default::default()).await.unwrap() {
+    let none: Vec<_> = stale
+        .iter()
+        .map(|(n, _, _)| (n.clone(), Vec::new(), Vec::new()))
+        .collect();
+    match p
+        .publish_changes(as_changes(&now, &none), &Default::default())
+        .await
+        .unwrap()
+    {
         ChangesOutcome::Published(pb) => assert!(pb.unchanged && pb.version == 6),
         other => panic!("{other:?}"),
     }
@@ -688,15 +709,30 @@ async fn changes_found_by_the_trainer_publish_the_same_versions() {
         .await
         .unwrap_err();
     assert_eq!(e.kind(), weightcast::error::ErrorKind::BadRequest, "{e}");
-    assert!(e.to_string().contains(&bad[k].0) && e.to_string().contains("ascending"), "{e}");
+    assert!(
+        e.to_string().contains(&bad[k].0) && e.to_string().contains("ascending"),
+        "{e}"
+    );
     assert_eq!(newest(&store).await, 6);
     // And the good changes still publish.
     let good = diff_words(&now, &next);
-    let out = p.publish_changes(as_changes(&now, &good), &Default::default()).await.unwrap();
-    assert!(matches!(out, ChangesOutcome::Published(ref pb) if pb.version == 7), "{out:?}");
-    assert!(same_tensors(&replay(&store, 7).await.0["model.safetensors"], &next));
+    let out = p
+        .publish_changes(as_changes(&now, &good), &Default::default())
+        .await
+        .unwrap();
+    assert!(
+        matches!(out, ChangesOutcome::Published(ref pb) if pb.version == 7),
+        "{out:?}"
+    );
+    assert!(same_tensors(
+        &replay(&store, 7).await.0["model.safetensors"],
+        &next
+    ));
 }
 
 async fn newest(store: &Store) -> u64 {
-    weightcast::protocol::newest_version(store).await.unwrap().unwrap()
+    weightcast::protocol::newest_version(store)
+        .await
+        .unwrap()
+        .unwrap()
 }

@@ -210,7 +210,7 @@ pub struct TensorChanges<'a> {
     /// The tensor.
     pub name: &'a str,
     /// Changed word indices.
-    pub positions: compact::Positions<'a>,
+    pub positions: compact::PositionSlice<'a>,
     /// Their new words, `word_bytes(dtype)` bytes each.
     pub new: &'a [u8],
 }
@@ -439,7 +439,7 @@ fn add_trl_keys(meta: &mut BTreeMap<String, String>, h: &Header, opts: &TrlOptio
 mod tests {
     use super::*;
     use crate::codec::apply_delta;
-    use crate::codec::compact::{BLOCK_WORDS, Positions};
+    use crate::codec::compact::{BLOCK_WORDS, PositionSlice};
     use crate::dtype::read_word;
 
     /// A base and a new state of three tensors: a bf16 one of more than one
@@ -456,8 +456,11 @@ mod tests {
             x
         };
         let big = BLOCK_WORDS as usize + 4099;
-        let shapes: [(&str, Dtype, usize); 3] =
-            [("a.bf16", Dtype::BF16, big), ("b.f32", Dtype::F32, 5000), ("c.u8", Dtype::U8, 300)];
+        let shapes: [(&str, Dtype, usize); 3] = [
+            ("a.bf16", Dtype::BF16, big),
+            ("b.f32", Dtype::F32, 5000),
+            ("c.u8", Dtype::U8, 300),
+        ];
         let (mut base, mut new, mut changes) = (Vec::new(), Vec::new(), Vec::new());
         for (name, dtype, words) in shapes {
             let wb = word_bytes(dtype);
@@ -469,7 +472,11 @@ mod tests {
                     // dense at the start, sparse later, the last word too
                     if (i < 64 || rnd() % 61 == 0 || i == words - 1) && i != 70 {
                         let w = read_word(&old, wb, i);
-                        let w2 = if dtype == Dtype::F32 { w ^ 0x4000_0000 } else { w + 1 };
+                        let w2 = if dtype == Dtype::F32 {
+                            w ^ 0x4000_0000
+                        } else {
+                            w + 1
+                        };
                         nw[i * wb..(i + 1) * wb].copy_from_slice(&w2.to_le_bytes()[..wb]);
                         pos.push(i as u64);
                         vals.extend_from_slice(&w2.to_le_bytes()[..wb]);
@@ -503,7 +510,11 @@ mod tests {
                 .zip(&narrow)
                 .map(|((n, p, v), p32)| TensorChanges {
                     name: n,
-                    positions: if wide { Positions::U64(p) } else { Positions::U32(p32) },
+                    positions: if wide {
+                        PositionSlice::U64(p)
+                    } else {
+                        PositionSlice::U32(p32)
+                    },
                     new: v,
                 })
                 .collect();
@@ -513,11 +524,19 @@ mod tests {
             let expect: Vec<Digest> = scanned.tensors().iter().map(|t| t.digest).collect();
             assert_eq!(digests, expect);
             // Staged exactly, never larger than the scanning encoder's.
-            assert!(bytes.len() <= dense.len() + 64, "{} vs {}", bytes.len(), dense.len());
+            assert!(
+                bytes.len() <= dense.len() + 64,
+                "{} vs {}",
+                bytes.len(),
+                dense.len()
+            );
             let mut state = base.clone();
             apply_delta(&mut state, &bytes).unwrap();
             for i in 0..new.len() {
-                assert!(state.data(i) == new.data(i), "tensor {i} differs after applying");
+                assert!(
+                    state.data(i) == new.data(i),
+                    "tensor {i} differs after applying"
+                );
             }
         }
     }
@@ -530,7 +549,7 @@ mod tests {
         let run = |pos: &[u64], vals: &[u8], n: &str| {
             let one = [TensorChanges {
                 name: n,
-                positions: Positions::U64(pos),
+                positions: PositionSlice::U64(pos),
                 new: vals,
             }];
             encode_delta_changes(&base, &one, &opts).unwrap_err()
@@ -539,7 +558,10 @@ mod tests {
         let mut swapped = pos.clone();
         swapped.swap(3, 4);
         let e = run(&swapped, vals, name);
-        assert!(matches!(&e, Error::Tensor { tensor, reason } if tensor == name && reason.contains("ascending")), "{e}");
+        assert!(
+            matches!(&e, Error::Tensor { tensor, reason } if tensor == name && reason.contains("ascending")),
+            "{e}"
+        );
         // repeated
         let mut twice = pos.clone();
         twice[4] = twice[3];
@@ -556,12 +578,22 @@ mod tests {
         let mut same = vals.clone();
         same[10..12].copy_from_slice(&base.data(0)[2 * pos[5] as usize..2 * pos[5] as usize + 2]);
         let e = run(pos, &same, name);
-        assert!(matches!(&e, Error::BaseMismatch(m) if m.contains(name.as_str())), "{e}");
+        assert!(
+            matches!(&e, Error::BaseMismatch(m) if m.contains(name.as_str())),
+            "{e}"
+        );
         // a tensor the base lacks
         assert!(matches!(run(pos, vals, "nope"), Error::StructureChanged(_)));
         // another encoding
-        let one = [TensorChanges { name, positions: Positions::U64(pos), new: vals }];
+        let one = [TensorChanges {
+            name,
+            positions: PositionSlice::U64(pos),
+            new: vals,
+        }];
         let opts2 = DeltaOptions::new(Encoding::Compact2, 1, 0);
-        assert!(matches!(encode_delta_changes(&base, &one, &opts2), Err(Error::Unsupported { .. })));
+        assert!(matches!(
+            encode_delta_changes(&base, &one, &opts2),
+            Err(Error::Unsupported { .. })
+        ));
     }
 }

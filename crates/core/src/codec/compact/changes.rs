@@ -20,19 +20,19 @@ use crate::format::BlockEntry;
 /// the caller holds them (a GPU's `nonzero` gives 64-bit indices; 32 bits
 /// halve the transfer for tensors under 2^32 words).
 #[derive(Clone, Copy, Debug)]
-pub enum Positions<'a> {
+pub enum PositionSlice<'a> {
     /// 32-bit indices.
     U32(&'a [u32]),
     /// 64-bit indices.
     U64(&'a [u64]),
 }
 
-impl Positions<'_> {
+impl PositionSlice<'_> {
     /// How many.
     pub fn len(&self) -> usize {
         match self {
-            Positions::U32(p) => p.len(),
-            Positions::U64(p) => p.len(),
+            PositionSlice::U32(p) => p.len(),
+            PositionSlice::U64(p) => p.len(),
         }
     }
 
@@ -44,8 +44,8 @@ impl Positions<'_> {
     #[inline(always)]
     fn at(&self, j: usize) -> u64 {
         match self {
-            Positions::U32(p) => u64::from(p[j]),
-            Positions::U64(p) => p[j],
+            PositionSlice::U32(p) => u64::from(p[j]),
+            PositionSlice::U64(p) => p[j],
         }
     }
 
@@ -53,8 +53,8 @@ impl Positions<'_> {
     /// (meaningful on an ascending list; the blocks check that it is).
     fn first_from(&self, p: u64) -> usize {
         match self {
-            Positions::U32(s) => s.partition_point(|&x| u64::from(x) < p),
-            Positions::U64(s) => s.partition_point(|&x| x < p),
+            PositionSlice::U32(s) => s.partition_point(|&x| u64::from(x) < p),
+            PositionSlice::U64(s) => s.partition_point(|&x| x < p),
         }
     }
 }
@@ -75,7 +75,7 @@ pub fn encode_tensor_changes(
     seed: TensorSeed,
     name: &str,
     base: &[u8],
-    positions: Positions<'_>,
+    positions: PositionSlice<'_>,
     new: &[u8],
 ) -> Result<EncodedTensor> {
     let bad = |reason: String| Error::Tensor {
@@ -95,9 +95,10 @@ pub fn encode_tensor_changes(
         .map(|b| positions.first_from(b as u64 * BLOCK_WORDS))
         .collect();
     let last = n.checked_sub(1).map(|j| positions.at(j));
-    if let Some(p) = last.filter(|&p| p >= words).or_else(|| {
-        (bounds[blocks] != n).then(|| positions.at(bounds[blocks]))
-    }) {
+    if let Some(p) = last
+        .filter(|&p| p >= words)
+        .or_else(|| (bounds[blocks] != n).then(|| positions.at(bounds[blocks])))
+    {
         return Err(bad(format!(
             "changed position {p} is outside the tensor's {words} words"
         )));
@@ -147,7 +148,7 @@ const UNCHANGED: &str = "listed as changed but";
 fn encode_block<const W: usize>(
     ctx: Ctx,
     block: &[u8],
-    (positions, lo, hi): (Positions<'_>, usize, usize),
+    (positions, lo, hi): (PositionSlice<'_>, usize, usize),
     new: &[u8],
 ) -> std::result::Result<(BlockEntry, Vec<u8>, u64), String> {
     let block_words = (block.len() / W) as u64;
