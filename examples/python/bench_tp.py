@@ -119,6 +119,7 @@ def worker(rank, a, url, state, root, init, out):
             "anchor_step_s": round(max(x[0] for x in anchor), 4),
             "anchor_reload_s": round(max(x[3] for x in anchor), 4),
             "anchor_pause_s": round(max(x[2] for x in anchor), 4),
+            "anchor_prepare_s": round(max(x[1] for x in anchor), 4),
             "anchor_over_reload": round(max(x[2] for x in anchor) / max(x[3] for x in anchor), 2),
             "delta_step_s": round(med(0), 4),
             "delta_node_s": round(med(4), 4),

@@ -303,21 +303,49 @@ class RankFollower:
             staged = self._stage_patch(h)
         self._staged = (h, staged)
         logger.debug("rank prepared %s version %s: %d writes", h.op, h.version,
-                     sum(int(s[1].numel()) for s in staged))
+                     sum(int(s[2].numel()) for s in staged))
         _ = torch
 
     def _stage_load(self) -> List[Tuple[Any, Any, Any]]:
-        """A load stages nothing but the check that the host copy holds every
-        tensor this rank needs; the commit copies its shard in (the pause is
-        one copy of the shard, as a reload's)."""
+        """A load checks that the host copy holds every tensor this rank
+        needs. On a GPU with room for a second copy of this rank's
+        parameters it also builds the new values there, from the host copy,
+        while the engine serves: the commit is then one device copy per
+        parameter. Otherwise the commit copies the shard in from the host
+        (the pause is one copy of the shard, as a reload's)."""
         index = self.host.index()
         for cname in self.mapping.tensors:
             if cname not in index:
                 raise BaseMismatch(f"checkpoint tensor `{cname}`, which this rank's parameters "
                                    "hold, is not in the node's version")
-        return []
+        if not self._room_on_device():
+            return []
+        # Every parameter this rank loads, as it is now (elements no run
+        # covers, e.g. a vocabulary shard's padding, keep their values) ...
+        names = {r.param for runs in self.mapping.tensors.values() for r in runs}
+        fresh = {n: self._words(n).clone() for n in names}
+        # ... then the checkpoint's elements over it, from the host copy.
+        self._load(into=fresh)
+        return [(self._words(n), None, w) for n, w in fresh.items()]
 
-    def _load(self) -> None:
+    def _room_on_device(self) -> bool:
+        """Whether a copy of this rank's parameters fits on their GPU with a
+        tenth of it (and 1 GiB) to spare."""
+        torch = _torch()
+        need: Dict[Any, int] = {}
+        for t in self.params.values():
+            need[t.device] = need.get(t.device, 0) + t.numel() * t.element_size()
+        if any(d.type != "cuda" for d in need):
+            return False
+        for dev, n in need.items():
+            free, total = torch.cuda.mem_get_info(dev)
+            if free - n < max(1 << 30, total // 10):
+                return False
+        return True
+
+    def _load(self, into: Optional[Mapping[str, Any]] = None) -> None:
+        """Copies this rank's elements of every checkpoint tensor from the
+        host copy into its parameters (or into ``into``'s words instead)."""
         torch = _torch()
         arrays = self.host.arrays(writable=False)
         for cname, runs in self.mapping.tensors.items():
@@ -326,7 +354,7 @@ class RankFollower:
                 warnings.simplefilter("ignore", UserWarning)
                 src = torch.from_numpy(np.asarray(arr).view(_signed(arr.dtype.itemsize)))
             for r in runs:
-                words = self._words(r.param)
+                words = self._words(r.param) if into is None else into[r.param]
                 copy_runs(words, src, r)
 
     def _stage_patch(self, h: Handoff) -> List[Tuple[Any, Any, Any]]:
@@ -383,10 +411,13 @@ class RankFollower:
             raise BadRequest("nothing is prepared")
         h, staged = self._staged
         started = time.perf_counter()
-        if h.op == "load":
+        if h.op == "load" and not staged:
             self._load()
         for words, pos, vals in staged:
-            words.index_copy_(0, pos, vals)
+            if pos is None:  # a load built on the device: the whole parameter
+                words.copy_(vals)
+            else:
+                words.index_copy_(0, pos, vals)
         _synchronize(self.params.values())
         self.commit_seconds = time.perf_counter() - started
         self._staged = None
