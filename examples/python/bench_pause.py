@@ -299,6 +299,7 @@ def publish_from_device(a: argparse.Namespace, pub: "weightcast.Publisher", trai
               for k, v in trainer.items()}
     d2h, compare = [], []
     publish = {"host": [], "device": []}
+    diff = {"host": [], "device": []}
     phases = []
 
     def version(mode: str) -> None:
@@ -327,11 +328,14 @@ def publish_from_device(a: argparse.Namespace, pub: "weightcast.Publisher", trai
         step += 1
         assert out["kind"] == "delta" and out["changed"] == n, (out, n)
         if mode:
-            assert pub.last_phases["path"] == mode, (mode, pub.last_phases)
+            ph = pub.last_phases
+            assert ph["path"] == mode, (mode, ph)
             publish[mode].append(took)
-            if mode == "device":
-                phases.append({k: round(v, 4) for k, v in pub.last_phases.items()
-                               if isinstance(v, float)})
+            phases.append({"path": mode, **{k: round(v, 4) for k, v in ph.items()
+                                            if isinstance(v, float)}})
+            # the diff: from the tensors on the device to the delta's bytes
+            diff[mode].append(ph["device_diff_s"] + ph["to_host_s"] + ph["encode_s"]
+                              if mode == "device" else ph["to_host_s"] + ph["diff_s"])
 
     pub.diff_on_device = False
     for _ in range(a.repeats):
@@ -348,9 +352,13 @@ def publish_from_device(a: argparse.Namespace, pub: "weightcast.Publisher", trai
         "pinned_d2h_s": [round(x, 4) for x in d2h],
         "device_compare_s": [round(x, 4) for x in compare],
         "publish_host_path_over_d2h": round(statistics.median(publish["host"]) / c, 2),
+        "diff_host_path_s": [round(x, 4) for x in diff["host"]],
+        "diff_host_path_over_d2h": round(statistics.median(diff["host"]) / c, 2),
     }
     if publish["device"]:
         out["publish_from_device_over_d2h"] = round(statistics.median(publish["device"]) / c, 2)
+        out["diff_from_device_s"] = [round(x, 4) for x in diff["device"]]
+        out["diff_from_device_over_d2h"] = round(statistics.median(diff["device"]) / c, 2)
     return out
 
 

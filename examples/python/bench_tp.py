@@ -107,7 +107,7 @@ def worker(rank, a, url, state, root, init, out):
         del arrays
         times = [None] * a.world
         dist.all_gather_object(times, (step_s, r.prepare_seconds, r.pause_seconds, reload_s,
-                                       r.node_seconds))
+                                       r.node_seconds, dict(f.rank_follower.prepare_phases)))
         rows.append((r.op, times))
     if rank == 0:
         deltas = [t for op, t in rows if op == "patch"]
@@ -128,6 +128,8 @@ def worker(rank, a, url, state, root, init, out):
             "reload_s": round(med(3), 4),
             "reload_over_pause": round(med(3) / med(2), 1),
             "prepare_over_reload": round(med(1) / med(3), 3),
+            "delta_prepare_phases": [[{k: round(v, 4) for k, v in x[5].items()} for x in t]
+                                     for t in deltas],
             "downloads_per_version": sorted(set(x[0] for x in f.node.downloaded.values())),
             "download_bytes": {k: b for k, (_, b) in f.node.downloaded.items()},
         }

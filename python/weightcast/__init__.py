@@ -122,8 +122,11 @@ class Publisher:
         self.diff_on_device = diff_on_device
         self._changes_ok = encoding == "compact" and int(world) == 1
         self._base = _diff.DeviceBase()
-        #: Timings of the last publish's phases (``device_diff_s``, ``to_host_s``,
-        #: ``native_s``; ``path``: ``device`` or ``host``).
+        #: Timings of the last publish's phases. ``path``: ``device`` (changes
+        #: found on the device: ``device_diff_s``, ``to_host_s`` for the changes,
+        #: ``encode_s`` in the library) or ``host`` (``to_host_s`` for the
+        #: tensors, ``diff_s`` in the library); ``native_s``: the library's
+        #: whole publish (diff, upload, commit, snapshot).
         self.last_phases: Dict[str, Any] = {}
         self._native = _native.NativePublisher(
             store_url,
@@ -232,7 +235,7 @@ class Publisher:
             return None
         if not out.get("unchanged"):
             self._base.advance(out["version"])
-        self.last_phases = {"path": "device", **phases}
+        self.last_phases = {"path": "device", **phases, "encode_s": out.get("diff_s")}
         logger.info(
             "published version %s (%s) from changes found on the device: %s bytes, %s of %s "
             "elements changed; diff %.3f s, to host %.3f s, library %.3f s",
@@ -277,7 +280,7 @@ class Publisher:
         if copy is not None:
             self._base.adopt(copy, out["version"])
         self.last_phases = {"path": "host", "to_host_s": started - t0,
-                            "native_s": time.perf_counter() - started}
+                            "native_s": time.perf_counter() - started, "diff_s": out.get("diff_s")}
         logger.info(
             "published version %s (%s): %s bytes, %s of %s elements changed in %.3f s",
             out.get("version"), out.get("kind"), out.get("bytes"), out.get("changed"),

@@ -275,6 +275,10 @@ class RankFollower:
         self._fingerprint = mapping.fingerprint()
         self._staged: Optional[Tuple[Handoff, List[Tuple[Any, Any, Any]]]] = None
         self.commit_seconds = 0.0
+        #: Where the last patch's prepare went: ``check_s`` (the hand-off's
+        #: checksum), ``upload_s`` (the patch to the device), ``apply_s``
+        #: (positions mapped, old words checked, new words picked).
+        self.prepare_phases: Dict[str, float] = {}
 
     def _words(self, name: str) -> Any:
         from ._tensors import word_view
@@ -360,6 +364,7 @@ class RankFollower:
     def _stage_patch(self, h: Handoff) -> List[Tuple[Any, Any, Any]]:
         torch = _torch()
         vdir = Path(h.patch or "")
+        t0 = time.perf_counter()
         try:
             meta = json.loads((vdir / "patch.json").read_text())
             ok = meta["version"] == h.version and _checksum(vdir / "patch.bin") == h.checksum
@@ -376,8 +381,11 @@ class RankFollower:
         with warnings.catch_warnings():  # read-only memory, only read
             warnings.simplefilter("ignore", UserWarning)
             data = torch.from_numpy(np.asarray(blob))
+        t1 = time.perf_counter()
         if dev.type != "cpu":
             data = data.to(dev)
+            _synchronize([data])
+        t2 = time.perf_counter()
         staged = []
         checks: List[Tuple[str, str, Any, Any, Any]] = []
         for cname, e in meta["tensors"].items():
@@ -403,6 +411,8 @@ class RankFollower:
                         f"parameter `{pname}` (from `{cname}`) does not hold version {h.base} at "
                         f"element {bad}: nothing written"
                     )
+        self.prepare_phases = {"check_s": t1 - t0, "upload_s": t2 - t1,
+                               "apply_s": time.perf_counter() - t2}
         return staged
 
     def commit(self) -> int:

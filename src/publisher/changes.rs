@@ -51,7 +51,7 @@ pub struct Changes<'a> {
 #[derive(Debug)]
 pub enum ChangesOutcome {
     /// The version is committed (or unchanged).
-    Published(Published),
+    Published(Box<Published>),
     /// Nothing was written: the version cannot be a delta made from these
     /// changes (the reason says why: an anchor is due, the structure changed,
     /// the changes were found against another state, ...). Publish the full
@@ -110,6 +110,7 @@ impl Publisher {
             base_version: next - 1,
             trl: self.cfg.trl,
         };
+        let started = std::time::Instant::now();
         let mut deltas = Vec::with_capacity(tensor_files.len());
         let mut digests = BTreeMap::new();
         let (mut changed, mut total) = (0u64, 0u64);
@@ -152,25 +153,34 @@ impl Publisher {
         }
         let st = &snap.state;
         if changed == 0 && self.files_unchanged(&cp)? {
-            return Ok(ChangesOutcome::Published(Published::unchanged(st, total)));
+            return Ok(ChangesOutcome::Published(Box::new(Published::unchanged(
+                st, total,
+            ))));
         }
         let delta_bytes: u64 = deltas.iter().map(|d| d.1.len() as u64).sum();
         if let Some((why, _)) = self.size_reason(st, delta_bytes) {
             return full(why);
         }
+        let diff_s = Some(started.elapsed().as_secs_f64());
         let out = self
             .publish_delta(
                 &mut cp,
                 Staging::new(next),
-                deltas,
-                (changed, total),
-                digests,
+                super::DeltaParts {
+                    deltas,
+                    changed,
+                    total,
+                    tensor_files: digests,
+                },
                 opts,
                 &Default::default(),
             )
             .await;
         match out {
-            Ok(p) => Ok(ChangesOutcome::Published(p)),
+            Ok(p) => Ok(ChangesOutcome::Published(Box::new(Published {
+                diff_s,
+                ..p
+            }))),
             Err(Error::Conflict(why)) if why.starts_with(LOST_RACE) => {
                 // Another writer took the version: the full publish resyncs
                 // and writes an anchor after the bucket's newest version.

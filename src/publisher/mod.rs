@@ -227,6 +227,24 @@ pub struct Published {
     /// does not say). A `file://` bucket on a disk counts here too.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub local_write_bytes: Option<u64>,
+    /// Seconds spent finding and encoding this version's changes: the diff
+    /// of the checkpoint against the snapshot, or the encoding of changes
+    /// the caller found ([`Publisher::publish_changes`]); absent where no
+    /// delta was made.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub diff_s: Option<f64>,
+}
+
+/// A delta version's objects and what its state records.
+struct DeltaParts {
+    /// Per tensor file, its delta object.
+    deltas: Vec<(String, Vec<u8>)>,
+    /// Changed elements.
+    changed: u64,
+    /// All elements.
+    total: u64,
+    /// Per tensor file, its tensors' digests after the version.
+    tensor_files: BTreeMap<String, FileDigests>,
 }
 
 /// Bytes of the `latest.json` hint written at a commit.
@@ -261,6 +279,7 @@ impl Published {
             fanout_bytes: 0,
             fanout_subscribers: Some(0),
             local_write_bytes: None,
+            diff_s: None,
         }
     }
 }
@@ -518,6 +537,8 @@ impl Publisher {
         // version into an anchor without bridges.
         let mut deltas: Vec<(String, Vec<u8>)> = Vec::new();
         let mut changed = 0u64;
+        let diff_started = std::time::Instant::now();
+        let mut diff_s = None;
         if let Some(snap) = &self.snapshot
             && same_files(snap, cp)
         {
@@ -546,6 +567,7 @@ impl Publisher {
                 }
             }
             let st = &snap.state;
+            diff_s = Some(diff_started.elapsed().as_secs_f64());
             let delta_bytes: u64 = deltas.iter().map(|d| d.1.len() as u64).sum();
             if let Some(why) = structure {
                 deltas.clear();
@@ -583,7 +605,7 @@ impl Publisher {
             Some(w) => Staging::with_writer(next, w),
             None => Staging::new(next),
         };
-        match anchor_reason {
+        let out = match anchor_reason {
             Some(reason) => {
                 self.publish_anchor(cp, staging, reason, deltas, opts, &staged)
                     .await
@@ -594,11 +616,16 @@ impl Publisher {
                     .iter()
                     .map(|(n, s)| (n.clone(), FileDigests::of(s)))
                     .collect();
-                let counts = (changed, cp.total_elements());
-                self.publish_delta(cp, staging, deltas, counts, tensor_files, opts, &staged)
-                    .await
+                let parts = DeltaParts {
+                    deltas,
+                    changed,
+                    total: cp.total_elements(),
+                    tensor_files,
+                };
+                self.publish_delta(cp, staging, parts, opts, &staged).await
             }
-        }
+        };
+        out.map(|p| Published { diff_s, ..p })
     }
 
     /// A distributed rank restarted after the version of its step was
@@ -734,12 +761,16 @@ impl Publisher {
         &mut self,
         cp: &mut Checkpoint,
         mut staging: Staging,
-        deltas: Vec<(String, Vec<u8>)>,
-        (changed, total): (u64, u64),
-        tensor_files: BTreeMap<String, FileDigests>,
+        parts: DeltaParts,
         opts: &PublishOptions,
         staged: &dist::Staged,
     ) -> Result<Published> {
+        let DeltaParts {
+            deltas,
+            changed,
+            total,
+            tensor_files,
+        } = parts;
         let next = staging.version();
         let snap = self.snapshot.as_ref().expect("a delta implies a snapshot");
         let base = snap.state.clone();
@@ -840,6 +871,7 @@ impl Publisher {
             fanout_bytes: written,
             fanout_subscribers: notified,
             local_write_bytes: None,
+            diff_s: None,
         })
     }
 
@@ -1076,6 +1108,7 @@ impl Publisher {
             fanout_bytes,
             fanout_subscribers: notified,
             local_write_bytes: None,
+            diff_s: None,
         })
     }
 

@@ -201,6 +201,7 @@ impl Publisher {
             fanout_bytes: if write { size } else { 0 },
             fanout_subscribers: Some(0),
             local_write_bytes: None,
+            diff_s: None,
         })
     }
 
@@ -296,6 +297,7 @@ impl Publisher {
             fanout_bytes: size,
             fanout_subscribers: Some(0),
             local_write_bytes: None,
+            diff_s: None,
         })
     }
 }

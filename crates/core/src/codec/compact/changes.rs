@@ -15,6 +15,12 @@ use crate::digest::{ChangeBatch, LANES, TensorSeed};
 use crate::dtype::{KeyKind, load, step_magnitude, to_key, word_mask};
 use crate::error::{Error, Result};
 use crate::format::BlockEntry;
+use crate::platform::prefetch_l2;
+
+/// How many changes ahead the old words are prefetched (into L2, as the
+/// apply pipelines do): the changes are scattered, so each old word is a
+/// cache miss the hardware prefetcher does not foresee.
+const AHEAD: usize = 64;
 
 /// The changed word indices of one tensor, strictly ascending, in the width
 /// the caller holds them (a GPU's `nonzero` gives 64-bit indices; 32 bits
@@ -159,6 +165,10 @@ fn encode_block<const W: usize>(
     for start in (lo..hi).step_by(LANES) {
         let mut batch = ChangeBatch::default();
         for j in start..(start + LANES).min(hi) {
+            if j + AHEAD < hi {
+                let ahead = positions.at(j + AHEAD).wrapping_sub(ctx.first) as usize;
+                prefetch_l2(block, ahead.saturating_mul(W));
+            }
             let p = positions.at(j);
             let i = p.wrapping_sub(ctx.first);
             if i < next || i >= block_words {
