@@ -48,7 +48,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import Subscriber, Update
+from . import Subscriber, Update, _device
 from ._errors import BadRequest, BaseMismatch, Corrupt, Error, Unavailable
 from ._tensors import _DTYPE_BYTES, _WORDS_NUMPY, Raw
 from .shard import Mapping as ShardMap
@@ -275,6 +275,7 @@ class RankFollower:
         self._fingerprint = mapping.fingerprint()
         self._staged: Optional[Tuple[Handoff, List[Tuple[Any, Any, Any]]]] = None
         self.commit_seconds = 0.0
+        self._staging = _device.Staging()
         #: Where the last patch's prepare went: ``check_s`` (the hand-off's
         #: checksum), ``upload_s`` (the patch to the device), ``apply_s``
         #: (positions mapped, old words checked, new words picked).
@@ -383,8 +384,10 @@ class RankFollower:
             data = torch.from_numpy(np.asarray(blob))
         t1 = time.perf_counter()
         if dev.type != "cpu":
-            data = data.to(dev)
-            _synchronize([data])
+            # through pinned buffers: a pageable copy moves about 4 GB/s
+            dst = torch.empty(blob.nbytes, dtype=torch.uint8, device=dev)
+            _device.upload([(dst, blob.ctypes.data, blob.nbytes)], self._staging)
+            data = dst
         t2 = time.perf_counter()
         staged = []
         checks: List[Tuple[str, str, Any, Any, Any]] = []
