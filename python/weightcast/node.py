@@ -192,8 +192,8 @@ class NodeFollower:
 
     def _patch(self, u: Update) -> Handoff:
         """Resolves a delta against the host copy (verified, O(changed)) and
-        writes the node's one patch: per changed tensor, positions, old and
-        new words."""
+        writes the node's one patch: per changed tensor, positions (32-bit
+        where they fit), old and new words."""
         arrays = {k: np.asarray(v) for k, v in self.host.arrays(writable=False).items()}
         self._old: Dict[str, np.ndarray] = {}
 
@@ -216,11 +216,15 @@ class NodeFollower:
         blob = vdir / "patch.bin"
         with open(blob, "wb") as f:
             for name, pos, pw, new, wb in resolved:
-                p = np.frombuffer(pos, dtype=np.uint32 if pw == 4 else np.uint64).astype(np.int64)
+                # 32-bit positions where every index fits a signed one (what
+                # torch indexes with), else 64-bit.
+                p = np.frombuffer(pos, dtype=np.uint32 if pw == 4 else np.uint64)
+                narrow = pw == 4 and arrays[name].size <= 2**31
+                p = p.view(np.int32) if narrow else p.astype(np.int64)
                 old = self._old.get(name)
                 if old is None or old.size != p.size:
                     old = arrays[name][p.astype(np.intp)]
-                entry = {"n": int(p.size), "wb": wb}
+                entry = {"n": int(p.size), "wb": wb, "pw": 4 if narrow else 8}
                 for part, b in (("pos", p.tobytes()), ("old", old.tobytes()), ("new", new)):
                     entry[part] = off
                     f.write(b)
@@ -396,7 +400,9 @@ class RankFollower:
                 continue
             n, wb = e["n"], e["wb"]
             words_t = _torch_words(wb)
-            pos = data[e["pos"]: e["pos"] + 8 * n].view(torch.int64)
+            pw = e.get("pw", 8)
+            pos = data[e["pos"]: e["pos"] + pw * n].view(torch.int32 if pw == 4 else torch.int64)
+            pos = pos.to(torch.int64)
             old = data[e["old"]: e["old"] + wb * n].view(words_t)
             new = data[e["new"]: e["new"] + wb * n].view(words_t)
             for pname, ppos, idx in self.mapping.locate(cname, pos):
