@@ -191,7 +191,11 @@ impl Checkpoint {
         if tensors.is_empty() || tensors.values().all(|s| s.is_empty()) {
             return Err(Error::BadRequest("no tensors to publish".into()));
         }
-        Ok(Checkpoint {
+        Ok(Checkpoint::in_memory(tensors, files))
+    }
+
+    fn in_memory(tensors: BTreeMap<String, TensorSet>, files: BTreeMap<String, Bytes>) -> Self {
+        Checkpoint {
             tensors,
             files: files
                 .into_iter()
@@ -199,7 +203,7 @@ impl Checkpoint {
                 .collect(),
             origin: None,
             stamps: Vec::new(),
-        })
+        }
     }
 
     /// The file names and non-tensor files of a version whose tensors the
@@ -210,18 +214,11 @@ impl Checkpoint {
         files: BTreeMap<String, Bytes>,
     ) -> Result<Checkpoint> {
         check_names(tensor_files.iter(), files.keys())?;
-        Ok(Checkpoint {
-            tensors: tensor_files
-                .iter()
-                .map(|n| Ok((n.clone(), TensorSet::from_tensors(Vec::new())?)))
-                .collect::<Result<_>>()?,
-            files: files
-                .into_iter()
-                .map(|(k, v)| (k, FileSource::Bytes(v)))
-                .collect(),
-            origin: None,
-            stamps: Vec::new(),
-        })
+        let tensors = tensor_files
+            .iter()
+            .map(|n| Ok((n.clone(), TensorSet::from_tensors(Vec::new())?)))
+            .collect::<Result<_>>()?;
+        Ok(Checkpoint::in_memory(tensors, files))
     }
 
     /// Names a single-file checkpoint [`SINGLE_FILE_NAME`] (in the directory

@@ -132,19 +132,7 @@ pub fn encode_tensor_changes(
             }
             e => e,
         })?;
-    let mut out = EncodedTensor {
-        changed: 0,
-        digest_change: 0,
-        blocks: Vec::with_capacity(parts.len()),
-        payload: Vec::with_capacity(parts.iter().map(|p| p.1.len()).sum()),
-    };
-    for (entry, bytes, dig) in parts {
-        out.changed += entry.changes;
-        out.digest_change = out.digest_change.wrapping_add(dig);
-        out.payload.extend_from_slice(&bytes);
-        out.blocks.push(entry);
-    }
-    Ok(out)
+    Ok(EncodedTensor::from_blocks(parts))
 }
 
 const UNCHANGED: &str = "listed as changed but";

@@ -53,19 +53,7 @@ fn encode_tensor_on(
             )
         })
         .collect();
-    let mut out = EncodedTensor {
-        changed: 0,
-        digest_change: 0,
-        blocks: Vec::with_capacity(parts.len()),
-        payload: Vec::with_capacity(parts.iter().map(|p| p.1.len()).sum()),
-    };
-    for (entry, bytes, dig) in parts {
-        out.changed += entry.changes;
-        out.digest_change = out.digest_change.wrapping_add(dig);
-        out.payload.extend_from_slice(&bytes);
-        out.blocks.push(entry);
-    }
-    out
+    EncodedTensor::from_blocks(parts)
 }
 
 /// One block to encode: its words before and after, what they are, and the

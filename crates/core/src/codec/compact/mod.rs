@@ -80,6 +80,26 @@ pub struct EncodedTensor {
     pub payload: Vec<u8>,
 }
 
+impl EncodedTensor {
+    /// A tensor's blocks in order (directory entry, stream, digest change)
+    /// put together.
+    pub(crate) fn from_blocks(parts: Vec<(BlockEntry, Vec<u8>, u64)>) -> EncodedTensor {
+        let mut out = EncodedTensor {
+            changed: 0,
+            digest_change: 0,
+            blocks: Vec::with_capacity(parts.len()),
+            payload: Vec::with_capacity(parts.iter().map(|p| p.1.len()).sum()),
+        };
+        for (entry, bytes, dig) in parts {
+            out.changed += entry.changes;
+            out.digest_change = out.digest_change.wrapping_add(dig);
+            out.payload.extend_from_slice(&bytes);
+            out.blocks.push(entry);
+        }
+        out
+    }
+}
+
 /// What a decoded entry says about the new word.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Value {
