@@ -60,6 +60,15 @@ pub(crate) struct NativePublisher {
     inner: Mutex<Publisher>,
 }
 
+impl NativePublisher {
+    /// The library's publisher, for one call.
+    fn publisher(&self) -> Result<std::sync::MutexGuard<'_, Publisher>> {
+        self.inner
+            .lock()
+            .map_err(|_| Error::BadRequest("a previous publish panicked".into()))
+    }
+}
+
 #[pymethods]
 impl NativePublisher {
     #[new]
@@ -165,10 +174,7 @@ impl NativePublisher {
                 .map(|(n, b)| (n, Bytes::from(b)))
                 .collect();
             let cp = Checkpoint::from_sets(sets, files)?;
-            let mut p = self
-                .inner
-                .lock()
-                .map_err(|_| Error::BadRequest("a previous publish panicked".into()))?;
+            let mut p = self.publisher()?;
             let out = block_on(p.publish(cp, &PublishOptions { step }))??;
             Ok(json(&out))
         };
@@ -236,10 +242,7 @@ impl NativePublisher {
                     )));
                 }
             }
-            let mut p = self
-                .inner
-                .lock()
-                .map_err(|_| Error::BadRequest("a previous publish panicked".into()))?;
+            let mut p = self.publisher()?;
             match block_on(p.publish_changes(changes, &PublishOptions { step }))?? {
                 ChangesOutcome::Published(out) => Ok(json(&out)),
                 ChangesOutcome::NeedsFull(why) => Ok(json(&BTreeMap::from([("needs_full", why)]))),
@@ -253,10 +256,7 @@ impl NativePublisher {
     /// returns how many subscribers acknowledged them.
     fn notifications_settled(&self, py: Python<'_>) -> PyResult<usize> {
         py.detach(|| -> Result<usize> {
-            let mut p = self
-                .inner
-                .lock()
-                .map_err(|_| Error::BadRequest("a previous publish panicked".into()))?;
+            let mut p = self.publisher()?;
             block_on(p.notifications_settled())
         })
         .py()

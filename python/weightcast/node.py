@@ -372,7 +372,8 @@ class RankFollower:
         t0 = time.perf_counter()
         try:
             meta = json.loads((vdir / "patch.json").read_text())
-            ok = meta["version"] == h.version and _checksum(vdir / "patch.bin") == h.checksum
+            ok = (meta["version"] == h.version and _checksum(vdir / "patch.bin") == h.checksum
+                  and all(e.get("pw", 8) in (4, 8) for e in meta["tensors"].values()))
             blob = np.memmap(vdir / "patch.bin", dtype=np.uint8, mode="r")
         except (OSError, ValueError, KeyError, Error):
             ok = False
