@@ -10,7 +10,8 @@
 //! once (cached) and honours `WEIGHTCAST_SIMD=off`, which turns every
 //! SIMD form off so that the portable code runs everywhere (the test script
 //! runs the round-trip suites that way; an operator can rule the vector paths
-//! out when diagnosing).
+//! out when diagnosing), and `WEIGHTCAST_SIMD=avx2` or `avx512`, which cap
+//! the level (an AVX-512 host measures what a host without it runs).
 //!
 //! Levels are ordered ([`Level`]); each includes the ones below it. A
 //! `Platform` can only be made by detection (its field is private), and
@@ -141,11 +142,36 @@ fn cpu_level() -> Level {
     best
 }
 
+/// The highest level the environment lets the hot loops use, read once per
+/// process from `WEIGHTCAST_SIMD`: `off` (or `portable`) turns every SIMD
+/// form off; `avx2` and `avx512` cap the level there, so that an AVX-512
+/// host can measure or diagnose what a host without it runs; unset, `on` or
+/// any other value leaves the CPU's own level.
+pub fn simd_cap() -> Level {
+    static CAP: std::sync::OnceLock<Level> = std::sync::OnceLock::new();
+    *CAP.get_or_init(|| {
+        cap_named(
+            std::env::var_os("WEIGHTCAST_SIMD")
+                .as_deref()
+                .and_then(|v| v.to_str()),
+        )
+    })
+}
+
+/// The cap a `WEIGHTCAST_SIMD` value names (see [`simd_cap`]).
+fn cap_named(value: Option<&str>) -> Level {
+    match value.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
+        Some("off" | "portable") => Level::Portable,
+        Some("avx2") => Level::Avx2,
+        Some("avx512" | "avx-512") => Level::Avx512,
+        _ => Level::Avx512Vbmi2,
+    }
+}
+
 /// Whether the SIMD forms may run at all: `WEIGHTCAST_SIMD=off` in the
 /// environment turns every one of them off. Read once per process.
 pub fn simd_allowed() -> bool {
-    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ALLOWED.get_or_init(|| std::env::var_os("WEIGHTCAST_SIMD").is_none_or(|v| v != "off"))
+    simd_cap() > Level::Portable
 }
 
 /// A cached level: `u8::MAX` until detected.
@@ -179,17 +205,12 @@ pub struct Platform {
 }
 
 impl Platform {
-    /// The platform the crate runs on: the CPU's level (detected once), or
-    /// portable code when `WEIGHTCAST_SIMD=off`.
+    /// The platform the crate runs on: the CPU's level (detected once),
+    /// lowered to the cap `WEIGHTCAST_SIMD` names ([`simd_cap`]; portable
+    /// code when it is `off`).
     #[inline]
     pub fn detect() -> Platform {
-        let level = ACTIVE.get(|| {
-            if simd_allowed() {
-                Platform::cpu().level
-            } else {
-                Level::Portable
-            }
-        });
+        let level = ACTIVE.get(|| Platform::cpu().level.min(simd_cap()));
         Platform { level }
     }
 
@@ -534,27 +555,27 @@ mod tests {
                 p.level()
             );
         }
-        if std::env::var_os("WEIGHTCAST_DISPATCH_CHILD").is_some() {
+        if let Some(cap) = std::env::var_os("WEIGHTCAST_DISPATCH_CHILD") {
             // Alone in this process: nothing else can have counted.
-            assert!(!simd_allowed(), "the child runs with WEIGHTCAST_SIMD=off");
-            assert_eq!(p, Platform::portable());
+            let cap = cap_named(cap.to_str());
+            assert_eq!(
+                simd_cap(),
+                cap,
+                "the child runs with WEIGHTCAST_SIMD capped"
+            );
+            assert_eq!(p.level(), Platform::cpu().level().min(cap));
             for s in Site::ALL {
-                for l in &Level::ALL[1..] {
-                    assert_eq!(
-                        count(s, *l),
-                        0,
-                        "{s:?} ran {l} code with WEIGHTCAST_SIMD=off"
-                    );
+                for l in Level::ALL.iter().filter(|l| **l > cap) {
+                    assert_eq!(count(s, *l), 0, "{s:?} ran {l} code above the cap {cap}");
                 }
             }
-            println!("dispatch child: every site ran portable code only");
+            println!("dispatch child: every site ran code at or below {cap} only");
         }
     }
 
-    /// `WEIGHTCAST_SIMD=off` routes every dispatch point to portable code:
-    /// the test above, alone in a child process with the switch set.
-    #[test]
-    fn the_off_switch_routes_every_kernel_to_portable_code() {
+    /// Runs the test above alone in a child process with `WEIGHTCAST_SIMD`
+    /// set to `value`: no dispatch point may run code above `cap`.
+    fn child_with_cap(value: &str, cap: Level) {
         let out = std::process::Command::new(std::env::current_exe().expect("test binary"))
             .args([
                 "platform::tests::dispatch_follows_the_detected_platform",
@@ -562,15 +583,40 @@ mod tests {
                 "--nocapture",
                 "--test-threads=1",
             ])
-            .env("WEIGHTCAST_SIMD", "off")
-            .env("WEIGHTCAST_DISPATCH_CHILD", "1")
+            .env("WEIGHTCAST_SIMD", value)
+            .env("WEIGHTCAST_DISPATCH_CHILD", value)
             .output()
             .expect("run the test binary");
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
-            out.status.success() && stdout.contains("every site ran portable code only"),
-            "child failed:\n{stdout}\n{}",
+            out.status.success()
+                && stdout.contains(&format!("every site ran code at or below {cap} only")),
+            "child with WEIGHTCAST_SIMD={value} failed:\n{stdout}\n{}",
             String::from_utf8_lossy(&out.stderr)
         );
+    }
+
+    /// `WEIGHTCAST_SIMD=off` routes every dispatch point to portable code.
+    #[test]
+    fn the_off_switch_routes_every_kernel_to_portable_code() {
+        child_with_cap("off", Level::Portable);
+    }
+
+    /// `WEIGHTCAST_SIMD=avx2` keeps the AVX-512 kernels out (what a host
+    /// without AVX-512 runs), while the AVX2 forms still run where the CPU
+    /// has them (the test above checks each site took its allowed form).
+    #[test]
+    fn the_avx2_cap_keeps_avx512_kernels_out() {
+        child_with_cap("avx2", Level::Avx2);
+    }
+
+    #[test]
+    fn cap_values() {
+        assert_eq!(cap_named(None), Level::Avx512Vbmi2);
+        assert_eq!(cap_named(Some("on")), Level::Avx512Vbmi2);
+        assert_eq!(cap_named(Some("OFF")), Level::Portable);
+        assert_eq!(cap_named(Some("portable")), Level::Portable);
+        assert_eq!(cap_named(Some("avx2")), Level::Avx2);
+        assert_eq!(cap_named(Some(" AVX512 ")), Level::Avx512);
     }
 }
