@@ -36,7 +36,10 @@ Needs `cargo build --release` (the binary at target/release/weightcast),
 numpy, and for `--s3` root and a Python with moto and boto3 to run this
 script (`.ci-work/venv/bin/python`, which `./scripts/test.sh` sets up). Disk under `--work`: about 4x the
 largest model (checkpoint, its previous copy, the publisher's snapshot, the
-bucket), plus the subscribers' slots under `--out-root` (two slots each).
+bucket), plus the subscribers' slots under `--out-root` (two slots each);
+`--lean` runs only the publisher and daemon A (no previous copy, no B, no
+fresh `--once`), about 3.7x the model in all, for sizes the disk cannot
+otherwise hold.
 """
 
 from __future__ import annotations
@@ -448,21 +451,24 @@ def run_size(a, elements: int, store_kind: str, s3: ShapedS3 | None) -> dict:
     # Two subscribers bootstrap from it: A is notified of every version, B
     # goes down until the last one.
     da = Daemon(bin_, store, out_root / "a", port_a, env, work / "a.log")
-    db = Daemon(bin_, store, out_root / "b", free_port(), env, work / "b.log")
+    db = None if a.lean else Daemon(bin_, store, out_root / "b", free_port(), env, work / "b.log")
     for name, d in (("bootstrap_daemon_a", da), ("bootstrap_daemon_b", db)):
+        if d is None:
+            continue
         secs, st = d.wait_version(0)
         d.wait_standby(0)
         row[name] = {"seconds": secs, "peak_rss_anon_mib": d.sampler.take()[1]}
     # B is down (as a preempted node) until the last version: it restarts
     # that many versions behind.
-    db.stop()
+    if db:
+        db.stop()
     deltas = []
     for v in range(1, a.versions + 1):
         first = v == 1
-        if first:
+        if first and not a.lean:
             row["plain_copy_s"], _ = timed(shutil.copytree, ckpt, prev)
         changed = step_model(ckpt, a.density, rng, v)
-        if first:
+        if first and not a.lean:
             row["plain_compare_s"], diff = timed(plain_compare, prev, ckpt)
             assert diff == changed, (diff, changed)
             shutil.rmtree(prev)
@@ -480,13 +486,13 @@ def run_size(a, elements: int, store_kind: str, s3: ShapedS3 | None) -> dict:
              "catch_up_1_over_read": apply_s / read_once, "catch_up_1_s": apply_s,
              "catch_up_1_wall_after_publish_s": wall, "catch_up_1_peak_rss_anon_mib": anon_a,
              "standby_s": standby, "delta_bytes": p["report"]["bytes"]}
-        if first:
+        if first and not a.lean:
             # A fresh subscriber: the anchor and this delta.
             fresh = run_measured([bin_, "subscribe", "-q", "--once", "--store", store,
                                   "--out", str(out_root / "c")], env)
             d["fresh_bootstrap"] = {k: fresh[k] for k in ("seconds", "peak_rss_mib", "peak_rss_anon_mib")}
             shutil.rmtree(out_root / "c")
-        if last:
+        if last and not a.lean:
             db = Daemon(bin_, store, out_root / "b", free_port(), env, work / "b2.log", fresh=False)
             secs, st = db.wait_version(v)
             d["catch_up_10"] = {"behind": v, "seconds": st.get("last_apply_seconds"),
@@ -497,7 +503,8 @@ def run_size(a, elements: int, store_kind: str, s3: ShapedS3 | None) -> dict:
               f"{p['seconds']:.2f} s, catch-up {apply_s:.3f} s, delta {d['delta_bytes'] / 1e6:.1f} MB",
               file=sys.stderr)
     da.stop()
-    db.stop()
+    if db:
+        db.stop()
     pub.stop()
     row["deltas"] = deltas
     if s3:
@@ -515,27 +522,28 @@ def summarize(row: dict) -> dict:
     med = lambda xs: float(np.median(xs))
     pub = med([d["publish"]["seconds"] for d in row["deltas"]])
     cu = med([d["catch_up_1_s"] for d in row["deltas"]])
+    lean = "fresh_bootstrap" not in d1
     s = {
         "store": row["store"], "elements": row["elements"], "model_gb": row["model_bytes"] / 1e9,
-        "read_once_s": med([d["read_once_s"] for d in row["deltas"]]), "plain_copy_s": row["plain_copy_s"],
-        "plain_compare_s": row["plain_compare_s"],
+        "read_once_s": med([d["read_once_s"] for d in row["deltas"]]),
+        "plain_copy_s": row.get("plain_copy_s"), "plain_compare_s": row.get("plain_compare_s"),
         "publish_anchor_s": row["publish_anchor"]["seconds"],
         "publish_delta_s": pub, "catch_up_1_s": cu,
         # Medians of the per-version ratios to the read-once next to each.
         "publish_delta_over_read": med([d["publish_over_read"] for d in row["deltas"]]),
         "catch_up_1_over_read": med([d["catch_up_1_over_read"] for d in row["deltas"]]),
-        "catch_up_10_s": row["deltas"][-1]["catch_up_10"]["seconds"],
-        "fresh_bootstrap_s": d1["fresh_bootstrap"]["seconds"],
+        "catch_up_10_s": None if lean else row["deltas"][-1]["catch_up_10"]["seconds"],
+        "fresh_bootstrap_s": None if lean else d1["fresh_bootstrap"]["seconds"],
         "delta_mb": med([d["delta_bytes"] for d in row["deltas"]]) / 1e6,
         "anchor_mb": row["publish_anchor"]["report"]["bytes"] / 1e6,
         "peak_rss_anon_mib": {
             "publish_anchor": row["publish_anchor"]["peak_rss_anon_mib"],
             "publish_delta": max(d["publish"]["peak_rss_anon_mib"] for d in row["deltas"]),
-            "subscriber_bootstrap": max(row["bootstrap_daemon_a"]["peak_rss_anon_mib"],
-                                        row["bootstrap_daemon_b"]["peak_rss_anon_mib"]),
+            "subscriber_bootstrap": max(row[k]["peak_rss_anon_mib"] for k in
+                                        ("bootstrap_daemon_a", "bootstrap_daemon_b") if k in row),
             "subscriber_catch_up_1": max(d["catch_up_1_peak_rss_anon_mib"] for d in row["deltas"]),
-            "subscriber_catch_up_10": row["deltas"][-1]["catch_up_10"]["peak_rss_anon_mib"],
-            "fresh_once": d1["fresh_bootstrap"]["peak_rss_anon_mib"],
+            "subscriber_catch_up_10": None if lean else row["deltas"][-1]["catch_up_10"]["peak_rss_anon_mib"],
+            "fresh_once": None if lean else d1["fresh_bootstrap"]["peak_rss_anon_mib"],
         },
         "peak_rss_mib_publish_anchor": row["publish_anchor"]["peak_rss_mib"],
     }
@@ -565,9 +573,13 @@ def plot(rows: list[dict], path: str) -> None:
         ax[0].plot(x, [r["catch_up_1_s"] for r in rs], mark, label=f"catch-up 1 behind ({kind})")
         if kind == "file":
             ax[0].plot(x, [r["read_once_s"] for r in rs], "k:", label="read once (cat)")
-            ax[0].plot(x, [r["plain_compare_s"] for r in rs], "k-.", label="plain compare")
-        for k, v in rs[-1]["peak_rss_anon_mib"].items():
-            ax[1].plot(x, [r["peak_rss_anon_mib"][k] for r in rs], mark, label=f"{k} ({kind})")
+            xc = [(xi, r["plain_compare_s"]) for xi, r in zip(x, rs) if r.get("plain_compare_s")]
+            ax[0].plot(*zip(*xc), "k-.", label="plain compare")
+        for k in rs[-1]["peak_rss_anon_mib"]:
+            xk = [(xi, r["peak_rss_anon_mib"].get(k)) for xi, r in zip(x, rs)]
+            xk = [p for p in xk if p[1] is not None]
+            if xk:
+                ax[1].plot(*zip(*xk), mark, label=f"{k} ({kind})")
         if kind == "s3":
             ax[2].plot(x, [r["full_sync_s"] for r in rs], "k^:", label="full sync (boto3 up + down)")
             ax[2].plot(x, [r["e2e_delta_s"] for r in rs], mark, label="publish + catch-up (delta)")
@@ -591,6 +603,10 @@ def main() -> None:
     ap.add_argument("--link-mbps", type=float, default=100.0, help="link rate, MB/s")
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--density", type=float, default=0.015)
+    ap.add_argument("--lean", action="store_true",
+                    help="only the publisher and daemon A (no B, no fresh --once, no copy/compare "
+                         "baseline): the disk the largest sizes need is about 3.7x the model "
+                         "(checkpoint, snapshot, bucket, A's two slots) instead of 10x"),
     ap.add_argument("--versions", type=int, default=10, help="deltas per size (B catches up all of them)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--work", default="/tmp/wc-e2e", help="checkpoint, state and file bucket")
