@@ -574,7 +574,8 @@ def plot(rows: list[dict], path: str) -> None:
         if kind == "file":
             ax[0].plot(x, [r["read_once_s"] for r in rs], "k:", label="read once (cat)")
             xc = [(xi, r["plain_compare_s"]) for xi, r in zip(x, rs) if r.get("plain_compare_s")]
-            ax[0].plot(*zip(*xc), "k-.", label="plain compare")
+            if xc:
+                ax[0].plot(*zip(*xc), "k-.", label="plain compare")
         for k in rs[-1]["peak_rss_anon_mib"]:
             xk = [(xi, r["peak_rss_anon_mib"].get(k)) for xi, r in zip(x, rs)]
             xk = [p for p in xk if p[1] is not None]
@@ -606,7 +607,7 @@ def main() -> None:
     ap.add_argument("--lean", action="store_true",
                     help="only the publisher and daemon A (no B, no fresh --once, no copy/compare "
                          "baseline): the disk the largest sizes need is about 3.7x the model "
-                         "(checkpoint, snapshot, bucket, A's two slots) instead of 10x"),
+                         "(checkpoint, snapshot, bucket, A's two slots) instead of 10x")
     ap.add_argument("--versions", type=int, default=10, help="deltas per size (B catches up all of them)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--work", default="/tmp/wc-e2e", help="checkpoint, state and file bucket")
