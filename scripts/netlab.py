@@ -532,6 +532,10 @@ def moto_main(host: str, port: int) -> None:
 
     models.FakeMultipart.complete = streaming_complete
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from moto_server import make_conditional_writes_atomic
+
+    make_conditional_writes_atomic()
     from moto.server import main
 
     main(["-H", host, "-p", str(port)])

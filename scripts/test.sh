@@ -79,7 +79,7 @@ fi
 # download or build, outlives this script.
 cleanup() {
   if [ -n "$fuzz_build_pid" ]; then kill -- "-$fuzz_build_pid" 2>/dev/null || kill "$fuzz_build_pid" 2>/dev/null || true; fi
-  for s in "${MOTO_SERVER:-}" "${FAKE_GCS_SERVER:-}" "${GARAGE:-}" "${AZURITE_BLOB:-}" "--dest .ci-work/wheels"; do
+  for s in "${MOTO_PY:-}" "${MOTO_SERVER:-}" "${FAKE_GCS_SERVER:-}" "${GARAGE:-}" "${AZURITE_BLOB:-}" "--dest .ci-work/wheels"; do
     if [ -n "$s" ]; then pkill -f -- "$s" 2>/dev/null || true; fi
   done
 }
@@ -105,7 +105,15 @@ wait "$pip_pid" || { cat .ci-work/pip-install.log >&2; echo "pip install -r scri
 if [ -n "$npm_pid" ]; then
   wait "$npm_pid" || { cat .ci-work/npm-install.log >&2; echo "npm install azurite@$AZURITE_VERSION failed (log above)" >&2; exit 1; }
 fi
-export MOTO_SERVER="$PWD/$venv/bin/moto_server"
+# moto's own server checks a write's condition and then writes with no lock
+# between the two; scripts/moto_server.py makes conditional writes atomic, as
+# S3's are (the conformance race needs exactly one winner). MOTO_SERVER is the
+# program the tests start with moto_server's arguments.
+MOTO_PY="$PWD/scripts/moto_server.py"
+MOTO_SERVER="$PWD/.ci-work/moto-server"
+printf '#!/bin/sh\nexec "%s" "%s" "$@"\n' "$PWD/$venv/bin/python" "$MOTO_PY" >"$MOTO_SERVER"
+chmod +x "$MOTO_SERVER"
+export MOTO_SERVER
 DOCKER_COMPOSE="$("$venv/bin/python" -c 'import compose, pathlib; print(pathlib.Path(compose.__file__).parent / "docker-compose")')"
 export DOCKER_COMPOSE
 "$DOCKER_COMPOSE" version >/dev/null
