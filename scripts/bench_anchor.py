@@ -251,7 +251,7 @@ def main() -> None:
     try:
         base = {k: v for k, v in os.environ.items() if not k.startswith(("WEIGHTCAST_", "AWS_"))}
         env = s3.env(base)
-        env["RUST_LOG"] = "weightcast=warn"
+        env["RUST_LOG"] = os.environ.get("BENCH_RUST_LOG", "weightcast=warn")
         s3.bucket("anchors")
         for rep in range(a.reps):
             for bi, b in enumerate(bins):
@@ -262,6 +262,8 @@ def main() -> None:
                     shutil.rmtree(p, ignore_errors=True)
                 pub = measured([b, "publish", "--quiet", "--store", store, "--state", str(state),
                                     "--checkpoint", str(ckpt), *s3.publish_args], env)
+                if os.environ.get("BENCH_LOG_DIR"):  # the logs BENCH_RUST_LOG asked for
+                    Path(os.environ["BENCH_LOG_DIR"], f"publish-r{rep}b{bi}.log").write_text(pub["stderr"])
                 shutil.rmtree(state, ignore_errors=True)  # room on tmpfs
                 objects = prefix_bytes(client, "anchors", prefix + "/")
                 sub = measured([b, "subscribe", "--once", "--quiet", "--store", store,

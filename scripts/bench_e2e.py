@@ -217,7 +217,8 @@ def run_measured(cmd: list[str], env: dict) -> dict:
     if p.returncode != 0:
         sys.exit(f"`{' '.join(cmd)}` failed ({p.returncode}):\n{err}")
     rss, anon = s.take()
-    return {"seconds": secs, "peak_rss_mib": rss, "peak_rss_anon_mib": anon, "stdout": out}
+    return {"seconds": secs, "peak_rss_mib": rss, "peak_rss_anon_mib": anon, "stdout": out,
+            "stderr": err}
 
 
 class Proc:

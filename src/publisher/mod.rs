@@ -884,6 +884,52 @@ impl Publisher {
         }
     }
 
+    /// Compresses `written` as a `planes` anchor while it uploads as `key`
+    /// (the header's length is reserved first, its bytes sent last:
+    /// [`Store::put_growing`]). `None` where the store cannot take the parts
+    /// out of order or the header is too large for one part: the caller
+    /// compresses first, then uploads.
+    fn stream_planes_anchor(
+        &self,
+        written: &crate::tensors::TensorSet,
+        version: u64,
+        name: &str,
+        key: String,
+        spill_dir: &Path,
+    ) -> Result<Option<Upload>> {
+        if !self.store.can_put_growing() {
+            return Ok(None);
+        }
+        let opts = crate::codec::planes::PlanesOptions::default();
+        let head_len = crate::codec::planes_prefix_len(written, version, &opts)?;
+        if head_len > crate::store::PART_SIZE / 2 {
+            return Ok(None);
+        }
+        std::fs::create_dir_all(spill_dir)
+            .map_err(|e| Error::io(format!("creating {}", spill_dir.display()), e))?;
+        let file = tempfile::NamedTempFile::new_in(spill_dir).map_err(|e| {
+            Error::io(
+                format!("creating a spill file in {}", spill_dir.display()),
+                e,
+            )
+        })?;
+        let (sink, growing) = crate::store::growing(file.path())?;
+        let store = self.store.clone();
+        let k = key.clone();
+        let task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
+            let r = store.put_growing(&k, head_len, growing).await;
+            drop(file);
+            r
+        }));
+        let done = blocking(|| crate::codec::write_anchor_planes(written, version, opts, sink))?;
+        done.sink.finish(done.prefix);
+        Ok(Some(Upload {
+            name: name.to_string(),
+            key,
+            task,
+        }))
+    }
+
     /// Publishes an anchor; `bridges` (deltas from the previous version, one per
     /// safetensors file, or none) go into the same version so that subscribers
     /// behind it can replay across it.
@@ -927,7 +973,9 @@ impl Publisher {
         let mut uploading: Option<Upload> = None;
         for (name, set) in &cp.tensors {
             let path = next_dir.join(name);
+            tracing::debug!(file = %name, "anchor: writing the snapshot file");
             let (written, data_start) = write_snapshot_file(&path, set)?;
+            tracing::debug!(file = %name, "anchor: snapshot file written");
             let digests = FileDigests::of(&written);
             if set.has_digests() && FileDigests::of(set) != digests {
                 // The bridges were diffed from other bytes than the ones
@@ -947,6 +995,20 @@ impl Publisher {
                 )));
             }
             tensor_files.insert(name.clone(), digests);
+            // With no upload in flight (the first file), the object goes up
+            // while it is compressed instead of after.
+            if uploading.is_none()
+                && !staged.active()
+                && self.cfg.anchor_encoding == AnchorEncoding::Planes
+            {
+                let key = staging.key(ObjectRole::Anchor, name)?;
+                if let Some(up) =
+                    self.stream_planes_anchor(&written, next, name, key, &spill_dir)?
+                {
+                    uploading = Some(up);
+                    continue;
+                }
+            }
             let mut spill = None;
             let sources = match self.cfg.anchor_encoding {
                 AnchorEncoding::Raw => vec![
@@ -1001,8 +1063,10 @@ impl Publisher {
                 let (size, blake3) = hash_sources(&sources)?;
                 staged.check(&key, size, &blake3)?;
             }
+            tracing::debug!(file = %name, "anchor: compressed");
             if let Some(up) = uploading.take() {
                 let entry = up.finish().await?;
+                tracing::debug!(object = %entry.key, "anchor: object uploaded");
                 anchor_bytes += entry.size;
                 staging.record(entry);
             }
@@ -1016,6 +1080,7 @@ impl Publisher {
         }
         if let Some(up) = uploading.take() {
             let entry = up.finish().await?;
+            tracing::debug!(object = %entry.key, "anchor: object uploaded");
             anchor_bytes += entry.size;
             staging.record(entry);
         }
@@ -1412,6 +1477,17 @@ impl Upload {
             size,
             blake3,
         })
+    }
+}
+
+/// Runs `f`, which blocks on the CPU, letting a multi-threaded runtime move
+/// this worker's other tasks (an upload in flight) elsewhere meanwhile.
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
     }
 }
 

@@ -24,11 +24,13 @@
 //!
 //! Modules: `open` (URLs, backends, options, credentials, retries),
 //! `read` (reads, conditional and bounded; ranged downloads; listings),
-//! `write` (puts, multipart uploads, conditional creates, the probe), `copy`
+//! `write` (puts, multipart uploads, conditional creates, the probe),
+//! `growing` (uploads that overlap the writing of their data), `copy`
 //! (verified copies between stores).
 
 mod contact;
 mod copy;
+mod growing;
 mod local;
 mod open;
 mod read;
@@ -38,11 +40,13 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use object_store::ObjectStore;
+use object_store::multipart::MultipartStore;
 use object_store::path::Path;
 
 use crate::error::{Error, ErrorKind, Result};
 
 pub use contact::FIRST_CONTACT_TIMEOUT;
+pub use growing::{Growing, GrowingWriter, growing};
 pub use local::LOCAL_OPEN_TIMEOUT;
 pub use open::{HF_S3_ENDPOINT, RETRY_BUDGET, install_crypto_provider};
 
@@ -133,7 +137,9 @@ pub struct Listed {
 /// store reports its uploads to one ([`Store::with_progress`]) and the
 /// subscriber's object downloads to another ([`Store::with_download_progress`]).
 pub trait Progress: Send + Sync + std::fmt::Debug {
-    /// A transfer of `bytes` bytes of `key` begins.
+    /// A transfer of `bytes` bytes of `key` begins (an object uploaded while
+    /// it is written, [`Store::put_growing`], reports each part as it is
+    /// queued: its total is not known in advance).
     fn started(&self, key: &str, bytes: u64);
     /// `bytes` more bytes were moved (a part, a network chunk, or a whole
     /// small object).
@@ -150,6 +156,34 @@ pub struct Store {
     max_object_size: u64,
     /// What explains a silence at first contact (remote stores).
     contact: Option<Contact>,
+    /// Multipart uploads with parts in any order, where the backend has them.
+    parts: Option<Parts>,
+}
+
+/// The base store's multipart API, whose parts may be sent in any order, and
+/// the URL's path under which keys live.
+#[derive(Clone)]
+pub(crate) struct Parts {
+    pub(crate) store: Arc<dyn MultipartStore>,
+    pub(crate) prefix: Option<Path>,
+}
+
+impl std::fmt::Debug for Parts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Parts")
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Parts {
+    /// `path` under the URL's path.
+    pub(crate) fn full(&self, path: &Path) -> Path {
+        match &self.prefix {
+            Some(p) => p.parts().chain(path.parts()).collect(),
+            None => path.clone(),
+        }
+    }
 }
 
 /// What explains a silent store at first contact (`contact`): where requests
@@ -327,6 +361,7 @@ impl Store {
             download: None,
             max_object_size: DEFAULT_MAX_OBJECT_SIZE,
             contact: None,
+            parts: None,
         }
     }
 

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use object_store::multipart::MultipartStore;
 use object_store::path::Path;
 use object_store::{
     ObjectStore, RetryConfig, local::LocalFileSystem, memory::InMemory, prefix::PrefixStore,
@@ -243,7 +244,7 @@ impl Store {
             )));
         }
         let mut contact = None;
-        let (base, prefix): (Arc<dyn ObjectStore>, String) = match parsed.scheme() {
+        let ((base, parts), prefix): (BaseStore, String) = match parsed.scheme() {
             "file" => {
                 let dir = parsed.to_file_path().map_err(|_| {
                     Error::Config(format!(
@@ -256,15 +257,18 @@ impl Store {
                 (
                     // Deleting an object removes the directories it leaves
                     // empty (gc would otherwise leave the bucket's tree).
-                    Arc::new(super::local::RegularFiles::new(
-                        LocalFileSystem::new_with_prefix(&dir)
-                            .map_err(bad)?
-                            .with_automatic_cleanup(true),
-                    )),
+                    (
+                        Arc::new(super::local::RegularFiles::new(
+                            LocalFileSystem::new_with_prefix(&dir)
+                                .map_err(bad)?
+                                .with_automatic_cleanup(true),
+                        )),
+                        None,
+                    ),
                     String::new(),
                 )
             }
-            "memory" => (Arc::new(InMemory::new()), parsed.path().to_string()),
+            "memory" => (with_parts(InMemory::new()), parsed.path().to_string()),
             "s3" | "s3a" => {
                 use object_store::aws::AmazonS3Builder as B;
                 let b = configure(B::from_env().with_url(url), url, options, |b, k, v| {
@@ -272,7 +276,7 @@ impl Store {
                 })?;
                 contact = Some(super::Contact::s3(&b));
                 (
-                    Arc::new(b.with_retry(retry_config()).build().map_err(bad)?),
+                    with_parts(b.with_retry(retry_config()).build().map_err(bad)?),
                     parsed.path().to_string(),
                 )
             }
@@ -305,7 +309,7 @@ impl Store {
                 let b = configure(b, url, &options, |b, k, v| b.with_config(k, v))?;
                 contact = Some(super::Contact::s3(&b));
                 (
-                    Arc::new(b.with_retry(retry_config()).build().map_err(bad)?),
+                    with_parts(b.with_retry(retry_config()).build().map_err(bad)?),
                     prefix,
                 )
             }
@@ -316,7 +320,7 @@ impl Store {
                 })?;
                 contact = Some(super::Contact::gcs(&b));
                 (
-                    Arc::new(b.with_retry(retry_config()).build().map_err(bad)?),
+                    with_parts(b.with_retry(retry_config()).build().map_err(bad)?),
                     parsed.path().to_string(),
                 )
             }
@@ -327,7 +331,7 @@ impl Store {
                 })?;
                 contact = Some(super::Contact::azure(&b));
                 (
-                    Arc::new(b.with_retry(retry_config()).build().map_err(bad)?),
+                    with_parts(b.with_retry(retry_config()).build().map_err(bad)?),
                     parsed.path().to_string(),
                 )
             }
@@ -338,7 +342,10 @@ impl Store {
                 })?;
                 contact = Some(super::Contact::http(url));
                 (
-                    Arc::new(b.with_retry(retry_config()).build().map_err(bad)?),
+                    (
+                        Arc::new(b.with_retry(retry_config()).build().map_err(bad)?),
+                        None,
+                    ),
                     String::new(),
                 )
             }
@@ -349,13 +356,19 @@ impl Store {
             }
         };
         let prefix = prefix.trim_matches('/');
-        let inner: Arc<dyn ObjectStore> = if prefix.is_empty() {
-            base
+        let prefix = if prefix.is_empty() {
+            None
         } else {
-            let p = Path::parse(prefix)
-                .map_err(|e| Error::Config(format!("store URL `{url}`: {e}")))?;
-            Arc::new(PrefixStore::new(base, p))
+            Some(
+                Path::parse(prefix)
+                    .map_err(|e| Error::Config(format!("store URL `{url}`: {e}")))?,
+            )
         };
+        let inner: Arc<dyn ObjectStore> = match &prefix {
+            None => base,
+            Some(p) => Arc::new(PrefixStore::new(base, p.clone())),
+        };
+        let parts = parts.map(|store| super::Parts { store, prefix });
         Ok(Store {
             inner,
             url: url.to_string(),
@@ -363,8 +376,17 @@ impl Store {
             download: None,
             max_object_size: super::DEFAULT_MAX_OBJECT_SIZE,
             contact,
+            parts,
         })
     }
+}
+
+/// A backend, and its multipart API when it takes parts in any order.
+type BaseStore = (Arc<dyn ObjectStore>, Option<Arc<dyn MultipartStore>>);
+
+fn with_parts<S: ObjectStore + MultipartStore>(store: S) -> BaseStore {
+    let s = Arc::new(store);
+    (s.clone(), Some(s))
 }
 
 #[cfg(test)]

@@ -93,6 +93,7 @@ async fn suite(b: &Backend) {
     listing_after(b).await;
     conditional_creates(b).await;
     multipart(b).await;
+    growing(b).await;
     commits(b).await;
     round_trip(b).await;
 }
@@ -291,6 +292,60 @@ async fn multipart(b: &Backend) {
         "{n}: bytes differ"
     );
     s.delete("big/object").await.unwrap();
+}
+
+/// An object uploaded while its data is being written, its head reserved
+/// first and sent last (as `planes` anchors go up): three parts, the first
+/// sent after the others, read back whole with the size and BLAKE3 returned.
+/// A writer that stops half-way leaves no object.
+async fn growing(b: &Backend) {
+    let (s, n) = (&b.store, b.name);
+    let part = weightcast::store::PART_SIZE;
+    let head: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 253) as u8).collect();
+    let data: Vec<u8> = (0..2 * part + 12_345)
+        .map(|i| (i * 131 % 251) as u8)
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let (writer, growing) = weightcast::store::growing(&dir.path().join("spill")).unwrap();
+    let feed = {
+        let (head, data) = (head.clone(), data.clone());
+        std::thread::spawn(move || {
+            use std::io::Write;
+            let mut w = writer;
+            // Irregular pieces, with pauses: the upload runs ahead of it.
+            for piece in data.chunks(3_000_017) {
+                w.write_all(piece).unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            w.finish(head);
+        })
+    };
+    let put = s.put_growing("grown/object", head.len(), growing).await;
+    feed.join().unwrap();
+    if !b.writes() {
+        assert!(put.is_err(), "{n}: growing writes now work");
+        return;
+    }
+    let (size, blake3) = put.unwrap();
+    let mut whole = head.clone();
+    whole.extend_from_slice(&data);
+    assert_eq!(size, whole.len() as u64, "{n}");
+    assert_eq!(blake3, blake3::hash(&whole).to_hex().to_string(), "{n}");
+    let back = s.get("grown/object").await.unwrap().unwrap();
+    assert!(back[..] == whole[..], "{n}: grown object's bytes differ");
+    s.delete("grown/object").await.unwrap();
+    // A writer that stops without finishing: an error, and no object.
+    let (mut writer, growing) = weightcast::store::growing(&dir.path().join("spill2")).unwrap();
+    let feed = std::thread::spawn(move || {
+        use std::io::Write;
+        writer.write_all(&vec![5u8; part + part / 2]).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        drop(writer);
+    });
+    let put = s.put_growing("grown/torn", head.len(), growing).await;
+    feed.join().unwrap();
+    assert!(put.is_err(), "{n}: a torn growing upload succeeded");
+    assert_eq!(s.get("grown/torn").await.unwrap(), None, "{n}: torn object");
 }
 
 /// A manifest by each of two writers for one version: on stores that enforce

@@ -10,6 +10,6 @@ pub use read::{
     AnchorObject, decode_anchor, expand_planes, inspect, materialize_anchor, read_anchor,
 };
 pub use write::{
-    anchor_prefix, encode_anchor, encode_anchor_compressed, write_anchor, write_anchor_compressed,
-    write_anchor_planes,
+    anchor_prefix, encode_anchor, encode_anchor_compressed, planes_prefix_len, write_anchor,
+    write_anchor_compressed, write_anchor_planes,
 };

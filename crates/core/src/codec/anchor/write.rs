@@ -64,6 +64,24 @@ pub fn encode_anchor(set: &TensorSet, model_version: u64) -> Result<(Vec<u8>, An
     Ok((out, s))
 }
 
+/// Length of the prefix [`write_anchor_planes`] returns for `set` with `opts`,
+/// known before anything is compressed ([`planes::reserved_prefix_len`]).
+pub fn planes_prefix_len(
+    set: &TensorSet,
+    model_version: u64,
+    opts: &planes::PlanesOptions,
+) -> Result<usize> {
+    if !set.has_digests() {
+        return Err(Error::metadata("anchor", "tensor set has no digests"));
+    }
+    let tensors: Vec<_> = set
+        .tensors()
+        .iter()
+        .map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice(), t.digest))
+        .collect();
+    planes::reserved_prefix_len(&tensors, opts, model_version, set.metadata())
+}
+
 /// Compresses `set` as a `planes` anchor (docs/format.md §5.1) whose chunks go
 /// to `sink` (a spill file, or memory): the object is the returned prefix
 /// followed by what was written to `sink`.

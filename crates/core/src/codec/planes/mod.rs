@@ -45,7 +45,7 @@ pub use layout::{
 };
 pub(crate) use read::decode_object;
 pub use read::{PlanesDecoder, decode_object_if_planes, materialize};
-pub use write::{CHUNK_WORDS, Finished, LEVEL, PlanesOptions, PlanesWriter};
+pub use write::{CHUNK_WORDS, Finished, LEVEL, PlanesOptions, PlanesWriter, reserved_prefix_len};
 
 #[cfg(test)]
 mod tests;

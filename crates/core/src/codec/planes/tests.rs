@@ -136,6 +136,70 @@ fn every_dtype_round_trips_and_materializes_to_the_raw_anchor() {
     assert_eq!(m, raw);
 }
 
+/// The prefix length is known before anything is compressed: it is the same
+/// for contents that compress well, not at all, or not at all (every plane
+/// raw: the bound itself, nothing padded), and the padded object reads back.
+#[test]
+fn the_prefix_length_is_reserved_before_the_chunks_exist() {
+    let base = every_dtype_set();
+    let zeros = TensorSet::from_tensors(
+        base.tensors()
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                (
+                    t.name.clone(),
+                    t.dtype,
+                    t.shape.clone(),
+                    vec![0u8; base.data(i).len()],
+                )
+            })
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let random = TensorSet::from_tensors(
+        base.tensors()
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let mut x = i as u64 + 7;
+                let bytes: Vec<u8> = (0..base.data(i).len())
+                    .map(|_| {
+                        x = crate::digest::fmix64(x.wrapping_add(0x9e37_79b9));
+                        x as u8
+                    })
+                    .collect();
+                (t.name.clone(), t.dtype, t.shape.clone(), bytes)
+            })
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    for opts in [SMALL, PlanesOptions::default()] {
+        for set in [&base, &zeros, &random] {
+            let reserved = crate::codec::planes_prefix_len(set, 3, &opts).unwrap();
+            let f = write_anchor_planes(set, 3, opts, Vec::new()).unwrap();
+            assert_eq!(f.prefix.len(), reserved);
+            let n = u64::from_le_bytes(f.prefix[..8].try_into().unwrap()) as usize;
+            assert_eq!(n + 8, reserved);
+            assert!(n.is_multiple_of(8));
+            let mut obj = f.prefix;
+            obj.extend_from_slice(&f.sink);
+            let (_, back) = read_anchor(obj).unwrap();
+            assert_same(set, &back);
+        }
+        // Zeros compress, so their header is padded; random planes are all
+        // stored raw at the default chunk size (their header is the bound).
+        let f = write_anchor_planes(&zeros, 3, opts, Vec::new()).unwrap();
+        assert!(f.prefix.ends_with(b"  "), "zeros: no padding");
+    }
+    let f = write_anchor_planes(&random, 3, PlanesOptions::default(), Vec::new()).unwrap();
+    let json = &f.prefix[8..];
+    assert!(
+        json.iter().rev().take_while(|&&b| b == b' ').count() < 8,
+        "an all-raw header is padded only to a multiple of 8"
+    );
+}
+
 #[test]
 fn generator_weights_compress_and_round_trip() {
     let mut g = crate::generator::Generator::new(crate::generator::GeneratorConfig::tiny(5));

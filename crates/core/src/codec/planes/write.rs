@@ -342,48 +342,25 @@ impl<W: Write> PlanesWriter<W> {
             )));
         }
         self.flush()?;
-        let mut items = Vec::with_capacity(self.tensors.len());
-        for t in &self.tensors {
-            let d = digests
-                .get(&t.name)
-                .ok_or_else(|| Error::tensor(&t.name, "no digest given"))?;
-            let words =
-                byte_len(t.dtype, &t.shape).expect("checked at begin") / word_bytes(t.dtype);
-            items.push((
-                t.name.as_str(),
-                t.dtype,
-                t.shape.as_slice(),
-                words as u64,
-                *d,
-            ));
-        }
-        let header = crate::codec::header::anchor_header_of(items, model_version, Encoding::Planes);
-        let table = PlanesTable {
-            chunk_words: self.opts.chunk_words,
-            tensors: self
-                .tensors
-                .iter()
-                .map(|t| (t.name.clone(), t.chunks.clone()))
-                .collect(),
-        };
-        let mut meta = header.to_metadata();
-        crate::codec::header::keep_trainer_metadata(&mut meta, &self.metadata);
-        meta.insert(
-            keys::PLANES.to_string(),
-            serde_json::to_string(&table).expect("serializable"),
-        );
-        let names: Vec<String> = self
-            .tensors
-            .iter()
-            .map(|t| format!("{}{SUFFIX}", t.name))
-            .collect();
-        let shapes: Vec<[usize; 1]> = self.tensors.iter().map(|t| [t.stored as usize]).collect();
-        let lens: Vec<(&str, Dtype, &[usize], usize)> = names
-            .iter()
-            .zip(&shapes)
-            .map(|(n, s)| (n.as_str(), Dtype::U8, s.as_slice(), s[0]))
-            .collect();
-        let prefix = crate::codec::header::object_prefix(&lens, &meta)?;
+        let (header, mut prefix) = object_prefix(
+            &self.tensors,
+            self.opts.chunk_words,
+            model_version,
+            digests,
+            &self.metadata,
+        )?;
+        // Padded to the bound a streaming uploader reserved before the
+        // chunks existed ([`reserved_prefix_len`]): the same for every writer of
+        // these tensors, whatever they compress to.
+        let raw = raw_chunks(&self.tensors, self.opts.chunk_words);
+        let (_, bound) = object_prefix(
+            &raw,
+            self.opts.chunk_words,
+            model_version,
+            digests,
+            &self.metadata,
+        )?;
+        pad_prefix(&mut prefix, bound.len())?;
         let raw_bytes = self
             .tensors
             .iter()
@@ -397,4 +374,132 @@ impl<W: Write> PlanesWriter<W> {
             header,
         })
     }
+}
+
+/// The object prefix (8-byte length, header) of `tensors`' chunks.
+fn object_prefix(
+    tensors: &[Written],
+    chunk_words: u64,
+    model_version: u64,
+    digests: &BTreeMap<String, Digest>,
+    trainer_metadata: &BTreeMap<String, String>,
+) -> Result<(Header, Vec<u8>)> {
+    let mut items = Vec::with_capacity(tensors.len());
+    for t in tensors {
+        let d = digests
+            .get(&t.name)
+            .ok_or_else(|| Error::tensor(&t.name, "no digest given"))?;
+        let words = byte_len(t.dtype, &t.shape).expect("checked at begin") / word_bytes(t.dtype);
+        items.push((
+            t.name.as_str(),
+            t.dtype,
+            t.shape.as_slice(),
+            words as u64,
+            *d,
+        ));
+    }
+    let header = crate::codec::header::anchor_header_of(items, model_version, Encoding::Planes);
+    let table = PlanesTable {
+        chunk_words,
+        tensors: tensors
+            .iter()
+            .map(|t| (t.name.clone(), t.chunks.clone()))
+            .collect(),
+    };
+    let mut meta = header.to_metadata();
+    crate::codec::header::keep_trainer_metadata(&mut meta, trainer_metadata);
+    meta.insert(
+        keys::PLANES.to_string(),
+        serde_json::to_string(&table).expect("serializable"),
+    );
+    let names: Vec<String> = tensors
+        .iter()
+        .map(|t| format!("{}{SUFFIX}", t.name))
+        .collect();
+    let shapes: Vec<[usize; 1]> = tensors.iter().map(|t| [t.stored as usize]).collect();
+    let lens: Vec<(&str, Dtype, &[usize], usize)> = names
+        .iter()
+        .zip(&shapes)
+        .map(|(n, s)| (n.as_str(), Dtype::U8, s.as_slice(), s[0]))
+        .collect();
+    let prefix = crate::codec::header::object_prefix(&lens, &meta)?;
+    Ok((header, prefix))
+}
+
+/// `tensors` with every plane of every chunk stored raw: the largest table
+/// (and stored lengths, and offsets) their chunks can have, since a stored
+/// plane is never longer than its word count (docs/format.md §5.1).
+fn raw_chunks(tensors: &[Written], chunk_words: u64) -> Vec<Written> {
+    tensors
+        .iter()
+        .map(|t| {
+            let wb = word_bytes(t.dtype);
+            let words = (byte_len(t.dtype, &t.shape).expect("checked") / wb) as u64;
+            let chunks: Vec<Vec<u64>> = (0..words.div_ceil(chunk_words))
+                .map(|k| vec![chunk_words.min(words - k * chunk_words); wb])
+                .collect();
+            Written {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                chunks,
+                stored: words * wb as u64,
+            }
+        })
+        .collect()
+}
+
+/// Right-pads `prefix`'s header with spaces to `len` bytes of prefix.
+fn pad_prefix(prefix: &mut Vec<u8>, len: usize) -> Result<()> {
+    if prefix.len() > len {
+        // Cannot happen: every number of the real header is at most the
+        // bound's (format.md §5.1).
+        return Err(Error::Container(format!(
+            "planes header of {} bytes exceeds its bound of {len}",
+            prefix.len()
+        )));
+    }
+    prefix.resize(len, b' ');
+    let n = (len - 8) as u64;
+    prefix[..8].copy_from_slice(&n.to_le_bytes());
+    Ok(())
+}
+
+/// Length of the prefix (the 8-byte header length and the header) of the
+/// `planes` object [`PlanesWriter::finish`] makes of these tensors (name,
+/// dtype, shape, digest, in the order they will be written), whatever their
+/// chunks compress to: the header is padded to the length it would have with
+/// every plane stored raw. An uploader can therefore place the data section
+/// before the chunks exist (the object's first part is sent last).
+pub fn reserved_prefix_len(
+    tensors: &[(&str, Dtype, &[usize], Digest)],
+    opts: &PlanesOptions,
+    model_version: u64,
+    trainer_metadata: &BTreeMap<String, String>,
+) -> Result<usize> {
+    let mut written = Vec::with_capacity(tensors.len());
+    let mut digests = BTreeMap::new();
+    for &(name, dtype, shape, digest) in tensors {
+        byte_len(dtype, shape)
+            .ok_or_else(|| Error::tensor(name, "shape overflows or is not byte-aligned"))?;
+        if digests.insert(name.to_string(), digest).is_some() {
+            return Err(Error::tensor(name, "duplicate tensor name"));
+        }
+        written.push(Written {
+            name: name.to_string(),
+            dtype,
+            shape: shape.to_vec(),
+            chunks: Vec::new(),
+            stored: 0,
+        });
+    }
+    let raw = raw_chunks(&written, opts.chunk_words);
+    let (_, prefix) = object_prefix(
+        &raw,
+        opts.chunk_words,
+        model_version,
+        &digests,
+        trainer_metadata,
+    )?;
+    Ok(prefix.len())
 }
