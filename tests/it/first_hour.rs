@@ -769,6 +769,42 @@ async fn a_relative_out_reaches_hooks_environment_webhooks_and_status_as_absolut
 
 // ---- 6. smaller problems -----------------------------------------------
 
+/// `RUST_LOG=weightcast=debug` shows the debug events (the fmt subscriber's
+/// own INFO cap hid them), and the default filter does not.
+#[test]
+fn rust_log_debug_shows_debug_events() {
+    let work = tempfile::tempdir().unwrap();
+    let g = Generator::new(GeneratorConfig::tiny(6));
+    save(&g, &work.path().join("ckpt/model.safetensors"), &[]);
+    let publish = |state: &str, log: Option<&str>| {
+        let mut c = wc(&["publish", "-q", "--store"]);
+        c.arg(format!(
+            "file://{}",
+            work.path().join(state).join("b").display()
+        ))
+        .arg("--state")
+        .arg(work.path().join(state).join("s"))
+        .arg("--checkpoint")
+        .arg(work.path().join("ckpt"));
+        if let Some(l) = log {
+            c.env("RUST_LOG", l);
+        }
+        let (o, _) = timed(c);
+        assert!(o.status.success(), "{}", stderr(&o));
+        stderr(&o)
+    };
+    let debug = publish("one", Some("weightcast=debug"));
+    assert!(
+        debug.contains("DEBUG") && debug.contains("anchor: snapshot file written"),
+        "no debug events under RUST_LOG=weightcast=debug:\n{debug}"
+    );
+    let default = publish("two", None);
+    assert!(
+        !default.contains("DEBUG"),
+        "debug events by default:\n{default}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn smaller_problems_of_the_first_hour() {
     // An invalid id refuses to start (the library too), instead of running

@@ -165,7 +165,11 @@ fn main() {
         }
     };
     // Colours only on a terminal (not in files, journald or log pipelines).
+    // The fmt subscriber's own level cap (INFO by default) is lifted: the
+    // `RUST_LOG` targets filter alone decides (`weightcast=debug` shows the
+    // debug events).
     let logs = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::TRACE)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     match cli.log_format {
