@@ -178,12 +178,44 @@ for cls in (ShapedS3, LoopbackS3):
     cls.publish_args = []
 
 
-def measured(cmd: list[str], env: dict) -> dict:
-    """`run_measured`, plus the CPU seconds (user + system) the command used."""
+def machine_cpu() -> tuple[float, float]:
+    """Busy and total CPU seconds of the whole machine so far (/proc/stat)."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    idle = f[3] + f[4]  # idle + iowait
+    tick = os.sysconf("SC_CLK_TCK")
+    return (sum(f) - idle) / tick, sum(f) / tick
+
+
+def process_cpu(pid: int | None) -> float:
+    """CPU seconds (user + system) process `pid` has used, 0 without one."""
+    if pid is None:
+        return 0.0
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_pid(s3) -> int | None:
+    """The S3 server's process id, where this script started it as one."""
+    p = getattr(s3, "p", None)
+    return p.pid if p is not None else None
+
+
+def measured(cmd: list[str], env: dict, server_pid: int | None = None) -> dict:
+    """`run_measured`, plus the CPU seconds (user + system) the command used,
+    the server's CPU seconds meanwhile, and how busy the machine's cores were
+    (busy / total CPU time over the command: 1.0 is every core saturated)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    busy0, total0 = machine_cpu()
+    server0 = process_cpu(server_pid)
     r = run_measured(cmd, env)
+    busy1, total1 = machine_cpu()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     r["cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    r["server_cpu_s"] = process_cpu(server_pid) - server0
+    r["machine_busy"] = (busy1 - busy0) / max(total1 - total0, 1e-9)
     return r
 
 
@@ -261,19 +293,24 @@ def main() -> None:
                 for p in (state, out):
                     shutil.rmtree(p, ignore_errors=True)
                 pub = measured([b, "publish", "--quiet", "--store", store, "--state", str(state),
-                                    "--checkpoint", str(ckpt), *s3.publish_args], env)
+                                    "--checkpoint", str(ckpt), *s3.publish_args], env,
+                               server_pid(s3))
                 if os.environ.get("BENCH_LOG_DIR"):  # the logs BENCH_RUST_LOG asked for
                     Path(os.environ["BENCH_LOG_DIR"], f"publish-r{rep}b{bi}.log").write_text(pub["stderr"])
                 shutil.rmtree(state, ignore_errors=True)  # room on tmpfs
                 objects = prefix_bytes(client, "anchors", prefix + "/")
                 sub = measured([b, "subscribe", "--once", "--quiet", "--store", store,
-                                    "--out", str(out)], env)
+                                    "--out", str(out)], env, server_pid(s3))
                 shutil.rmtree(out, ignore_errors=True)
                 prefix_bytes(client, "anchors", prefix + "/", delete=True)  # room on tmpfs
                 row = {"rep": rep, "bin": b, "object_bytes": objects, "model_bytes": model_bytes,
                        "publish_s": pub["seconds"], "publish_rss_anon_mib": pub["peak_rss_anon_mib"],
                        "bootstrap_s": sub["seconds"], "bootstrap_rss_anon_mib": sub["peak_rss_anon_mib"],
-                       "publish_cpu_s": pub["cpu_s"], "bootstrap_cpu_s": sub["cpu_s"]}
+                       "publish_cpu_s": pub["cpu_s"], "bootstrap_cpu_s": sub["cpu_s"],
+                       "publish_server_cpu_s": pub["server_cpu_s"],
+                       "bootstrap_server_cpu_s": sub["server_cpu_s"],
+                       "publish_machine_busy": pub["machine_busy"],
+                       "bootstrap_machine_busy": sub["machine_busy"]}
                 # Model bytes per CPU second: what one core sustains.
                 row["publish_gb_s_per_core"] = model_bytes / pub["cpu_s"] / 1e9
                 row["bootstrap_gb_s_per_core"] = model_bytes / sub["cpu_s"] / 1e9
@@ -305,7 +342,9 @@ def main() -> None:
              for k in ("publish_s", "bootstrap_s", "bootstrap_visible_s", "publish_mb_s",
                        "bootstrap_mb_s", "bootstrap_visible_mb_s",
                        "publish_rss_anon_mib", "bootstrap_rss_anon_mib", "publish_cpu_s",
-                       "bootstrap_cpu_s", "publish_gb_s_per_core", "bootstrap_gb_s_per_core")}
+                       "bootstrap_cpu_s", "publish_gb_s_per_core", "bootstrap_gb_s_per_core",
+                       "publish_server_cpu_s", "bootstrap_server_cpu_s",
+                       "publish_machine_busy", "bootstrap_machine_busy")}
         if a.link_mbps:
             s["publish_of_link"] = s["publish_mb_s"] / a.link_mbps
             s["bootstrap_of_link"] = s["bootstrap_mb_s"] / a.link_mbps
