@@ -301,6 +301,8 @@ def main() -> None:
                 objects = prefix_bytes(client, "anchors", prefix + "/")
                 sub = measured([b, "subscribe", "--once", "--quiet", "--store", store,
                                     "--out", str(out)], env, server_pid(s3))
+                if os.environ.get("BENCH_LOG_DIR"):
+                    Path(os.environ["BENCH_LOG_DIR"], f"subscribe-r{rep}b{bi}.log").write_text(sub["stderr"])
                 shutil.rmtree(out, ignore_errors=True)
                 prefix_bytes(client, "anchors", prefix + "/", delete=True)  # room on tmpfs
                 row = {"rep": rep, "bin": b, "object_bytes": objects, "model_bytes": model_bytes,
