@@ -974,7 +974,9 @@ impl Publisher {
         for (name, set) in &cp.tensors {
             let path = next_dir.join(name);
             tracing::debug!(file = %name, "anchor: writing the snapshot file");
-            let (written, data_start) = write_snapshot_file(&path, set)?;
+            // Blocking work (here and the compression below) runs with this
+            // worker's other tasks — the upload in flight — handed to another.
+            let (written, data_start) = blocking(|| write_snapshot_file(&path, set))?;
             tracing::debug!(file = %name, "anchor: snapshot file written");
             let digests = FileDigests::of(&written);
             if set.has_digests() && FileDigests::of(set) != digests {
@@ -1036,12 +1038,14 @@ impl Publisher {
                             Error::io(format!("opening {}", file.path().display()), e)
                         })?,
                     );
-                    let done = crate::codec::write_anchor_planes(
-                        &written,
-                        next,
-                        crate::codec::planes::PlanesOptions::default(),
-                        sink,
-                    )?;
+                    let done = blocking(|| {
+                        crate::codec::write_anchor_planes(
+                            &written,
+                            next,
+                            crate::codec::planes::PlanesOptions::default(),
+                            sink,
+                        )
+                    })?;
                     done.sink
                         .into_inner()
                         .map_err(|e| Error::io("writing a spill file", e.into_error()))?;
