@@ -905,14 +905,7 @@ impl Publisher {
         if head_len > crate::store::PART_SIZE / 2 {
             return Ok(None);
         }
-        std::fs::create_dir_all(spill_dir)
-            .map_err(|e| Error::io(format!("creating {}", spill_dir.display()), e))?;
-        let file = tempfile::NamedTempFile::new_in(spill_dir).map_err(|e| {
-            Error::io(
-                format!("creating a spill file in {}", spill_dir.display()),
-                e,
-            )
-        })?;
+        let file = spill_file(spill_dir)?;
         let (sink, growing) = crate::store::growing(file.path())?;
         let store = self.store.clone();
         let k = key.clone();
@@ -1024,14 +1017,7 @@ impl Publisher {
                 AnchorEncoding::Planes => {
                     // The compressed chunks go to a spill file (the header,
                     // which comes first, needs their sizes), bounded memory.
-                    std::fs::create_dir_all(&spill_dir)
-                        .map_err(|e| Error::io(format!("creating {}", spill_dir.display()), e))?;
-                    let file = tempfile::NamedTempFile::new_in(&spill_dir).map_err(|e| {
-                        Error::io(
-                            format!("creating a spill file in {}", spill_dir.display()),
-                            e,
-                        )
-                    })?;
+                    let file = spill_file(&spill_dir)?;
                     let sink = std::io::BufWriter::with_capacity(
                         1 << 20,
                         file.reopen().map_err(|e| {
@@ -1482,6 +1468,15 @@ impl Upload {
             blake3,
         })
     }
+}
+
+/// A new spill file for an anchor object's compressed chunks, in `dir`
+/// (created if missing); removed when dropped.
+fn spill_file(dir: &Path) -> Result<tempfile::NamedTempFile> {
+    std::fs::create_dir_all(dir)
+        .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+    tempfile::NamedTempFile::new_in(dir)
+        .map_err(|e| Error::io(format!("creating a spill file in {}", dir.display()), e))
 }
 
 /// Runs `f`, which blocks on the CPU, letting a multi-threaded runtime move
