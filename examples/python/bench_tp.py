@@ -51,6 +51,12 @@ def config(params: float):
         h *= 2
 
 
+def bits(t):
+    """``t``'s elements as integers of their width (compared bit for bit)."""
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.detach().reshape(-1).view(ints[t.element_size()])
+
+
 def worker(rank, a, url, state, root, init, out):
     import torch.distributed as dist
 
@@ -95,6 +101,7 @@ def worker(rank, a, url, state, root, init, out):
         dist.barrier()
         host = f.rank_follower.host
         arrays = host.arrays(writable=False)
+        followed = {k: p.detach().clone() for k, p in params.items()}
         t = time.perf_counter()
         from weightcast._tensors import _TORCH_DTYPES
 
@@ -104,10 +111,13 @@ def worker(rank, a, url, state, root, init, out):
         engine.load_weights(weights)
         sync()
         reload_s = time.perf_counter() - t
-        del arrays
+        # what the follower patched in place equals that reload, bit for bit
+        same = all(torch.equal(bits(followed[k]), bits(p)) for k, p in params.items())
+        del arrays, followed
         times = [None] * a.world
         dist.all_gather_object(times, (step_s, r.prepare_seconds, r.pause_seconds, reload_s,
-                                       r.node_seconds, dict(f.rank_follower.prepare_phases)))
+                                       r.node_seconds, dict(f.rank_follower.prepare_phases), same,
+                                       dict(f.node.phases) if f.node is not None else {}))
         rows.append((r.op, times))
     if rank == 0:
         deltas = [t for op, t in rows if op == "patch"]
@@ -130,6 +140,8 @@ def worker(rank, a, url, state, root, init, out):
             "prepare_over_reload": round(med(1) / med(3), 3),
             "delta_prepare_phases": [[{k: round(v, 4) for k, v in x[5].items()} for x in t]
                                      for t in deltas],
+            "delta_node_phases": [{k: round(v, 4) for k, v in t[0][7].items()} for t in deltas],
+            "bit_identical_to_reload": all(x[6] for _, t in rows for x in t),
             "downloads_per_version": sorted(set(x[0] for x in f.node.downloaded.values())),
             "download_bytes": {k: b for k, (_, b) in f.node.downloaded.items()},
         }

@@ -138,7 +138,7 @@ pub(crate) struct Lent {
 }
 
 impl Lent {
-    fn new(name: &str, ptr: usize, len: usize, writable: bool) -> Result<Lent> {
+    pub(crate) fn new(name: &str, ptr: usize, len: usize, writable: bool) -> Result<Lent> {
         if len > 0 && (ptr == 0 || ptr.checked_add(len).is_none() || len > isize::MAX as usize) {
             return Err(Error::BadRequest(format!(
                 "tensor `{name}`: invalid memory range ({len} bytes at {ptr:#x})"
@@ -147,7 +147,7 @@ impl Lent {
         Ok(Lent { ptr, len, writable })
     }
 
-    fn slice(&self) -> &[u8] {
+    pub(crate) fn slice(&self) -> &[u8] {
         if self.len == 0 {
             return &[];
         }
@@ -180,7 +180,7 @@ impl Lent {
         Ok(mid)
     }
 
-    fn slice_mut(&mut self) -> &mut [u8] {
+    pub(crate) fn slice_mut(&mut self) -> &mut [u8] {
         if self.len == 0 {
             return &mut [];
         }
@@ -834,6 +834,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tools::run_hooks, m)?)?;
     m.add_function(wrap_pyfunction!(tools::tensor_digest, m)?)?;
     m.add_function(wrap_pyfunction!(tools::file_blake3, m)?)?;
+    m.add_function(wrap_pyfunction!(tools::file_blake3_stripes, m)?)?;
+    m.add_function(wrap_pyfunction!(tools::gather_words, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -10,8 +10,9 @@ versions of real AdamW steps through :class:`weightcast.node.TensorParallelFollo
   way;
 - only the node's rank reads the bucket, each version once;
 - a rank made to fail in prepare leaves every rank on the previous
-  version, reported; the hand-off removed under the followers is detected
-  and rebuilt; the version then goes through.
+  version, reported; the hand-off removed under the followers, or one byte
+  of it changed in a stripe only another rank than the node's checks, is
+  detected and rebuilt; the version then goes through.
 """
 
 import json
@@ -41,14 +42,19 @@ def _worker(rank, world, url, state, root, init, out):
     import torch.distributed as dist
 
     import weightcast
+    import weightcast.node
     from vllm_standin import Config, Engine, Trainer
     from weightcast.node import TensorParallelFollower
 
+    # Small stripes, so that the test's patches have several and each rank
+    # checks its own.
+    weightcast.node.STRIPE = 4096
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     c = Config()
     engine = Engine(c, world, rank)
     params = dict(engine.named_parameters())
     injected = set()
+    stripes = []
 
     def fail(h):
         # Rank 1 fails version 3 once; at version 4 the hand-off is removed
@@ -61,6 +67,16 @@ def _worker(rank, world, url, state, root, init, out):
             import shutil
 
             shutil.rmtree(h.patch)
+        if rank == 1 and h.version == 5 and h.op == "patch" and "flipped" not in injected:
+            # One byte of stripe 1, which rank 1 checks (1 ≡ 1 mod world).
+            injected.add("flipped")
+            meta = json.load(open(os.path.join(h.patch, "patch.json")))
+            stripes.append(len(meta["stripes"]))
+            with open(os.path.join(h.patch, "patch.bin"), "r+b") as f:
+                f.seek(meta["stripe"] + 17)
+                b = f.read(1)
+                f.seek(meta["stripe"] + 17)
+                f.write(bytes([b[0] ^ 0x40]))
 
     follower = TensorParallelFollower(url if rank == 0 else None, params, engine.load_weights,
                                       root=root, fail_prepare=fail)
@@ -89,7 +105,7 @@ def _worker(rank, world, url, state, root, init, out):
         for name, p in fresh.named_parameters():
             got = params[name].data.view(-1).view(torch.int16)
             assert torch.equal(got, p.data.view(-1).view(torch.int16)), f"{name} at version {v}"
-    report = {"events": events}
+    report = {"events": events, "stripes": stripes}
     if rank == 0:
         report["downloaded"] = follower.node.downloaded
     else:
@@ -131,6 +147,13 @@ def test_ranks_follow_in_place_bit_identically_and_commit_together(bucket, tmp_p
     gone = [e for e in events if e[1] == 4 and not e[2]]
     assert gone and "Corrupt" in gone[0][4][1], events
     assert any(e[0] == "load" and e[1] == 3 and e[2] for e in events), events
+    # One byte changed in a stripe rank 1 checks: refused by rank 1, so by
+    # every rank; rebuilt and repaired; version 5 then committed.
+    assert reports[1]["stripes"] and reports[1]["stripes"][0] >= 2, reports[1]
+    flipped = [e for e in events if e[1] == 5 and not e[2]]
+    assert flipped and "Corrupt" in flipped[0][4][1], events
+    assert flipped[0][3] == [4] * world, events
+    assert any(e[0] == "load" and e[1] == 4 and e[2] for e in events), events
     # One download per version for the node: the failures retried the same
     # downloaded update.
     downloaded = reports[0]["downloaded"]
@@ -383,3 +406,51 @@ def test_a_rank_killed_mid_version_leaves_the_survivors_whole(bucket, tmp_path, 
         import shutil
 
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_stripe_checksums_are_the_blake3_of_each_stripe(tmp_path):
+    import hashlib
+
+    from weightcast import _native
+
+    # 10,496 bytes that do not repeat: stripes of 4096, 4096 and 2304
+    data = b"".join(hashlib.sha256(b"%d" % i).digest() for i in range(328))
+    f = tmp_path / "blob"
+    f.write_bytes(data)
+    alone = []
+    for i in range(3):
+        part = tmp_path / f"part{i}"
+        part.write_bytes(data[i * 4096:(i + 1) * 4096])
+        alone.append(_native.file_blake3(str(part)))
+    assert _native.file_blake3_stripes(str(f), 4096, [0, 1, 2]) == alone
+    assert _native.file_blake3_stripes(str(f), 4096, [2, 0]) == [alone[2], alone[0]]
+    assert len(set(alone)) == 3
+    with pytest.raises(Exception, match="stripe 3 .* past its end"):
+        _native.file_blake3_stripes(str(f), 4096, [3])
+    with pytest.raises(Exception, match="no-such-file"):
+        _native.file_blake3_stripes(str(tmp_path / "no-such-file"), 4096, [0])
+
+
+def test_gather_words_takes_the_words_at_positions_and_refuses_what_does_not_fit():
+    import numpy as np
+
+    from weightcast import _native
+
+    src = np.arange(100_000, dtype=np.uint16) * 3
+    pos = np.array([0, 7, 99_999, 40_000] * 20_000, dtype=np.uint32)  # several chunks
+    pos64 = pos.astype(np.uint64)
+    out, out64 = np.zeros(pos.size, np.uint16), np.zeros(pos.size, np.uint16)
+
+    def item(name, p, o, source=src):
+        return (name, source.ctypes.data, source.nbytes, p.ctypes.data, p.size, p.itemsize, 2,
+                o.ctypes.data)
+
+    _native.gather_words([item("a", pos, out), item("b", pos64, out64)])
+    assert np.array_equal(out, src[pos.astype(np.intp)])
+    assert np.array_equal(out64, out)
+    past = np.array([5, 100_000], dtype=np.uint32)
+    with pytest.raises(Exception, match="`w`: changed position 100000 is past its 100000 words"):
+        _native.gather_words([item("w", past, np.zeros(2, np.uint16))])
+    # an output over the source (or positions) is refused, not raced
+    with pytest.raises(Exception, match="output overlaps"):
+        _native.gather_words([item("x", pos[:10], src[:10])])

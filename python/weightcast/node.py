@@ -29,13 +29,17 @@ checkpoint in shared memory (``/dev/shm``); every rank's
    node's host copy (its shard reloaded: no download).
 
 Memory on the node: one host copy of the model plus the patch (about twice
-the delta); per rank, its staged changes. The hand-off files carry a
-checksum and their version: files removed or changed under the follower
-are detected and rebuilt, never read stale.
+the delta); per rank, its staged changes. The hand-off files carry their
+version and checksums (the index's SHA-256, handed to every rank; in it, the
+BLAKE3 of each 8 MiB stripe of the patch): files removed or changed under
+the follower are detected and rebuilt, never read stale. The ranks split
+that check: rank r hashes stripes r, r + T, ..., and no rank commits
+unless every rank's stripes matched (the vote of step 3).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -56,6 +60,10 @@ from .shard import Unmappable, copy_runs, probe
 
 logger = logging.getLogger("weightcast.node")
 
+#: Bytes per stripe of a patch, each with its own BLAKE3 in the index: the
+#: unit in which the ranks split the hand-off's check.
+STRIPE = 8 << 20
+
 Spec = Tuple[str, List[int]]  # (safetensors dtype, shape)
 
 
@@ -69,19 +77,35 @@ def _words(dtype: str) -> Any:
     return _WORDS_NUMPY[_DTYPE_BYTES[dtype]]
 
 
-def _checksum_or_none(path: Path) -> Optional[str]:
-    try:
-        return _checksum(path)
-    except (OSError, Error):
-        return None
-
-
-def _checksum(path: Path) -> str:
-    """BLAKE3 of a file, memory-mapped and hashed on every core (the
-    library's): the ranks check the node's patch with it."""
+def _stripes(path: Path, stripe: int, indices: Sequence[int]) -> List[str]:
+    """The BLAKE3 of those stripes of a file (the library's, in parallel)."""
     from . import _native
 
-    return _native.file_blake3(str(path))
+    return list(_native.file_blake3_stripes(str(path), stripe, list(indices)))
+
+
+def _read_patch(h: "Handoff", rank: int = 0, world: int = 1) -> Optional[Dict[str, Any]]:
+    """The index of the hand-off ``h`` when its files are the node's: the
+    index by its checksum (read once), the patch by its size and by the
+    BLAKE3 of stripes ``rank, rank + world, ...``; None when anything is
+    missing or differs."""
+    vdir = Path(h.patch or "")
+    try:
+        raw = (vdir / "patch.json").read_bytes()
+        if hashlib.sha256(raw).hexdigest() != h.checksum:
+            return None
+        meta = json.loads(raw)
+        size, stripe, digests = int(meta["size"]), int(meta["stripe"]), list(meta["stripes"])
+        if (meta["version"] != h.version or stripe <= 0 or len(digests) != -(-size // stripe)
+                or (vdir / "patch.bin").stat().st_size != size
+                or not all(e.get("pw", 8) in (4, 8) for e in meta["tensors"].values())):
+            return None
+        mine = range(rank, len(digests), world)
+        if _stripes(vdir / "patch.bin", stripe, mine) != [digests[i] for i in mine]:
+            return None
+        return dict(meta)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, Error):
+        return None
 
 
 class HostState:
@@ -105,6 +129,17 @@ class HostState:
             f.truncate(max(off, 1))
         self.index_path.write_text(json.dumps(index))
 
+    def mapped(self) -> Dict[str, np.ndarray]:
+        """:meth:`arrays` (writable), kept mapped from one call to the next
+        while the file is the same one: a fresh map of a large host copy
+        costs a page fault per page the next version touches. Mapped again
+        when the file was replaced or resized."""
+        held = getattr(self, "_held", None)
+        if held is None or held[0] != _identity(self.data):
+            arrays = self.arrays(writable=True)
+            self._held = held = (self._mapped, arrays)
+        return held[1]
+
     def index(self) -> Dict[str, Tuple[str, List[int], int]]:
         return {k: (v[0], v[1], v[2]) for k, v in json.loads(self.index_path.read_text()).items()}
 
@@ -114,12 +149,18 @@ class HostState:
     def arrays(self, writable: bool) -> Dict[str, np.ndarray]:
         """Each tensor's words (flat), over the shared file."""
         mm = np.memmap(self.data, dtype=np.uint8, mode="r+" if writable else "r")
+        self._mapped = _identity(self.data)
         out = {}
         for name, (dtype, shape, off) in self.index().items():
             w = _words(dtype)
             n = int(np.prod(shape, dtype=np.int64))
             out[name] = mm[off: off + n * np.dtype(w).itemsize].view(w)
         return out
+
+
+def _identity(path: Path) -> Tuple[int, int, int]:
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size)
 
 
 @dataclass
@@ -144,12 +185,15 @@ class NodeFollower:
         self.host = HostState(self.root)
         self.subscriber = Subscriber(store_url, **subscriber_options)
         self.update: Optional[Update] = None
-        self._resolved: Optional[List[Any]] = None
-        self._old: Dict[str, np.ndarray] = {}
         # A hand-off some rank could not prepare: tried again, not downloaded again.
         self.pending: Optional[Handoff] = None
         # Per version: (downloads, bytes) — one download per version per node.
         self.downloaded: Dict[int, Tuple[int, int]] = {}
+        #: Where the last delta's node work went: ``fetch_s`` (download and
+        #: verify), ``resolve_s`` (decoded, old words gathered from the host
+        #: copy and checked, the patch written), ``write_s`` (its index and
+        #: checksums).
+        self.phases: Dict[str, float] = {}
 
     @property
     def version(self) -> Optional[int]:
@@ -162,12 +206,13 @@ class NodeFollower:
         rewritten if it vanished), not downloaded again."""
         if self.pending is not None:
             h = self.pending
-            if _checksum_or_none(Path(h.patch or "") / "patch.bin") != h.checksum:
+            if _read_patch(h) is None:
                 assert self.update is not None
-                h = self._write_patch(self.update, self._resolved or [])
-                self.pending = h
+                h = self._patch(self.update)
             return h
+        t0 = time.perf_counter()
         u = self.subscriber.poll() if timeout == 0 else self.subscriber.wait(timeout)
+        self.phases = {"fetch_s": time.perf_counter() - t0}
         if u is None:
             return None
         n, b = self.downloaded.get(u.version, (0, 0))
@@ -193,64 +238,80 @@ class NodeFollower:
     def _patch(self, u: Update) -> Handoff:
         """Resolves a delta against the host copy (verified, O(changed)) and
         writes the node's one patch: per changed tensor, positions (32-bit
-        where they fit), old and new words."""
-        arrays = {k: np.asarray(v) for k, v in self.host.arrays(writable=False).items()}
-        self._old: Dict[str, np.ndarray] = {}
+        where they fit), old and new words. The library decodes the changes
+        and writes the positions straight into the patch, gathers the old
+        words there from the host copy and, once every tensor's old words
+        matched the delta's base, writes the new words there: every step in
+        parallel, none in Python per element."""
+        from . import _native
 
-        def gather(name: str, positions: bytes, pw: int, wb: int) -> bytes:
-            pos = np.frombuffer(positions, dtype=np.uint32 if pw == 4 else np.uint64)
-            old = arrays[name][pos.astype(np.intp)]
-            self._old[name] = old
-            return old.tobytes()
-
-        self._resolved = u._native.resolve_all(gather)
-        self.pending = self._write_patch(u, self._resolved)
-        return self.pending
-
-    def _write_patch(self, u: Update, resolved: List[Any]) -> Handoff:
-        arrays = {k: np.asarray(v) for k, v in self.host.arrays(writable=False).items()}
+        t0 = time.perf_counter()
+        plan, pos_bytes, word_bytes = u._native.device_changes()
+        sub = {"decode_s": time.perf_counter() - t0}
         vdir = self.root / f"v{u.version}"
         shutil.rmtree(vdir, ignore_errors=True)
         vdir.mkdir(parents=True)
-        index, off = {}, 0
         blob = vdir / "patch.bin"
+        # [positions | old words | new words], each tensor's part at a
+        # multiple of 8 bytes: the ranks view them as words in place.
+        size = pos_bytes + 2 * word_bytes
         with open(blob, "wb") as f:
-            for name, pos, pw, new, wb in resolved:
-                # 32-bit positions where every index fits a signed one (what
-                # torch indexes with), else 64-bit.
-                p = np.frombuffer(pos, dtype=np.uint32 if pw == 4 else np.uint64)
-                narrow = pw == 4 and arrays[name].size <= 2**31
-                p = p.view(np.int32) if narrow else p.astype(np.int64)
-                old = self._old.get(name)
-                if old is None or old.size != p.size:
-                    old = arrays[name][p.astype(np.intp)]
-                entry = {"n": int(p.size), "wb": wb, "pw": 4 if narrow else 8}
-                for part, b in (("pos", p.tobytes()), ("old", old.tobytes()), ("new", new)):
-                    entry[part] = off
-                    f.write(b)
-                    off += len(b)
-                    # Every part starts at a multiple of 8 bytes: the ranks
-                    # view them as words in place (on the device too).
-                    pad = -off % 8
-                    f.write(bytes(pad))
-                    off += pad
-                index[name] = entry
-        meta = {"version": u.version, "base": u.base_version, "tensors": index,
-                "blob": _checksum(blob)}
-        (vdir / "patch.json").write_text(json.dumps(meta))
-        return Handoff("patch", u.version, u.base_version, str(vdir), meta["blob"])
+            f.truncate(size)
+        index = {}
+        if size:
+            mm = np.memmap(blob, dtype=np.uint8, mode="r+", shape=(size,))
+            at = mm.ctypes.data
+            t = time.perf_counter()
+            u._native.device_positions(at, pos_bytes)
+            arrays = self.host.mapped()
+            sub["positions_s"] = time.perf_counter() - t
+            t = time.perf_counter()
+            _native.gather_words([
+                (name, arrays[name].ctypes.data, arrays[name].nbytes, at + po, n, pw, wb,
+                 at + pos_bytes + wo) for name, n, pw, wb, po, wo in plan])
+            sub["gather_s"] = time.perf_counter() - t
+            t = time.perf_counter()
+            u._native.device_resolve((at + pos_bytes, word_bytes),
+                                     (at + pos_bytes + word_bytes, word_bytes))
+            sub["verify_s"] = time.perf_counter() - t
+            del mm, arrays
+        for name, n, pw, wb, po, wo in plan:
+            index[name] = {"n": n, "wb": wb, "pw": pw, "pos": po, "old": pos_bytes + wo,
+                           "new": pos_bytes + word_bytes + wo}
+        t1 = time.perf_counter()
+        meta = {"version": u.version, "base": u.base_version, "tensors": index, "size": size,
+                "stripe": STRIPE, "stripes": _stripes(blob, STRIPE, range(-(-size // STRIPE)))}
+        raw = json.dumps(meta).encode()
+        (vdir / "patch.json").write_bytes(raw)
+        self.phases.update(resolve_s=t1 - t0, write_s=time.perf_counter() - t1, **sub)
+        self.pending = Handoff("patch", u.version, u.base_version, str(vdir),
+                               hashlib.sha256(raw).hexdigest())
+        return self.pending
 
     def commit(self, h: Handoff) -> None:
-        """Every rank committed: the host copy moves too (a patch is
-        scattered into it and recorded as applied)."""
+        """Every rank committed: the host copy moves too (the patch's new
+        words scattered into it, the version recorded as applied). A patch
+        that is no longer the node's is rebuilt first (from the update,
+        which is still held)."""
         if h.op == "patch":
+            assert self.update is not None
+            meta = _read_patch(h)
+            if meta is None:
+                h = self._patch(self.update)
+                meta = _read_patch(h)
+                if meta is None:
+                    raise Corrupt(f"the hand-off of version {h.version} in {h.patch} changed "
+                                  "while it was rebuilt")
             self.pending = None
-            assert self.update is not None and self._resolved is not None
-            arrays = {k: np.asarray(v) for k, v in self.host.arrays(writable=True).items()}
-            for name, pos, pw, new, wb in self._resolved:
-                p = np.frombuffer(pos, dtype=np.uint32 if pw == 4 else np.uint64).astype(np.intp)
-                arrays[name][p] = np.frombuffer(new, dtype=_WORDS_NUMPY[wb])
-            arrays = None
+            blob = np.memmap(Path(h.patch or "") / "patch.bin", dtype=np.uint8, mode="r") \
+                if meta["size"] else np.zeros(0, np.uint8)
+            arrays = self.host.mapped()
+            for name, e in meta["tensors"].items():
+                n, pw, wb = e["n"], e["pw"], e["wb"]
+                p = blob[e["pos"]: e["pos"] + pw * n].view(np.uint32 if pw == 4 else np.uint64)
+                arrays[name][p.astype(np.intp)] = blob[e["new"]: e["new"] + wb * n].view(
+                    _WORDS_NUMPY[wb])
+            arrays = blob = None
             self.update._native.commit_resolved()
             self._drop(h)
 
@@ -261,17 +322,20 @@ class NodeFollower:
             return
 
     def _drop(self, h: Handoff) -> None:
-        self.update, self._resolved = None, None
+        self.update = None
         if h.patch:
             shutil.rmtree(h.patch, ignore_errors=True)
 
 
 class RankFollower:
     """One rank's side: its parameters, their map from checkpoint
-    coordinates, and the change it has prepared."""
+    coordinates, and the change it has prepared. ``rank`` of ``world``
+    picks the stripes of each hand-off this rank checks (all by default)."""
 
-    def __init__(self, params: Mapping[str, Any], mapping: ShardMap, root: Path) -> None:
+    def __init__(self, params: Mapping[str, Any], mapping: ShardMap, root: Path,
+                 rank: int = 0, world: int = 1) -> None:
         self.params = dict(params)
+        self.rank, self.world = rank, world
         self.mapping = mapping
         self.host = HostState(Path(root))
         self.version: Optional[int] = None
@@ -370,23 +434,22 @@ class RankFollower:
         torch = _torch()
         vdir = Path(h.patch or "")
         t0 = time.perf_counter()
+        meta = _read_patch(h, self.rank, self.world)
         try:
-            meta = json.loads((vdir / "patch.json").read_text())
-            ok = (meta["version"] == h.version and _checksum(vdir / "patch.bin") == h.checksum
-                  and all(e.get("pw", 8) in (4, 8) for e in meta["tensors"].values()))
-            blob = np.memmap(vdir / "patch.bin", dtype=np.uint8, mode="r")
-        except (OSError, ValueError, KeyError, Error):
-            ok = False
-        if not ok:
+            blob = None if meta is None else np.memmap(vdir / "patch.bin", dtype=np.uint8, mode="r")
+        except (OSError, ValueError):
+            blob = None
+        if meta is None or blob is None or blob.size != meta["size"]:
             raise Corrupt(f"the hand-off of version {h.version} in {vdir} is missing or not the "
                           "node's (removed or changed under the follower); the node rebuilds it")
         # The whole patch where the parameters are (one copy to a GPU; on
         # the CPU a view of the file): positions mapped, old words checked
-        # and new words picked there, with one synchronization at the end.
+        # and new words picked there, with two synchronizations in all.
         dev = next((t.device for t in self.params.values()), torch.device("cpu"))
+        host = np.asarray(blob)
         with warnings.catch_warnings():  # read-only memory, only read
             warnings.simplefilter("ignore", UserWarning)
-            data = torch.from_numpy(np.asarray(blob))
+            data = torch.from_numpy(host)
         t1 = time.perf_counter()
         if dev.type != "cpu":
             # through pinned buffers: a pageable copy moves about 4 GB/s
@@ -396,24 +459,35 @@ class RankFollower:
         t2 = time.perf_counter()
         staged = []
         checks: List[Tuple[str, str, Any, Any, Any]] = []
+        wanted, words_of = [], {}
         for cname, e in meta["tensors"].items():
             if cname not in self.mapping.tensors:
                 continue
-            n, wb = e["n"], e["wb"]
+            n, wb, pw = e["n"], e["wb"], e.get("pw", 8)
             words_t = _torch_words(wb)
-            pw = e.get("pw", 8)
-            pos = data[e["pos"]: e["pos"] + pw * n].view(torch.int32 if pw == 4 else torch.int64)
-            pos = pos.to(torch.int64)
-            old = data[e["old"]: e["old"] + wb * n].view(words_t)
-            new = data[e["new"]: e["new"] + wb * n].view(words_t)
-            for pname, ppos, idx in self.mapping.locate(cname, pos):
-                words = self._words(pname)
-                ppos, idx = ppos.to(words.device), idx.to(words.device)
-                have = words.index_select(0, ppos).view(words_t)
-                checks.append((pname, cname, ppos, have, old.to(words.device)[idx]))
-                staged.append((words, ppos, new.to(words.device)[idx].view(words.dtype)))
+            # The positions twice: on the host for the binary searches, where
+            # the work runs for the rest.
+            # 32-bit positions are unsigned (torch reads them as int32).
+            hpos = host[e["pos"]: e["pos"] + pw * n].view(np.uint32 if pw == 4 else np.int64)
+            pos = data[e["pos"]: e["pos"] + pw * n]
+            pos = (pos.view(torch.int32).to(torch.int64) & 0xFFFFFFFF if pw == 4
+                   else pos.view(torch.int64))
+            wanted.append((cname, hpos, pos))
+            words_of[cname] = (data[e["old"]: e["old"] + wb * n].view(words_t),
+                               data[e["new"]: e["new"] + wb * n].view(words_t), words_t)
+        for cname, pname, ppos, idx in self.mapping.locate_many(wanted):
+            old, new, words_t = words_of[cname]
+            words = self._words(pname)
+            ppos = ppos.to(words.device)
+            have = words.index_select(0, ppos).view(words_t)
+            checks.append((pname, cname, ppos, have, old[idx].to(words.device)))
+            staged.append((words, ppos, new[idx].to(words.device).view(words.dtype)))
         differ = [(have != want).any() for _p, _c, _pos, have, want in checks]
-        if differ and bool(torch.stack([d.cpu() for d in differ]).any()):
+        # one transfer per device for all the verdicts
+        by_device: Dict[Any, List[Any]] = {}
+        for d in differ:
+            by_device.setdefault(d.device, []).append(d)
+        if any(bool(torch.stack(ds).any()) for ds in by_device.values()):
             for (pname, cname, ppos, have, want), d in zip(checks, differ):
                 if bool(d):
                     bad = int(ppos[(have != want).nonzero()[0]])
@@ -716,4 +790,4 @@ class TensorParallelFollower:
                 )
         assert mapping is not None
         self._specs = dict(specs)
-        self.rank_follower = RankFollower(self.params, mapping, self.root)
+        self.rank_follower = RankFollower(self.params, mapping, self.root, self.rank, self.world)

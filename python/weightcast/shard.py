@@ -128,40 +128,68 @@ class Mapping:
         """For sorted checkpoint positions of ``tensor`` (int64), the ones
         this rank holds: ``[(parameter, parameter positions, index into
         positions)]``."""
+        return [(p, pos, idx) for _t, p, pos, idx in
+                self.locate_many([(tensor, positions.cpu().numpy(), positions)])]
+
+    def locate_many(self, items: Sequence[Tuple[str, Any, Any]]
+                    ) -> List[Tuple[str, str, Any, Any]]:
+        """:meth:`locate` for many tensors at once, with one synchronization
+        of the positions' device in all: ``items`` are ``(tensor, sorted
+        positions in host memory (a numpy array), the same positions as an
+        int64 tensor where the work runs)``; returns ``[(tensor, parameter,
+        parameter positions, index into that tensor's positions: a tensor
+        or a slice)]``.
+
+        A grid's span is found by a binary search of the host copy; a shard
+        of whole rows is then a shift of a slice. Positions that need a
+        filter (a shard of columns, irregular runs) are masked on the
+        device; every mask is counted in one transfer, and each is
+        compacted to its known count without waiting again."""
         torch = _torch()
-        out = []
-        for r in self.tensors.get(tensor, []):
-            if r.grid is not None:
-                c0, cstride, p0, pstride, L, count = r.grid
-                # The positions within the grid's span (they are sorted).
-                lo, hi = (int(i) for i in torch.searchsorted(
-                    positions, torch.tensor([c0, c0 + (count - 1) * cstride + L],
-                                            device=positions.device)))
-                if hi <= lo:
+        out: List[Tuple[str, str, Any, Any]] = []
+        masked: List[Tuple[str, str, Any, Any, int]] = []
+        for tensor, host, positions in items:
+            for r in self.tensors.get(tensor, []):
+                if r.grid is not None:
+                    c0, cstride, p0, pstride, L, count = r.grid
+                    # The positions within the grid's span (they are sorted).
+                    lo, hi = _search(host, c0), _search(host, c0 + (count - 1) * cstride + L)
+                    if hi <= lo:
+                        continue
+                    if cstride == L and pstride == L:
+                        # One stretch on both sides (a shard of whole rows, a
+                        # replicated tensor): a shift, nothing to filter.
+                        out.append((tensor, r.param, positions[lo:hi] - (c0 - p0), slice(lo, hi)))
+                        continue
+                    rel = positions[lo:hi] - c0
+                    row = torch.div(rel, cstride, rounding_mode="floor")
+                    col = rel - row * cstride
+                    masked.append((tensor, r.param, p0 + row * pstride + col, col < L, lo))
                     continue
-                if cstride == L and pstride == L:
-                    # One stretch on both sides (a shard of whole rows, a
-                    # replicated tensor): a shift, nothing to filter.
-                    idx = torch.arange(lo, hi, device=positions.device)
-                    out.append((r.param, positions[lo:hi] - (c0 - p0), idx))
-                    continue
-                rel = positions[lo:hi] - c0
-                row = torch.div(rel, cstride, rounding_mode="floor")
-                col = rel - row * cstride
-                keep = (col < L).nonzero().flatten()
-                if keep.numel():
-                    out.append((r.param, p0 + row[keep] * pstride + col[keep], keep + lo))
-                continue
-            cs, ps, ln = r.on(positions.device)
-            k = torch.searchsorted(cs, positions, right=True) - 1
-            valid = k >= 0
-            kc = k.clamp(min=0)
-            off = positions - cs[kc]
-            valid &= off < ln[kc]
-            idx = valid.nonzero().flatten()
-            if idx.numel():
-                out.append((r.param, (ps[kc[idx]] + off[idx]), idx))
+                cs, ps, ln = r.on(positions.device)
+                k = torch.searchsorted(cs, positions, right=True) - 1
+                kc = k.clamp(min=0)
+                off = positions - cs[kc]
+                masked.append((tensor, r.param, ps[kc] + off, (k >= 0) & (off < ln[kc]), 0))
+        if masked:
+            counts = torch.stack([m.sum() for *_, m, _ in masked]).tolist()
+            for (tensor, param, at, mask, lo), n in zip(masked, counts):
+                if n:
+                    keep = torch.nonzero_static(mask, size=int(n)).flatten()
+                    out.append((tensor, param, at[keep], keep + lo))
         return out
+
+
+def _search(host: Any, value: int) -> int:
+    """Where ``value`` goes in the sorted integer array ``host`` (a binary
+    search; a value past the dtype's range goes after everything)."""
+    import numpy as np
+
+    if value > np.iinfo(host.dtype).max:
+        return int(host.size)
+    if value < np.iinfo(host.dtype).min:
+        return 0
+    return int(np.searchsorted(host, host.dtype.type(value)))
 
 
 def _runs(ckpt: Any, param_pos: Any) -> Tuple[Any, Any, Any]:
