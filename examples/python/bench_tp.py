@@ -117,7 +117,7 @@ def worker(rank, a, url, state, root, init, out):
         times = [None] * a.world
         dist.all_gather_object(times, (step_s, r.prepare_seconds, r.pause_seconds, reload_s,
                                        r.node_seconds, dict(f.rank_follower.prepare_phases), same,
-                                       dict(f.node.phases) if f.node is not None else {}))
+                                       dict(getattr(f.node, "phases", {})) if f.node is not None else {}))
         rows.append((r.op, times))
     if rank == 0:
         deltas = [t for op, t in rows if op == "patch"]

@@ -836,6 +836,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tools::file_blake3, m)?)?;
     m.add_function(wrap_pyfunction!(tools::file_blake3_stripes, m)?)?;
     m.add_function(wrap_pyfunction!(tools::gather_words, m)?)?;
+    m.add_function(wrap_pyfunction!(tools::scatter_words, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

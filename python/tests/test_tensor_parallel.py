@@ -454,3 +454,34 @@ def test_gather_words_takes_the_words_at_positions_and_refuses_what_does_not_fit
     # an output over the source (or positions) is refused, not raced
     with pytest.raises(Exception, match="output overlaps"):
         _native.gather_words([item("x", pos[:10], src[:10])])
+
+
+def test_scatter_words_writes_ascending_positions_and_refuses_the_rest():
+    import numpy as np
+
+    from weightcast import _native
+
+    rng = np.random.default_rng(5)
+    dst = rng.integers(0, 2**16, 300_000, dtype=np.uint16)
+    want = dst.copy()
+    pos = np.sort(rng.choice(dst.size, 100_000, replace=False)).astype(np.uint32)  # 4 stretches
+    new = rng.integers(0, 2**16, pos.size, dtype=np.uint16)
+    want[pos.astype(np.intp)] = new
+
+    def item(name, p, words, target=dst):
+        return (name, target.ctypes.data, target.nbytes, p.ctypes.data, p.size, p.itemsize,
+                words.itemsize, words.ctypes.data)
+
+    _native.scatter_words([item("a", pos, new)])
+    assert np.array_equal(dst, want)
+    wide = pos.astype(np.uint64)
+    _native.scatter_words([item("b", wide, new ^ 1)])
+    assert np.array_equal(dst[pos.astype(np.intp)], new ^ 1)
+    for bad in ([5, 300_000], [9, 3]):  # past the end; out of order
+        with pytest.raises(Exception, match="`w`: changed position .* out of order or past"):
+            _native.scatter_words([item("w", np.array(bad, np.uint32), new[:2])])
+    descending = np.concatenate([pos[40_000:], pos[:40_000]])  # crosses stretches
+    with pytest.raises(Exception, match="out of order"):
+        _native.scatter_words([item("d", descending, new)])
+    with pytest.raises(Exception, match="output overlaps"):
+        _native.scatter_words([item("x", pos[:10], dst[:10])])

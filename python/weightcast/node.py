@@ -52,7 +52,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import Subscriber, Update, _device
+from . import Subscriber, Update, _device, _native
 from ._errors import BadRequest, BaseMismatch, Corrupt, Error, Unavailable
 from ._tensors import _DTYPE_BYTES, _WORDS_NUMPY, Raw
 from .shard import Mapping as ShardMap
@@ -79,8 +79,6 @@ def _words(dtype: str) -> Any:
 
 def _stripes(path: Path, stripe: int, indices: Sequence[int]) -> List[str]:
     """The BLAKE3 of those stripes of a file (the library's, in parallel)."""
-    from . import _native
-
     return list(_native.file_blake3_stripes(str(path), stripe, list(indices)))
 
 
@@ -221,7 +219,7 @@ class NodeFollower:
             specs = {n: (d, list(s)) for n, d, s in u._native.tensors()}
             if not self.host.index_path.exists() or self.host.specs() != specs:
                 self.host.create(specs)
-            arrays = self.host.arrays(writable=True)
+            arrays = self.host.mapped()
             u.apply_to({n: Raw(arrays[n], d, tuple(s)) for n, (d, s) in specs.items()})
             arrays = None
             return self.load_handoff()
@@ -243,8 +241,6 @@ class NodeFollower:
         words there from the host copy and, once every tensor's old words
         matched the delta's base, writes the new words there: every step in
         parallel, none in Python per element."""
-        from . import _native
-
         t0 = time.perf_counter()
         plan, pos_bytes, word_bytes = u._native.device_changes()
         sub = {"decode_s": time.perf_counter() - t0}
@@ -306,11 +302,10 @@ class NodeFollower:
             blob = np.memmap(Path(h.patch or "") / "patch.bin", dtype=np.uint8, mode="r") \
                 if meta["size"] else np.zeros(0, np.uint8)
             arrays = self.host.mapped()
-            for name, e in meta["tensors"].items():
-                n, pw, wb = e["n"], e["pw"], e["wb"]
-                p = blob[e["pos"]: e["pos"] + pw * n].view(np.uint32 if pw == 4 else np.uint64)
-                arrays[name][p.astype(np.intp)] = blob[e["new"]: e["new"] + wb * n].view(
-                    _WORDS_NUMPY[wb])
+            at = blob.ctypes.data
+            _native.scatter_words([
+                (name, arrays[name].ctypes.data, arrays[name].nbytes, at + e["pos"], e["n"],
+                 e["pw"], e["wb"], at + e["new"]) for name, e in meta["tensors"].items()])
             arrays = blob = None
             self.update._native.commit_resolved()
             self._drop(h)
