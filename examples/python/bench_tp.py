@@ -115,9 +115,10 @@ def worker(rank, a, url, state, root, init, out):
         same = all(torch.equal(bits(followed[k]), bits(p)) for k, p in params.items())
         del arrays, followed
         times = [None] * a.world
+        node_phases = dict(getattr(f.node, "phases", {})) if f.node is not None else {}
         dist.all_gather_object(times, (step_s, r.prepare_seconds, r.pause_seconds, reload_s,
                                        r.node_seconds, dict(f.rank_follower.prepare_phases), same,
-                                       dict(getattr(f.node, "phases", {})) if f.node is not None else {}))
+                                       node_phases))
         rows.append((r.op, times))
     if rank == 0:
         deltas = [t for op, t in rows if op == "patch"]
