@@ -485,3 +485,26 @@ def test_scatter_words_writes_ascending_positions_and_refuses_the_rest():
         _native.scatter_words([item("d", descending, new)])
     with pytest.raises(Exception, match="output overlaps"):
         _native.scatter_words([item("x", pos[:10], dst[:10])])
+
+
+def test_a_ranks_stretches_of_the_patch_are_packed_aligned_and_found_again():
+    """The plan of the copies that take a rank's stretches of the patch to
+    its GPU (run on the CPU here: the copies are emulated with numpy)."""
+    import numpy as np
+
+    from weightcast.node import _pack_plan
+
+    blob = np.arange(1 << 20, dtype=np.uint64).view(np.uint8)  # 8 MiB, every byte known
+    ranges = [(8, 4000), (4012, 6), (200_004, 4 * 1000), (200_004, 4 * 1000),
+              (3_000_002, 2 * 777), (8_000_000, 0), (5_000_000, 2 * 100_000)]
+    copies, moved, total = _pack_plan(ranges)
+    dev = np.zeros(total, np.uint8)
+    for a, b, to in copies:
+        dev[to: to + b - a] = blob[a:b]
+    for off, n in ranges:
+        at, m = moved[(off, n)]
+        assert m == n and at % 8 == off % 8, (off, n, at)
+        assert np.array_equal(dev[at: at + n], blob[off: off + n]), (off, n)
+    # close ranges travel together; far ones apart; less than the file
+    assert len(copies) == 4, copies
+    assert total < blob.nbytes // 2

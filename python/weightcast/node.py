@@ -39,6 +39,7 @@ unless every rank's stripes matched (the vote of step 3).
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
@@ -343,6 +344,9 @@ class RankFollower:
         #: checksum), ``upload_s`` (the patch to the device), ``apply_s``
         #: (positions mapped, old words checked, new words picked).
         self.prepare_phases: Dict[str, float] = {}
+        #: Bytes of the last patch this rank needs where its parameters are
+        #: (moved there on a GPU; read in place on the CPU).
+        self.upload_bytes = 0
 
     def _words(self, name: str) -> Any:
         from ._tensors import word_view
@@ -437,39 +441,48 @@ class RankFollower:
         if meta is None or blob is None or blob.size != meta["size"]:
             raise Corrupt(f"the hand-off of version {h.version} in {vdir} is missing or not the "
                           "node's (removed or changed under the follower); the node rebuilds it")
-        # The whole patch where the parameters are (one copy to a GPU; on
-        # the CPU a view of the file): positions mapped, old words checked
-        # and new words picked there, with two synchronizations in all.
+        # What this rank's runs can touch of each tensor's changes — a
+        # stretch found by binary searches of the positions here (a shard of
+        # whole rows needs its rows' changes only) — goes where the
+        # parameters are: one packed copy to a GPU; on the CPU, views of the
+        # file. Positions are mapped, old words checked and new words picked
+        # there, with two synchronizations in all.
         dev = next((t.device for t in self.params.values()), torch.device("cpu"))
         host = np.asarray(blob)
+        parts = []
+        for cname, e in meta["tensors"].items():
+            if cname not in self.mapping.tensors or not e["n"]:
+                continue
+            pw, wb = e.get("pw", 8), e["wb"]
+            # 32-bit positions are unsigned (torch reads them as int32).
+            hpos = host[e["pos"]: e["pos"] + pw * e["n"]].view(np.uint32 if pw == 4 else np.int64)
+            lo, hi = self.mapping.span(cname, hpos)
+            if hi > lo:
+                # (name, host positions, [(byte offset, bytes)] of its
+                # positions, old words and new words in the patch)
+                parts.append((cname, hpos[lo:hi], wb, pw, [
+                    (e["pos"] + lo * pw, (hi - lo) * pw), (e["old"] + lo * wb, (hi - lo) * wb),
+                    (e["new"] + lo * wb, (hi - lo) * wb)]))
         with warnings.catch_warnings():  # read-only memory, only read
             warnings.simplefilter("ignore", UserWarning)
             data = torch.from_numpy(host)
         t1 = time.perf_counter()
+        copies, moved, self.upload_bytes = _pack_plan([r for p in parts for r in p[4]])
         if dev.type != "cpu":
-            # through pinned buffers: a pageable copy moves about 4 GB/s
-            dst = torch.empty(blob.nbytes, dtype=torch.uint8, device=dev)
-            _device.upload([(dst, blob.ctypes.data, blob.nbytes)], self._staging)
-            data = dst
+            data = _packed_upload(blob, copies, self.upload_bytes, dev, self._staging)
+            parts = [(c, hp, wb, pw, [moved[r] for r in rs]) for c, hp, wb, pw, rs in parts]
         t2 = time.perf_counter()
         staged = []
         checks: List[Tuple[str, str, Any, Any, Any]] = []
         wanted, words_of = [], {}
-        for cname, e in meta["tensors"].items():
-            if cname not in self.mapping.tensors:
-                continue
-            n, wb, pw = e["n"], e["wb"], e.get("pw", 8)
+        for cname, hpos, wb, pw, ((po, pn), (oo, on), (no, nn)) in parts:
             words_t = _torch_words(wb)
-            # The positions twice: on the host for the binary searches, where
-            # the work runs for the rest.
-            # 32-bit positions are unsigned (torch reads them as int32).
-            hpos = host[e["pos"]: e["pos"] + pw * n].view(np.uint32 if pw == 4 else np.int64)
-            pos = data[e["pos"]: e["pos"] + pw * n]
+            pos = data[po: po + pn]
             pos = (pos.view(torch.int32).to(torch.int64) & 0xFFFFFFFF if pw == 4
                    else pos.view(torch.int64))
             wanted.append((cname, hpos, pos))
-            words_of[cname] = (data[e["old"]: e["old"] + wb * n].view(words_t),
-                               data[e["new"]: e["new"] + wb * n].view(words_t), words_t)
+            words_of[cname] = (data[oo: oo + on].view(words_t), data[no: no + nn].view(words_t),
+                               words_t)
         for cname, pname, ppos, idx in self.mapping.locate_many(wanted):
             old, new, words_t = words_of[cname]
             words = self._words(pname)
@@ -491,7 +504,9 @@ class RankFollower:
                         f"element {bad}: nothing written"
                     )
         self.prepare_phases = {"check_s": t1 - t0, "upload_s": t2 - t1,
-                               "apply_s": time.perf_counter() - t2}
+                               "apply_s": time.perf_counter() - t2,
+                               "upload_bytes": self.upload_bytes,
+                               "patch_bytes": int(meta["size"])}
         return staged
 
     def commit(self) -> int:
@@ -515,6 +530,46 @@ class RankFollower:
 
     def abort(self) -> None:
         self._staged = None
+
+
+def _pack_plan(ranges: List[Tuple[int, int]]
+               ) -> Tuple[List[Tuple[int, int, int]], Dict[Tuple[int, int], Tuple[int, int]], int]:
+    """How byte ``ranges`` (offset, length) of a file travel to a device,
+    packed: ``[(source start, source end, destination offset)]`` copies,
+    where each range lands (offset, length), and the bytes in all. Ranges
+    closer than 64 KiB travel as one copy; every range keeps its offset
+    modulo 8, so words stay aligned."""
+    merged: List[List[int]] = []
+    for off, n in sorted(set(r for r in ranges if r[1] > 0)):
+        start = off - off % 8
+        if merged and start - merged[-1][1] < (64 << 10):
+            merged[-1][1] = max(merged[-1][1], off + n)
+        else:
+            merged.append([start, off + n])
+    copies, at = [], 0
+    for a, b in merged:
+        copies.append((a, b, at))
+        at += (b - a + 7) // 8 * 8
+    starts = [a for a, _ in merged]
+    moved = {}
+    for off, n in ranges:
+        if n == 0:  # nothing travels; an empty stretch, aligned alike
+            moved[(off, n)] = (off % 8, 0)
+            continue
+        a, _b, to = copies[bisect.bisect_right(starts, off) - 1]
+        moved[(off, n)] = (to + off - a, n)
+    return copies, moved, at
+
+
+def _packed_upload(blob: Any, copies: List[Tuple[int, int, int]], nbytes: int, dev: Any,
+                   staging: Any) -> Any:
+    """:func:`_pack_plan`'s copies of ``blob`` to ``dev``, through pinned
+    buffers (a pageable copy moves about 4 GB/s): the device bytes."""
+    torch = _torch()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    _device.upload([(dst[to: to + b - a], blob.ctypes.data + a, b - a) for a, b, to in copies],
+                   staging)
+    return dst
 
 
 def _synchronize(tensors: Any) -> None:

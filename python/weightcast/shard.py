@@ -89,6 +89,16 @@ class Runs:
                 and bool((ps[1:] - ps[:-1] == pstride).all())):
             self.grid = (int(cs[0]), sstride, int(ps[0]), pstride, L, k)
 
+    def bounds(self) -> Tuple[int, int]:
+        """The first checkpoint element the runs hold, and one past the
+        last."""
+        if self.grid is not None:
+            c0, cstride, _p0, _ps, L, count = self.grid
+            return c0, c0 + (count - 1) * cstride + L
+        if not self.length.numel():
+            return 0, 0
+        return int(self.ckpt_start[0]), int((self.ckpt_start + self.length).max())
+
     def elements(self) -> int:
         return int(self.length.sum())
 
@@ -130,6 +140,18 @@ class Mapping:
         positions)]``."""
         return [(p, pos, idx) for _t, p, pos, idx in
                 self.locate_many([(tensor, positions.cpu().numpy(), positions)])]
+
+    def span(self, tensor: str, host: Any) -> Tuple[int, int]:
+        """The stretch ``[lo, hi)`` of ``tensor``'s sorted checkpoint
+        positions (a numpy array) that this rank's runs can touch: the
+        changes outside it land on other ranks."""
+        lo, hi = int(host.size), 0
+        for r in self.tensors.get(tensor, []):
+            first, end = r.bounds()
+            a, b = _search(host, first), _search(host, end)
+            if b > a:
+                lo, hi = min(lo, a), max(hi, b)
+        return (lo, hi) if hi > lo else (0, 0)
 
     def locate_many(self, items: Sequence[Tuple[str, Any, Any]]
                     ) -> List[Tuple[str, str, Any, Any]]:
