@@ -10,6 +10,8 @@
 #
 # Writes into $OUT: gpu.txt, tests.txt, pause-<params>.json, tp-<world>.json
 # (+ .err). SKIP_TESTS=1, PARAMS="..." and TP_WORLD="..." (empty: none) pick.
+# The device tool brings back at most 8 files per call: pick few steps, or
+# fold the .err files before the call ends.
 # Every step is bounded (timeout) and the next runs whatever the last did.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
@@ -46,7 +48,7 @@ for world in ${TP_WORLD-2}; do
     echo "rc=$?" >> "$OUT/tp-$world.err"
 done
 
-for params in ${PARAMS:-1e9 4e9}; do
+for params in ${PARAMS-1e9 4e9}; do
     stamp "pause $params"
     timeout "${BENCH_TIMEOUT:-240}" "$PY" examples/python/bench_pause.py --params "$params" \
         --device cuda --repeats 3 --dir "$SCRATCH" \
