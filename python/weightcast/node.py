@@ -32,7 +32,9 @@ Memory on the node: one host copy of the model plus the patch (about twice
 the delta); per rank, its staged changes. The hand-off files carry their
 version and checksums (the index's SHA-256, handed to every rank; in it, the
 BLAKE3 of each 8 MiB stripe of the patch): files removed or changed under
-the follower are detected and rebuilt, never read stale. The ranks split
+the follower are detected and rebuilt, never read stale. A host copy
+removed or replaced under the node is rebuilt from the bucket (its newest
+version, as an anchor), and every rank loads its shard from the new copy. The ranks split
 that check: rank r hashes stripes r, r + T, ..., and no rank commits
 unless every rank's stripes matched (the vote of step 3).
 """
@@ -202,7 +204,10 @@ class NodeFollower:
     def next(self, timeout: float = 0.0) -> Optional[Handoff]:
         """The next version's hand-off, or None when nothing is new. A
         version some rank could not prepare is offered again (its hand-off
-        rewritten if it vanished), not downloaded again."""
+        rewritten if it vanished), not downloaded again. A host copy that
+        vanished is rebuilt first (see :meth:`load_handoff`)."""
+        if self._host_gone():
+            return self._rebuild()
         if self.pending is not None:
             h = self.pending
             if _read_patch(h) is None:
@@ -214,24 +219,64 @@ class NodeFollower:
         self.phases = {"fetch_s": time.perf_counter() - t0}
         if u is None:
             return None
-        n, b = self.downloaded.get(u.version, (0, 0))
-        self.downloaded[u.version] = (n + 1, b + u.nbytes)
         if u.kind == "anchor":
-            specs = {n: (d, list(s)) for n, d, s in u._native.tensors()}
-            if not self.host.index_path.exists() or self.host.specs() != specs:
-                self.host.create(specs)
-            arrays = self.host.mapped()
-            u.apply_to({n: Raw(arrays[n], d, tuple(s)) for n, (d, s) in specs.items()})
-            arrays = None
-            return self.load_handoff()
+            return self._anchor(u)
+        self._count(u)
         self.update = u
         return self._patch(u)
 
+    def _count(self, u: Update) -> None:
+        n, b = self.downloaded.get(u.version, (0, 0))
+        self.downloaded[u.version] = (n + 1, b + u.nbytes)
+
+    def _anchor(self, u: Update) -> Handoff:
+        """Writes an anchor into the host copy (created anew when missing or
+        of another layout); every rank then loads its shard from there."""
+        self._count(u)
+        specs = {n: (d, list(s)) for n, d, s in u._native.tensors()}
+        if (not self.host.index_path.exists() or not self.host.data.exists()
+                or self.host.specs() != specs):
+            self.host.create(specs)
+        arrays = self.host.mapped()
+        u.apply_to({n: Raw(arrays[n], d, tuple(s)) for n, (d, s) in specs.items()})
+        arrays = None
+        return Handoff("load", u.version)
+
+    def _host_gone(self) -> bool:
+        """Whether the host copy of the version the node holds is missing,
+        or is not the file the node wrote (shared memory cleaned up, or
+        replaced, under it)."""
+        if self.version is None:
+            return False
+        try:
+            identity = _identity(self.host.data)
+            self.host.specs()
+        except (OSError, ValueError):
+            return True
+        held = getattr(self.host, "_held", None)
+        return held is not None and held[0] != identity
+
+    def _rebuild(self) -> Handoff:
+        """The host copy is gone: nothing is read from it; the node takes
+        the bucket's newest version as an anchor (one more download, for
+        the repair) and every rank loads its shard from the new copy."""
+        logger.warning("node follower: the host copy in %s is gone or replaced (shared memory "
+                       "cleaned up?): rebuilding it from the bucket's newest anchor", self.root)
+        self.pending, self.update = None, None
+        u = self.subscriber.poll(anchor=True)
+        if u is None or u.kind != "anchor":
+            raise Unavailable(f"the node's host copy in {self.root} is gone and the bucket "
+                              "offered no anchor to rebuild it from; the next step tries again")
+        return self._anchor(u)
+
     def load_handoff(self) -> Handoff:
         """Every rank loads its shard from the host copy (an anchor, or a
-        repair)."""
+        repair). A host copy that vanished is rebuilt from the bucket first,
+        never read stale."""
         if self.version is None:
             raise BadRequest("the node holds no version yet")
+        if self._host_gone():
+            return self._rebuild()
         return Handoff("load", self.version)
 
     def _patch(self, u: Update) -> Handoff:
