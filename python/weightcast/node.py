@@ -32,11 +32,11 @@ Memory on the node: one host copy of the model plus the patch (about twice
 the delta); per rank, its staged changes. The hand-off files carry their
 version and checksums (the index's SHA-256, handed to every rank; in it, the
 BLAKE3 of each 8 MiB stripe of the patch): files removed or changed under
-the follower are detected and rebuilt, never read stale. A host copy
-removed or replaced under the node is rebuilt from the bucket (its newest
-version, as an anchor), and every rank loads its shard from the new copy. The ranks split
+the follower are detected and rebuilt, never read stale. The ranks split
 that check: rank r hashes stripes r, r + T, ..., and no rank commits
-unless every rank's stripes matched (the vote of step 3).
+unless every rank's stripes matched (the vote of step 3). A host copy
+removed or replaced under the node is rebuilt from the bucket (its newest
+version, as an anchor), and every rank loads its shard from the new copy.
 """
 
 from __future__ import annotations
