@@ -448,9 +448,11 @@ def test_gather_words_takes_the_words_at_positions_and_refuses_what_does_not_fit
     _native.gather_words([item("a", pos, out), item("b", pos64, out64)])
     assert np.array_equal(out, src[pos.astype(np.intp)])
     assert np.array_equal(out64, out)
-    past = np.array([5, 100_000], dtype=np.uint32)
+    # (every array the call reads or writes is named here, alive through
+    # the call: the library takes addresses, not owners)
+    past, short = np.array([5, 100_000], dtype=np.uint32), np.zeros(2, np.uint16)
     with pytest.raises(Exception, match="`w`: changed position 100000 is past its 100000 words"):
-        _native.gather_words([item("w", past, np.zeros(2, np.uint16))])
+        _native.gather_words([item("w", past, short)])
     # an output over the source (or positions) is refused, not raced
     with pytest.raises(Exception, match="output overlaps"):
         _native.gather_words([item("x", pos[:10], src[:10])])
@@ -474,12 +476,15 @@ def test_scatter_words_writes_ascending_positions_and_refuses_the_rest():
 
     _native.scatter_words([item("a", pos, new)])
     assert np.array_equal(dst, want)
-    wide = pos.astype(np.uint64)
-    _native.scatter_words([item("b", wide, new ^ 1)])
-    assert np.array_equal(dst[pos.astype(np.intp)], new ^ 1)
+    # (every array the call reads or writes is named here, alive through
+    # the call: the library takes addresses, not owners)
+    wide, flipped = pos.astype(np.uint64), new ^ 1
+    _native.scatter_words([item("b", wide, flipped)])
+    assert np.array_equal(dst[pos.astype(np.intp)], flipped)
     for bad in ([5, 300_000], [9, 3]):  # past the end; out of order
+        bad_pos = np.array(bad, np.uint32)
         with pytest.raises(Exception, match="`w`: changed position .* out of order or past"):
-            _native.scatter_words([item("w", np.array(bad, np.uint32), new[:2])])
+            _native.scatter_words([item("w", bad_pos, new)])
     descending = np.concatenate([pos[40_000:], pos[:40_000]])  # crosses stretches
     with pytest.raises(Exception, match="out of order"):
         _native.scatter_words([item("d", descending, new)])
