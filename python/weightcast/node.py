@@ -337,6 +337,15 @@ class NodeFollower:
         which is still held)."""
         if h.op == "patch":
             assert self.update is not None
+            if self._host_gone():
+                # Nothing to write into: the next step rebuilds the host copy
+                # from the bucket, and every rank reloads from it.
+                logger.warning("node follower: the host copy in %s vanished while version %s "
+                               "was committed; it is rebuilt at the next step", self.root,
+                               h.version)
+                self.pending = None
+                self._drop(h)
+                return
             meta = _read_patch(h)
             if meta is None:
                 h = self._patch(self.update)
