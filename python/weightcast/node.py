@@ -118,6 +118,9 @@ class HostState:
         self.root = Path(root)
         self.data = self.root / "state.bin"
         self.index_path = self.root / "state.json"
+        # (the file's identity when mapped, the arrays): see `mapped`
+        self._held: Optional[Tuple[Tuple[int, int, int], Dict[str, np.ndarray]]] = None
+        self._mapped: Tuple[int, int, int] = (0, 0, 0)
 
     def create(self, specs: Mapping[str, Spec]) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -135,11 +138,21 @@ class HostState:
         while the file is the same one: a fresh map of a large host copy
         costs a page fault per page the next version touches. Mapped again
         when the file was replaced or resized."""
-        held = getattr(self, "_held", None)
+        held = self._held
         if held is None or held[0] != _identity(self.data):
             arrays = self.arrays(writable=True)
             self._held = held = (self._mapped, arrays)
         return held[1]
+
+    def replaced(self) -> bool:
+        """Whether the file is no longer the one :meth:`mapped` holds
+        (removed, or another in its place); False before the first map."""
+        if self._held is None:
+            return not self.data.exists()
+        try:
+            return self._held[0] != _identity(self.data)
+        except OSError:
+            return True
 
     def index(self) -> Dict[str, Tuple[str, List[int], int]]:
         return {k: (v[0], v[1], v[2]) for k, v in json.loads(self.index_path.read_text()).items()}
@@ -249,12 +262,10 @@ class NodeFollower:
         if self.version is None:
             return False
         try:
-            identity = _identity(self.host.data)
             self.host.specs()
         except (OSError, ValueError):
             return True
-        held = getattr(self.host, "_held", None)
-        return held is not None and held[0] != identity
+        return self.host.replaced()
 
     def _rebuild(self) -> Handoff:
         """The host copy is gone: nothing is read from it; the node takes
