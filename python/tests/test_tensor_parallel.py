@@ -38,6 +38,19 @@ def _close(dist):
     dist.barrier()
     dist.destroy_process_group()
 
+def _assert_like_a_fresh_load(params, out, v, world, rank):
+    """This rank's parameters equal, bit for bit, a fresh engine's loaded
+    through its own loader from the trainer's state of version ``v``."""
+    from vllm_standin import Config, Engine
+
+    truth = torch.load(os.path.join(out, f"truth-{v}.pt"))
+    fresh = Engine(Config(), world, rank)
+    fresh.load_weights(iter(truth.items()))
+    for name, p in fresh.named_parameters():
+        got = params[name].data.view(-1).view(torch.int16)
+        assert torch.equal(got, p.data.view(-1).view(torch.int16)), f"{name} at version {v}"
+
+
 def _worker(rank, world, url, state, root, init, out):
     import torch.distributed as dist
 
@@ -99,12 +112,7 @@ def _worker(rank, world, url, state, root, init, out):
                 break
         else:
             raise AssertionError(f"rank {rank}: version {v} never committed: {events}")
-        truth = torch.load(os.path.join(out, f"truth-{v}.pt"))
-        fresh = Engine(c, world, rank)
-        fresh.load_weights(iter(truth.items()))
-        for name, p in fresh.named_parameters():
-            got = params[name].data.view(-1).view(torch.int16)
-            assert torch.equal(got, p.data.view(-1).view(torch.int16)), f"{name} at version {v}"
+        _assert_like_a_fresh_load(params, out, v, world, rank)
     report = {"events": events, "stripes": stripes}
     if rank == 0:
         report["downloaded"] = follower.node.downloaded
@@ -191,21 +199,26 @@ def _unmappable_worker(rank, world, url, state, root, init, out):
     _close(dist)
 
 
-def test_an_unmappable_layout_is_refused_by_name_on_every_rank(bucket):
+def _spawn(worker, world, bucket, root, out=""):
+    """Runs ``worker(rank, world, url, state, root, init, out)`` on
+    ``world`` processes of one gloo group; removes ``root`` after."""
+    import shutil
+
     import torch.multiprocessing as mp
 
     url, state = bucket
-    root = f"/dev/shm/weightcast-test-{os.getpid()}-unmappable"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     try:
-        mp.spawn(_unmappable_worker, args=(2, url, state, root, f"tcp://127.0.0.1:{port}", ""),
-                 nprocs=2, join=True)
+        mp.spawn(worker, args=(world, url, state, root, f"tcp://127.0.0.1:{port}", out),
+                 nprocs=world, join=True)
     finally:
-        import shutil
-
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_an_unmappable_layout_is_refused_by_name_on_every_rank(bucket):
+    _spawn(_unmappable_worker, 2, bucket, f"/dev/shm/weightcast-test-{os.getpid()}-unmappable")
 
 
 def _publish(rank, trainer, pub, v, out):
@@ -556,12 +569,7 @@ def _host_gone_worker(rank, world, url, state, root, init, out):
             assert r.consistent(), r
             if r.committed and r.version == v:
                 break
-        truth = torch.load(os.path.join(out, f"truth-{v}.pt"))
-        fresh = Engine(c, world, rank)
-        fresh.load_weights(iter(truth.items()))
-        for name, p in fresh.named_parameters():
-            got = params[name].data.view(-1).view(torch.int16)
-            assert torch.equal(got, p.data.view(-1).view(torch.int16)), f"{name} at version {v}"
+        _assert_like_a_fresh_load(params, out, v, world, rank)
     with open(os.path.join(out, f"gone-{rank}.json"), "w") as f:
         json.dump({"events": events,
                    "downloaded": follower.node.downloaded if rank == 0 else None}, f)
@@ -569,20 +577,8 @@ def _host_gone_worker(rank, world, url, state, root, init, out):
 
 
 def test_a_host_copy_removed_under_the_node_is_rebuilt_from_the_bucket(bucket, tmp_path):
-    import torch.multiprocessing as mp
-
-    url, state = bucket
-    root = f"/dev/shm/weightcast-test-gone-{os.getpid()}"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    try:
-        mp.spawn(_host_gone_worker, args=(2, url, state, root, f"tcp://127.0.0.1:{port}",
-                                          str(tmp_path)), nprocs=2, join=True)
-    finally:
-        import shutil
-
-        shutil.rmtree(root, ignore_errors=True)
+    _spawn(_host_gone_worker, 2, bucket, f"/dev/shm/weightcast-test-gone-{os.getpid()}",
+           str(tmp_path))
     events = json.load(open(tmp_path / "gone-0.json"))["events"]
     assert events == json.load(open(tmp_path / "gone-1.json"))["events"]
     # Version 2 came as a rebuild: every rank loaded it from the new host
