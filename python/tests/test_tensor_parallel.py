@@ -590,3 +590,27 @@ def test_a_host_copy_removed_under_the_node_is_rebuilt_from_the_bucket(bucket, t
                        ["patch", 3, True]], events
     assert ops[4][0] == "load" and ops[4][2] and ops[-1] == ["patch", 4, True], events
     assert all(e[3] == [e[1]] * 2 for e in events), events
+
+
+def test_a_hand_off_index_pointing_past_its_patch_is_refused(tmp_path):
+    """Every range an index entry names must lie in the patch: the ranks
+    and the node lend those ranges to the library by address."""
+    import hashlib
+
+    from weightcast import _native
+    from weightcast.node import Handoff, _read_patch
+
+    blob = tmp_path / "patch.bin"
+    blob.write_bytes(bytes(range(256)) * 4)  # 1024 bytes; 64 changes of (8, 2, 2) bytes
+    good = {"n": 64, "pw": 8, "wb": 2, "pos": 0, "old": 512, "new": 896}  # new ends at 1024
+
+    def handoff(entry):
+        meta = {"version": 7, "base": 6, "tensors": {"w": entry}, "size": 1024, "stripe": 512,
+                "stripes": _native.file_blake3_stripes(str(blob), 512, [0, 1])}
+        raw = json.dumps(meta).encode()
+        (tmp_path / "patch.json").write_bytes(raw)
+        return Handoff("patch", 7, 6, str(tmp_path), hashlib.sha256(raw).hexdigest())
+
+    assert _read_patch(handoff(good))["tensors"]["w"] == good
+    for bad in ({"new": 897}, {"n": 65}, {"pos": -8}, {"old": 512.0}, {"wb": 3}, {"pw": 2}):
+        assert _read_patch(handoff({**good, **bad})) is None, bad

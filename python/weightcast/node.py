@@ -99,7 +99,7 @@ def _read_patch(h: "Handoff", rank: int = 0, world: int = 1) -> Optional[Dict[st
         size, stripe, digests = int(meta["size"]), int(meta["stripe"]), list(meta["stripes"])
         if (meta["version"] != h.version or stripe <= 0 or len(digests) != -(-size // stripe)
                 or (vdir / "patch.bin").stat().st_size != size
-                or not all(e.get("pw", 8) in (4, 8) for e in meta["tensors"].values())):
+                or not all(_fits(e, size) for e in meta["tensors"].values())):
             return None
         mine = range(rank, len(digests), world)
         if _stripes(vdir / "patch.bin", stripe, mine) != [digests[i] for i in mine]:
@@ -107,6 +107,17 @@ def _read_patch(h: "Handoff", rank: int = 0, world: int = 1) -> Optional[Dict[st
         return dict(meta)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, Error):
         return None
+
+
+def _fits(e: Mapping[str, Any], size: int) -> bool:
+    """Whether an index entry's positions, old and new words lie within a
+    patch of ``size`` bytes (the ranks and the node then lend those ranges
+    to the library by address)."""
+    n, pw, wb = e["n"], e.get("pw", 8), e["wb"]
+    if not all(type(v) is int and v >= 0 for v in (n, pw, wb, e["pos"], e["old"], e["new"])):
+        return False
+    return (pw in (4, 8) and wb in (1, 2, 4, 8) and e["pos"] + n * pw <= size
+            and e["old"] + n * wb <= size and e["new"] + n * wb <= size)
 
 
 class HostState:
@@ -120,7 +131,6 @@ class HostState:
         self.index_path = self.root / "state.json"
         # (the file's identity when mapped, the arrays): see `mapped`
         self._held: Optional[Tuple[Tuple[int, int, int], Dict[str, np.ndarray]]] = None
-        self._mapped: Tuple[int, int, int] = (0, 0, 0)
 
     def create(self, specs: Mapping[str, Spec]) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -138,11 +148,10 @@ class HostState:
         while the file is the same one: a fresh map of a large host copy
         costs a page fault per page the next version touches. Mapped again
         when the file was replaced or resized."""
-        held = self._held
-        if held is None or held[0] != _identity(self.data):
-            arrays = self.arrays(writable=True)
-            self._held = held = (self._mapped, arrays)
-        return held[1]
+        identity = _identity(self.data)
+        if self._held is None or self._held[0] != identity:
+            self._held = (identity, self.arrays(writable=True))
+        return self._held[1]
 
     def replaced(self) -> bool:
         """Whether the file is no longer the one :meth:`mapped` holds
@@ -163,7 +172,6 @@ class HostState:
     def arrays(self, writable: bool) -> Dict[str, np.ndarray]:
         """Each tensor's words (flat), over the shared file."""
         mm = np.memmap(self.data, dtype=np.uint8, mode="r+" if writable else "r")
-        self._mapped = _identity(self.data)
         out = {}
         for name, (dtype, shape, off) in self.index().items():
             w = _words(dtype)
