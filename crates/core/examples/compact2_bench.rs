@@ -56,6 +56,20 @@ fn generator_states(elements: u64, lr: f32) -> [TensorSet; 3] {
     [a, b, g.snapshot()]
 }
 
+/// This process's CPU seconds: the sum of its threads' run times
+/// (Linux `/proc/self/task/*/schedstat`, nanoseconds; 0 elsewhere).
+fn process_cpu_secs() -> f64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0.0;
+    };
+    let ns: u64 = tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum();
+    ns as f64 * 1e-9
+}
+
 fn median(mut v: Vec<f64>) -> (f64, f64, f64) {
     v.sort_by(f64::total_cmp);
     (v[v.len() / 2], v[0], v[v.len() - 1])
@@ -126,30 +140,63 @@ fn main() {
         encode_delta_ctx(&s1, &mut s2.clone(), &opts(Encoding::Compact2, 2), None).unwrap();
     let (v2n_back, _, _) =
         encode_delta_ctx(&s2, &mut s1.clone(), &opts(Encoding::Compact2, 3), None).unwrap();
-    // WEIGHTCAST_PHASE=encode1|encode2|apply1|apply2|apply2n: only that, `reps` times (for perf).
+    // WEIGHTCAST_PHASE=encode1|encode2|apply1|apply2|apply2n: only that, `reps`
+    // times (for perf); `encode` or `apply`: both encodings alternately, each
+    // repetition's CPU time (RAYON_NUM_THREADS=1: one thread's work).
     if let Ok(phase) = std::env::var("WEIGHTCAST_PHASE") {
-        for _ in 0..reps {
-            match phase.as_str() {
-                "encode1" => {
-                    drop(encode_delta(&s1, &mut s2w, &opts(Encoding::Compact, 2)).unwrap())
-                }
-                "encode2" => drop(
-                    encode_delta_ctx(&s1, &mut s2w, &opts(Encoding::Compact2, 2), Some(&ctx1))
-                        .unwrap(),
-                ),
-                "apply2n" => {
-                    apply_delta_ctx(&mut state, &v2n_fwd, None).unwrap();
-                    apply_delta_ctx(&mut state, &v2n_back, None).unwrap();
-                }
-                "apply1" => {
-                    apply_delta(&mut state, &v1_fwd).unwrap();
-                    apply_delta(&mut state, &v1_back).unwrap();
-                }
-                _ => {
-                    apply_delta_ctx(&mut state, &v2_fwd, Some(&ctx1)).unwrap();
-                    apply_delta_ctx(&mut state, &v2_back, Some(&ctx2)).unwrap();
-                }
+        let mut run = |name: &str| match name {
+            "encode1" => drop(encode_delta(&s1, &mut s2w, &opts(Encoding::Compact, 2)).unwrap()),
+            "encode2" => drop(
+                encode_delta_ctx(&s1, &mut s2w, &opts(Encoding::Compact2, 2), Some(&ctx1)).unwrap(),
+            ),
+            "apply2n" => {
+                apply_delta_ctx(&mut state, &v2n_fwd, None).unwrap();
+                apply_delta_ctx(&mut state, &v2n_back, None).unwrap();
             }
+            "apply1" => {
+                apply_delta(&mut state, &v1_fwd).unwrap();
+                apply_delta(&mut state, &v1_back).unwrap();
+            }
+            _ => {
+                apply_delta_ctx(&mut state, &v2_fwd, Some(&ctx1)).unwrap();
+                apply_delta_ctx(&mut state, &v2_back, Some(&ctx2)).unwrap();
+            }
+        };
+        let names: Vec<String> = match phase.as_str() {
+            "encode" => vec!["encode1".into(), "encode2".into()],
+            // and compact2 without context (every change in class 0)
+            "apply" => vec!["apply1".into(), "apply2".into(), "apply2n".into()],
+            _ => vec![phase.clone()],
+        };
+        let mut cpu = vec![Vec::with_capacity(reps); names.len()];
+        for _ in 0..reps {
+            for (n, c) in names.iter().zip(&mut cpu) {
+                let cpu0 = process_cpu_secs();
+                run(n);
+                c.push(process_cpu_secs() - cpu0);
+            }
+        }
+        // CPU time, not wall time: on a shared machine the steadier figure;
+        // the least of the repetitions is the least disturbed. (An apply
+        // repetition applies twice: forth and back.)
+        let mut least = Vec::new();
+        for (n, c) in names.iter().zip(cpu) {
+            if c.is_empty() {
+                continue;
+            }
+            let (m, lo, _) = median(c);
+            least.push(lo);
+            println!(
+                "phase {n}: CPU per repetition {:.3} ms (median {:.3} ms)",
+                lo * 1e3,
+                m * 1e3
+            );
+        }
+        if let [one, two, ..] = least[..] {
+            println!(
+                "compact2 / compact throughput (least CPU): {:.3}",
+                one / two
+            );
         }
         return;
     }
