@@ -571,11 +571,12 @@ fn reference(
             return None;
         }
     }
-    // A class-0 position that is a member of the block.
-    let member_idx: std::collections::BTreeSet<u64> =
-        members.iter().map(|&m| (m >> 2) as u64).collect();
+    // A class-0 position that is a member that changed again (class 1 or 2):
+    // its word would change twice. (A class-0 position at a member that did
+    // not change again changes that word once, and is accepted.)
     let class0 = heads[0].n as usize;
-    if all[..class0].iter().any(|x| member_idx.contains(&x.0)) {
+    let again_idx: std::collections::BTreeSet<u64> = all[class0..].iter().map(|x| x.0).collect();
+    if all[..class0].iter().any(|x| again_idx.contains(&x.0)) {
         return None;
     }
     all.sort_by_key(|x| x.0);

@@ -277,7 +277,7 @@ fn run_v2<S: Sink>(
             run_v2_w::<W, S>(run, (&plan, members, scratch, &mut rec), blk, sink)
         });
         let r = r.and_then(|dig| {
-            v2::finish(members, &rec, record)
+            v2::finish(members, &mut rec, record)
                 .map(|()| dig)
                 .map_err(|what| block.error(what))
         });

@@ -37,6 +37,7 @@ mod changes;
 pub mod context;
 mod decode;
 mod encode;
+mod merge;
 pub mod v2;
 pub mod vector;
 

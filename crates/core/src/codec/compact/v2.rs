@@ -29,7 +29,7 @@ use crate::codec::bits::{BitReader, FastWriter};
 use crate::dtype::{to_key, word_mask};
 use crate::error::Result;
 use crate::format::{BlockEntry, ValueCoding};
-use crate::platform::prefetch_l2;
+use crate::platform::{Platform, prefetch_l2};
 
 /// Classes of a block.
 pub const CLASSES: usize = 3;
@@ -376,10 +376,10 @@ pub(crate) struct Plan {
 /// Scratch the decoder reuses across blocks.
 #[derive(Default)]
 pub(crate) struct Scratch {
-    /// Indices into the context's members of classes 1 and 2, in one list
-    /// of one entry per member: class 1's ascending from the front, class
-    /// 2's descending from the back (`class_len` of each).
-    class_order: Vec<u32>,
+    /// Indices into the context's members of classes 1 and 2, each
+    /// ascending (`class_len` of each; the lists keep their length, what
+    /// they hold past it is stale).
+    class_order: [Vec<u32>; 2],
     class_len: [usize; 2],
     /// The class being read: its escapes' ranks and magnitudes, its listed
     /// signs' ranks.
@@ -401,6 +401,8 @@ pub(crate) struct Scratch {
 pub(crate) struct Record {
     pub(crate) c0: Vec<Member>,
     pub(crate) again: Vec<u8>,
+    /// [`finish`]'s scratch: the members that changed again.
+    kept: Vec<Member>,
 }
 
 thread_local! {
@@ -437,27 +439,18 @@ impl Plan {
         if block.words > 1 << 32 {
             return Err("compact2 blocks have at most 2^32 words");
         }
-        // Classes 1 and 2: the members without and with the `big` bit, in
-        // one list, one store per member (class 2's from the back). The list
-        // keeps its length (what it holds past the members is stale), so
-        // that only growing it writes zeros.
+        // Classes 1 and 2: the members without and with the `big` bit. The
+        // lists keep their length (what they hold past the members is
+        // stale), so that only growing them writes zeros.
         s.class_len = [0, 0];
         if block.entry.changes > 0 && !members.is_empty() {
-            let order = &mut s.class_order;
-            if order.len() < members.len() {
-                order.resize(members.len(), 0);
+            let [small, big] = &mut s.class_order;
+            for order in [&mut *small, &mut *big] {
+                if order.len() < members.len() + 16 {
+                    order.resize(members.len() + 16, 0);
+                }
             }
-            let order = &mut order[..members.len()];
-            let last = members.len() - 1;
-            let (mut a, mut b) = (0usize, 0usize);
-            for (j, &m) in members.iter().enumerate() {
-                let big = (m & BIG) as usize;
-                // a + b = j ≤ last: both slots are in the list.
-                let at = if big == 1 { last - b } else { a };
-                order[at] = j as u32;
-                a += 1 - big;
-                b += big;
-            }
+            let (a, b) = super::merge::split(Platform::detect(), members, small, big);
             s.class_len = [a, b];
         }
         let space = [block.words, s.class_len[0] as u64, s.class_len[1] as u64];
@@ -496,16 +489,11 @@ impl Plan {
         let class_members = match c {
             0 => ClassMembers::default(),
             1 => ClassMembers {
-                order: &s.class_order[..small],
-                flip: 0,
+                order: &s.class_order[0][..small],
             },
-            _ => {
-                let total = small + big;
-                ClassMembers {
-                    order: &s.class_order[small..total],
-                    flip: u64::MAX,
-                }
-            }
+            _ => ClassMembers {
+                order: &s.class_order[1][..big],
+            },
         };
         let space = if c == 0 {
             block.words
@@ -585,22 +573,17 @@ pub(crate) struct ClassReader<'r> {
     members: &'r [Member],
 }
 
-/// The members of a class, by rank: `order[p]` (class 1) or
-/// `order[len − 1 − p]` (class 2, listed from the back).
+/// The members of a class, by rank: `order[p]`.
 #[derive(Clone, Copy, Default)]
 struct ClassMembers<'r> {
     order: &'r [u32],
-    /// `0` (ascending) or all ones (descending).
-    flip: u64,
 }
 
 impl ClassMembers<'_> {
     /// The member index of rank `p` (`p` < the class's size).
     #[inline(always)]
     fn get(&self, p: u64) -> u32 {
-        // Descending: (len − 1) − p = len + !p (wrapping).
-        let at = (p ^ self.flip).wrapping_add(self.flip & self.order.len() as u64);
-        self.order[at as usize]
+        self.order[p as usize]
     }
 }
 
@@ -867,63 +850,25 @@ impl Record {
 }
 
 /// After a block's entries (noted in `rec`): checks that no class-0 change is
-/// a context member (a word changed twice), and with `out`, writes the
-/// block's members for the next context (class 0's changes and the members
-/// that changed again, ascending).
+/// a member that changed again (a word changed twice), and with `out`,
+/// writes the block's members for the next context (class 0's changes and
+/// the members that changed again, ascending).
 pub(crate) fn finish(
     members: &[Member],
-    rec: &Record,
+    rec: &mut Record,
     out: Option<&mut Vec<Member>>,
 ) -> std::result::Result<(), &'static str> {
-    let (a, b, again) = (&rec.c0[..], members, &rec.again[..]);
-    debug_assert_eq!(again.len(), b.len());
-    let (mut i, mut j) = (0usize, 0usize);
-    let mut dup = false;
-    match out {
-        None => {
-            // Only the check: every class-0 position against the members.
-            while i < a.len() && j < b.len() {
-                let (pa, pb) = (a[i] >> 2, b[j] >> 2);
-                dup |= pa == pb;
-                let take_a = pa < pb;
-                i += take_a as usize;
-                j += !take_a as usize;
-            }
-        }
-        Some(out) => {
-            let n = a.len() + again.iter().filter(|&&f| f != 0).count();
-            out.clear();
-            out.resize(n + 1, 0);
-            let mut o = 0usize;
-            // Both lists: one element per round, no branch on the data.
-            while i < a.len() && j < b.len() && o < n {
-                let (x, y, f) = (a[i], b[j], again[j] as u32);
-                let (pa, pb) = (x >> 2, y >> 2);
-                dup |= pa == pb;
-                let take_a = pa < pb;
-                out[o] = if take_a { x } else { (y & !3) | (f & 3) };
-                o += (take_a | (f != 0)) as usize;
-                i += take_a as usize;
-                j += !take_a as usize;
-            }
-            // The rest of one of them.
-            for &x in &a[i..] {
-                if o < n {
-                    out[o] = x;
-                    o += 1;
-                }
-            }
-            for (&y, &f) in b[j..].iter().zip(&again[j..]) {
-                if f != 0 && o < n {
-                    out[o] = (y & !3) | (f as u32 & 3);
-                    o += 1;
-                }
-            }
-            out.truncate(n);
-        }
+    debug_assert_eq!(rec.again.len(), members.len());
+    let platform = Platform::detect();
+    if rec.kept.len() < members.len() + 16 {
+        rec.kept.resize(members.len() + 16, 0);
     }
-    if dup {
-        return Err("a word changed twice (a class-0 position is a context member)");
+    let s = super::merge::survivors(platform, members, &rec.again, &mut rec.kept);
+    let mut scratch = Vec::new();
+    let out = out.unwrap_or(&mut scratch);
+    if super::merge::merge(platform, &rec.c0, &rec.kept[..s], out) {
+        out.clear();
+        return Err("a word changed twice (a class-0 position is a member that changed again)");
     }
     Ok(())
 }
@@ -935,31 +880,18 @@ fn finish_reference(
     rec: &Record,
     out: Option<&mut Vec<Member>>,
 ) -> std::result::Result<(), &'static str> {
-    let (a, b) = (&rec.c0[..], members);
-    let dup = {
-        let (mut i, mut j, mut dup) = (0, 0, false);
-        while i < a.len() && j < b.len() {
-            dup |= a[i] >> 2 == b[j] >> 2;
-            if a[i] >> 2 < b[j] >> 2 {
-                i += 1;
-            } else {
-                j += 1;
-            }
+    let mut all = rec.c0.clone();
+    for (&m, &f) in members.iter().zip(&rec.again) {
+        if f != 0 {
+            all.push((m & !3) | (f as u32 & 3));
         }
-        dup
-    };
-    if let Some(out) = out {
-        out.clear();
-        out.extend_from_slice(a);
-        for (&m, &f) in b.iter().zip(&rec.again) {
-            if f != 0 {
-                out.push((m & !3) | (f as u32 & 3));
-            }
-        }
-        out.sort_by_key(|&m| m >> 2);
     }
-    if dup {
-        return Err("a word changed twice (a class-0 position is a context member)");
+    all.sort_by_key(|&m| m >> 2);
+    if all.windows(2).any(|w| w[0] >> 2 == w[1] >> 2) {
+        return Err("a word changed twice (a class-0 position is a member that changed again)");
+    }
+    if let Some(out) = out {
+        *out = all;
     }
     Ok(())
 }
@@ -1024,7 +956,7 @@ fn decode_raw(
         }
     }
     if result.is_ok() {
-        result = finish(members, &rec, None);
+        result = finish(members, &mut rec, None);
     }
     if result.is_ok() {
         merge(&idx, &val, out);
@@ -1840,14 +1772,15 @@ mod tests {
                 .map(|(k, i)| (i << 2) | (codes[k] as u32 & 3))
                 .collect();
             let b: Vec<Member> = b.iter().enumerate().map(|(k, &i)| (i << 2) | (codes[119 - k] as u32 & 3)).collect();
-            let rec = Record {
+            let mut rec = Record {
                 c0: a,
                 again: (0..b.len()).map(|k| if codes[k] & 4 != 0 { codes[k] } else { 0 }).collect(),
+                ..Record::default()
             };
             let (mut got, mut want) = (Vec::new(), Vec::new());
-            let r = finish(&b, &rec, Some(&mut got));
+            let r = finish(&b, &mut rec, Some(&mut got));
             prop_assert_eq!(r, finish_reference(&b, &rec, Some(&mut want)));
-            prop_assert_eq!(finish(&b, &rec, None), r);
+            prop_assert_eq!(finish(&b, &mut rec, None), r);
             if r.is_ok() {
                 prop_assert_eq!(got, want);
             }
@@ -1890,8 +1823,9 @@ mod tests {
 
     /// One class-0 change at a member's position, wherever it falls among
     /// the other changes, with every pattern of flags on a few members:
-    /// always refused; the same lists without it merge as the plain merge
-    /// does.
+    /// refused when that member changed again (its word would change twice),
+    /// accepted as the plain merge when it did not (the word changes once);
+    /// the same lists without it merge as the plain merge does.
     #[test]
     fn one_shared_position_anywhere_is_found() {
         for members in 1..7u32 {
@@ -1914,24 +1848,29 @@ mod tests {
                             .filter(|k| around >> k & 1 == 1)
                             .map(|k| (2 * k) << 2)
                             .collect();
-                        let clean = Record {
+                        let mut clean = Record {
                             c0: c0.clone(),
                             again: again.clone(),
+                            ..Record::default()
                         };
                         c0.push((2 * shared + 1) << 2 | 2);
                         c0.sort_unstable_by_key(|&m| m >> 2);
-                        let rec = Record {
+                        let mut rec = Record {
                             c0,
                             again: again.clone(),
+                            ..Record::default()
                         };
-                        let mut out = Vec::new();
-                        assert!(
-                            finish(&b, &rec, Some(&mut out)).is_err(),
-                            "{members} {flags} {shared} {around}"
-                        );
-                        assert!(finish(&b, &rec, None).is_err());
+                        let twice = flags >> shared & 1 == 1;
+                        let (mut out, mut want) = (Vec::new(), Vec::new());
+                        let r = finish(&b, &mut rec, Some(&mut out));
+                        assert_eq!(r.is_err(), twice, "{members} {flags} {shared} {around}");
+                        assert_eq!(finish(&b, &mut rec, None).is_err(), twice);
+                        if !twice {
+                            finish_reference(&b, &rec, Some(&mut want)).unwrap();
+                            assert_eq!(out, want);
+                        }
                         let (mut got, mut want) = (Vec::new(), Vec::new());
-                        finish(&b, &clean, Some(&mut got)).unwrap();
+                        finish(&b, &mut clean, Some(&mut got)).unwrap();
                         finish_reference(&b, &clean, Some(&mut want)).unwrap();
                         assert_eq!(got, want);
                     }
