@@ -97,9 +97,7 @@ impl TensorContext {
 
 /// The checksum of one block's members (see [`member_hash`]).
 fn block_checksum(seed: u64, block: u64, members: &[Member]) -> u64 {
-    members
-        .iter()
-        .fold(0u64, |a, &m| a.wrapping_add(member_hash(seed, block, m)))
+    super::merge::hash_sum(crate::platform::Platform::detect(), seed, block, members)
 }
 
 /// Where a context stands in the version chain: the changes from the state
