@@ -29,16 +29,23 @@ pub(crate) fn split(
         return split_avx512(proof, members, small, big);
     }
     let _ = platform;
-    split_portable(members, small, big)
+    split_portable(members, 0, small, big)
 }
 
-fn split_portable(members: &[Member], small: &mut [u32], big: &mut [u32]) -> (usize, usize) {
+/// [`split`] one member at a time; `members[0]` is member `first`.
+fn split_portable(
+    members: &[Member],
+    first: usize,
+    small: &mut [u32],
+    big: &mut [u32],
+) -> (usize, usize) {
     let (mut a, mut b) = (0usize, 0usize);
     for (j, &m) in members.iter().enumerate() {
         let is_big = (m & BIG) as usize;
+        let j = (first + j) as u32;
         // Both slots written, one kept: no branch on the coin-toss bit.
-        small[a] = j as u32;
-        big[b] = j as u32;
+        small[a] = j;
+        big[b] = j;
         a += 1 - is_big;
         b += is_big;
     }
@@ -182,14 +189,8 @@ fn split_avx512_body(
         iota = _mm512_add_epi32(iota, sixteen);
     }
     // The last few, one at a time.
-    for (j, &m) in members.iter().enumerate().skip(full) {
-        let is_big = (m & BIG) as usize;
-        small[a] = j as u32;
-        big[b] = j as u32;
-        a += 1 - is_big;
-        b += is_big;
-    }
-    (a, b)
+    let (c, d) = split_portable(&members[full..], full, &mut small[a..], &mut big[b..]);
+    (a + c, b + d)
 }
 
 #[cfg(target_arch = "x86_64")]
