@@ -30,7 +30,10 @@
 //!   [`crate::codec::apply_in_place`]);
 //! - `vector`: the AVX-512 kernels of the hottest case, 2-byte words (the
 //!   encoder's fused scan and entries, the apply's resolution of a group),
-//!   over the types this file defines ([`Ctx`], `Group`).
+//!   over the types this file defines ([`Ctx`], `Group`);
+//! - `merge`: the member-list work of a `compact2` block (its context split
+//!   into classes, the members that changed again, the next context merged,
+//!   the checksum's sums), sixteen members at a time on AVX-512.
 
 mod apply;
 mod changes;
