@@ -95,23 +95,6 @@ pub(crate) fn merge(platform: Platform, a: &[Member], b: &[Member], out: &mut Ve
     shares_an_index(out)
 }
 
-/// `Σ member_hash(seed, block, m)` over `members` (wrapping): one block's
-/// share of a context's checksum (see [`super::context::member_hash`]).
-pub(crate) fn hash_sum(platform: Platform, seed: u64, block: u64, members: &[Member]) -> u64 {
-    #[cfg(target_arch = "x86_64")]
-    if let Some(proof) = platform.avx512() {
-        return hash_sum_avx512(proof, seed, block, members);
-    }
-    let _ = platform;
-    hash_sum_portable(seed, block, members)
-}
-
-fn hash_sum_portable(seed: u64, block: u64, members: &[Member]) -> u64 {
-    members.iter().fold(0u64, |a, &m| {
-        a.wrapping_add(super::context::member_hash(seed, block, m))
-    })
-}
-
 /// Whether two neighbours of an ascending member list share an index.
 fn shares_an_index(out: &[Member]) -> bool {
     out.windows(2)
@@ -238,39 +221,6 @@ fn survivors_avx512_body(
         s += keep.count_ones() as usize;
     }
     s + survivors_portable(&members[full..], &again[full..], &mut kept[s..])
-}
-
-#[cfg(target_arch = "x86_64")]
-fn hash_sum_avx512(proof: HasAvx512, seed: u64, block: u64, members: &[Member]) -> u64 {
-    // SAFETY: as for `split_avx512` (AVX-512 DQ, for the 64-bit multiply,
-    // is part of what the proof stands for).
-    unsafe { hash_sum_avx512_body(proof, seed, block, members) }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512dq")]
-fn hash_sum_avx512_body(_: HasAvx512, seed: u64, block: u64, members: &[Member]) -> u64 {
-    let full = members.len() / 8 * 8;
-    let base = _mm512_set1_epi64((seed ^ (block << 32)) as i64);
-    let k = _mm512_set1_epi64(0x9E37_79B9_7F4A_7C15u64 as i64);
-    let mut acc = _mm512_setzero_si512();
-    for at in (0..full).step_by(8) {
-        let chunk: &[u32; 8] = members[at..at + 8].try_into().expect("8 members");
-        // SAFETY: 8 initialized u32s (32 bytes); the unaligned load reads
-        // exactly those.
-        let m = unsafe { _mm256_loadu_si256(chunk.as_ptr().cast()) };
-        let h = _mm512_mullo_epi64(_mm512_xor_si512(base, _mm512_cvtepu32_epi64(m)), k);
-        acc = _mm512_add_epi64(acc, _mm512_xor_si512(h, _mm512_srli_epi64::<29>(h)));
-    }
-    let lanes: [u64; 8] = std::array::from_fn(|_| 0);
-    let mut lanes = lanes;
-    // SAFETY: `lanes` is 8 writable u64s (64 bytes).
-    unsafe { _mm512_storeu_si512(lanes.as_mut_ptr().cast(), acc) };
-    lanes
-        .iter()
-        .fold(hash_sum_portable(seed, block, &members[full..]), |a, &x| {
-            a.wrapping_add(x)
-        })
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -422,17 +372,6 @@ mod tests {
                 .map(|(&m, &f)| (m & !3) | (f as u32 & 3))
                 .collect();
             assert_eq!(&kept[..k], &want_kept[..], "{p:?}");
-            for (seed, block) in [
-                (0u64, 0u64),
-                (0x1234_5678_9abc_def0, 3),
-                (u64::MAX, 1 << 31),
-            ] {
-                let want: u64 = b
-                    .iter()
-                    .map(|&m| super::super::context::member_hash(seed, block, m))
-                    .fold(0, u64::wrapping_add);
-                assert_eq!(hash_sum(p, seed, block, b), want, "{p:?}");
-            }
         }
     }
 
