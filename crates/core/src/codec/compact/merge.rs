@@ -313,13 +313,21 @@ fn merge_avx512_body(_: HasAvx512, a: &[Member], b: &[Member], out: &mut [Member
         store(out, o, lo);
         o += 16;
     }
-    // The rest: `hi` and what is left of both lists (one of them shorter
-    // than 16), merged one member at a time.
+    // The rest: `hi` and what is left of both lists, merged one member at
+    // a time. The loop ended because one of them has fewer than 16 left: it
+    // joins `hi` on the stack, and that goes with the other straight into
+    // `out` (no copy of the long rest but the final one).
     let mut held = [0u32; 16];
     store(&mut held, 0, hi);
-    let mut with_a = vec![0; 16 + a.len() - i];
-    merge_portable(&held, &a[i..], &mut with_a);
-    merge_portable(&with_a, &b[j..], &mut out[o..]);
+    let (short, long) = if a.len() - i < 16 {
+        (&a[i..], &b[j..])
+    } else {
+        (&b[j..], &a[i..])
+    };
+    let mut both = [0u32; 32];
+    let both = &mut both[..16 + short.len()];
+    merge_portable(&held, short, both);
+    merge_portable(both, long, &mut out[o..]);
 }
 
 #[cfg(test)]
