@@ -510,7 +510,7 @@ def test_a_ranks_stretches_of_the_patch_are_packed_aligned_and_found_again():
     its GPU (run on the CPU here: the copies are emulated with numpy)."""
     import numpy as np
 
-    from weightcast.node import _pack_plan
+    from weightcast.node import _fill_piece, _pack_plan
 
     blob = np.arange(1 << 20, dtype=np.uint64).view(np.uint8)  # 8 MiB, every byte known
     ranges = [(8, 4000), (4012, 6), (200_004, 4 * 1000), (200_004, 4 * 1000),
@@ -526,6 +526,20 @@ def test_a_ranks_stretches_of_the_patch_are_packed_aligned_and_found_again():
     # close ranges travel together; far ones apart; less than the file
     assert len(copies) == 4, copies
     assert total < blob.nbytes // 2
+    # The upload lays the same bytes out a piece at a time (pieces that cut
+    # stretches anywhere, a stretch over many pieces, pieces with none).
+    for piece in (1, 7, 4096, 65_536, 1 << 20, total, total + 1):
+        pieced = np.zeros(total, np.uint8)
+        buf, i = np.zeros(piece, np.uint8), 0
+        for start in range(0, total, piece):
+            end = min(total, start + piece)
+            buf[:] = 0xAA  # what a reused buffer holds: overwritten where it counts
+            i = _fill_piece(buf, blob, copies, i, start, end)
+            pieced[start:end] = buf[: end - start]
+        assert i == len(copies), piece
+        for off, n in ranges:
+            at, m = moved[(off, n)]
+            assert np.array_equal(pieced[at: at + n], blob[off: off + n]), (piece, off, n)
 
 
 def _host_gone_worker(rank, world, url, state, root, init, out):

@@ -34,6 +34,11 @@ from ._tensors import _torch, is_torch, word_view
 # Bytes per pinned buffer of the anchor's ring, and buffers in the ring.
 ANCHOR_CHUNK = 32 << 20
 ANCHOR_RING = 4
+#: A rank's share of a node's patch travels in smaller pieces of the same
+#: ring: it is tens of MB, so the first piece's copy into pinned memory
+#: (which nothing overlaps) and the last one's transfer weigh more than in
+#: an anchor.
+PATCH_CHUNK = 8 << 20
 
 # Signed words of each width (the integer dtypes torch indexes with on every
 # version).

@@ -47,6 +47,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -90,6 +91,15 @@ def _read_patch(h: "Handoff", rank: int = 0, world: int = 1) -> Optional[Dict[st
     index by its checksum (read once), the patch by its size and by the
     BLAKE3 of stripes ``rank, rank + world, ...``; None when anything is
     missing or differs."""
+    meta = _patch_index(h)
+    if meta is None or not _stripes_match(h, meta, rank, world):
+        return None
+    return meta
+
+
+def _patch_index(h: "Handoff") -> Optional[Dict[str, Any]]:
+    """:func:`_read_patch` without the stripes' check: the index by its
+    checksum, the patch's size and every entry's ranges within it."""
     vdir = Path(h.patch or "")
     try:
         raw = (vdir / "patch.json").read_bytes()
@@ -101,12 +111,44 @@ def _read_patch(h: "Handoff", rank: int = 0, world: int = 1) -> Optional[Dict[st
                 or (vdir / "patch.bin").stat().st_size != size
                 or not all(_fits(e, size) for e in meta["tensors"].values())):
             return None
-        mine = range(rank, len(digests), world)
-        if _stripes(vdir / "patch.bin", stripe, mine) != [digests[i] for i in mine]:
-            return None
         return dict(meta)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, Error):
         return None
+
+
+def _stripes_match(h: "Handoff", meta: Mapping[str, Any], rank: int, world: int) -> bool:
+    """Whether stripes ``rank, rank + world, ...`` of ``h``'s patch hash to
+    what ``meta`` (its checked index) says."""
+    try:
+        digests = list(meta["stripes"])
+        mine = range(rank, len(digests), world)
+        return (_stripes(Path(h.patch or "") / "patch.bin", int(meta["stripe"]), mine)
+                == [digests[i] for i in mine])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, Error):
+        return False
+
+
+class _Background:
+    """A call run on a thread (the library's checksums let go of the GIL,
+    so it overlaps the caller's copies to the device): :meth:`result`
+    waits for its value, re-raising what it raised."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._fn, self._value, self._error = fn, None, None
+        self._thread = threading.Thread(target=self._run, name="weightcast-check", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._value = self._fn()
+        except BaseException as e:  # handed to result()
+            self._error = e
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def _fits(e: Mapping[str, Any], size: int) -> bool:
@@ -414,8 +456,11 @@ class RankFollower:
         self.commit_seconds = 0.0
         self._staging = _device.Staging()
         #: Where the last patch's prepare went: ``check_s`` (the hand-off's
-        #: checksum), ``upload_s`` (the patch to the device), ``apply_s``
-        #: (positions mapped, old words checked, new words picked).
+        #: index, and where this rank's changes lie in the patch),
+        #: ``upload_s`` (those bytes to the device), ``check_wait_s``
+        #: (waiting for this rank's stripes of the patch to be hashed, on a
+        #: thread since the index was read), ``apply_s`` (positions mapped,
+        #: old words checked, new words picked).
         self.prepare_phases: Dict[str, float] = {}
         #: Bytes of the last patch this rank needs where its parameters are
         #: (moved there on a GPU; read in place on the CPU).
@@ -463,6 +508,12 @@ class RankFollower:
             if cname not in index:
                 raise BaseMismatch(f"checkpoint tensor `{cname}`, which this rank's parameters "
                                    "hold, is not in the node's version")
+        if any(t.device.type == "cuda" for t in self.params.values()):
+            # The pinned ring the patches travel through, pinned now, while
+            # the engine serves (on an H200 the first delta's upload, which
+            # pinned it, took 0.13-0.19 s; the next ones about 0.02 s).
+            for k in range(_device.ANCHOR_RING):
+                self._staging.get(("anchor", k), _device.ANCHOR_CHUNK, True)
         if not self._room_on_device():
             return []
         # Every parameter this rank loads, as it is now (elements no run
@@ -506,14 +557,19 @@ class RankFollower:
         torch = _torch()
         vdir = Path(h.patch or "")
         t0 = time.perf_counter()
-        meta = _read_patch(h, self.rank, self.world)
+        corrupt = Corrupt(f"the hand-off of version {h.version} in {vdir} is missing or not the "
+                          "node's (removed or changed under the follower); the node rebuilds it")
+        meta = _patch_index(h)
         try:
             blob = None if meta is None else np.memmap(vdir / "patch.bin", dtype=np.uint8, mode="r")
         except (OSError, ValueError):
             blob = None
         if meta is None or blob is None or blob.size != meta["size"]:
-            raise Corrupt(f"the hand-off of version {h.version} in {vdir} is missing or not the "
-                          "node's (removed or changed under the follower); the node rebuilds it")
+            raise corrupt
+        # This rank's stripes are hashed on a thread while the bytes it
+        # needs are found, packed and copied to the device; nothing uses
+        # them as positions or words there before the stripes match.
+        stripes = _Background(lambda: _stripes_match(h, meta, self.rank, self.world))
         # What this rank's runs can touch of each tensor's changes — a
         # stretch found by binary searches of the positions here (a shard of
         # whole rows needs its rows' changes only) — goes where the
@@ -545,6 +601,9 @@ class RankFollower:
             data = _packed_upload(blob, copies, self.upload_bytes, dev, self._staging)
             parts = [(c, hp, wb, pw, [moved[r] for r in rs]) for c, hp, wb, pw, rs in parts]
         t2 = time.perf_counter()
+        if not stripes.result():
+            raise corrupt
+        t3 = time.perf_counter()
         staged = []
         checks: List[Tuple[str, str, Any, Any, Any]] = []
         wanted, words_of = [], {}
@@ -577,7 +636,7 @@ class RankFollower:
                         f"element {bad}: nothing written"
                     )
         self.prepare_phases = {"check_s": t1 - t0, "upload_s": t2 - t1,
-                               "apply_s": time.perf_counter() - t2,
+                               "check_wait_s": t3 - t2, "apply_s": time.perf_counter() - t3,
                                "upload_bytes": self.upload_bytes,
                                "patch_bytes": int(meta["size"])}
         return staged
@@ -636,13 +695,47 @@ def _pack_plan(ranges: List[Tuple[int, int]]
 
 def _packed_upload(blob: Any, copies: List[Tuple[int, int, int]], nbytes: int, dev: Any,
                    staging: Any) -> Any:
-    """:func:`_pack_plan`'s copies of ``blob`` to ``dev``, through pinned
-    buffers (a pageable copy moves about 4 GB/s): the device bytes."""
+    """:func:`_pack_plan`'s copies of ``blob`` to ``dev``: the device bytes.
+    The packed bytes are laid out in pinned buffers (a pageable copy moves
+    about 4 GB/s) exactly as on the device, a piece at a time, and each
+    piece travels in one transfer while the next is filled: one transfer
+    per ``PATCH_CHUNK``, however many stretches the plan has."""
     torch = _torch()
     dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    _device.upload([(dst[to: to + b - a], blob.ctypes.data + a, b - a) for a, b, to in copies],
-                   staging)
+    chunk, ring_n = _device.PATCH_CHUNK, _device.ANCHOR_RING
+    ring = [staging.get(("anchor", k), _device.ANCHOR_CHUNK, True) for k in range(ring_n)]
+    done: List[Any] = [None] * ring_n
+    stream = torch.cuda.current_stream(dev)
+    i = 0
+    for j, start in enumerate(range(0, nbytes, chunk)):
+        end = min(nbytes, start + chunk)
+        k = j % ring_n
+        if done[k] is not None:
+            done[k].synchronize()
+        i = _fill_piece(ring[k].numpy(), blob, copies, i, start, end)
+        dst[start:end].copy_(ring[k][: end - start], non_blocking=True)
+        done[k] = torch.cuda.Event()
+        done[k].record(stream)
+    torch.cuda.synchronize(dev)
     return dst
+
+
+def _fill_piece(buf: Any, blob: Any, copies: List[Tuple[int, int, int]], i: int, start: int,
+                end: int) -> int:
+    """Lays bytes ``[start, end)`` of the packed layout (``copies``:
+    ``(source start, source end, destination offset)``, destinations
+    ascending) into ``buf[: end - start]``, from copy ``i`` on; returns the
+    first copy that reaches past ``end``. The padding between stretches is
+    left as it was (nothing reads it)."""
+    while i < len(copies):
+        a, b, to = copies[i]
+        lo, hi = max(to, start), min(to + b - a, end)
+        if lo < hi:
+            buf[lo - start: hi - start] = blob[a + lo - to: a + hi - to]
+        if to + b - a > end:
+            break
+        i += 1
+    return i
 
 
 def _synchronize(tensors: Any) -> None:
