@@ -127,6 +127,55 @@ pub fn written_bytes() -> Option<u64> {
         .and_then(|v| v.trim().parse().ok())
 }
 
+/// Memory this process could still take, in bytes: the kernel's
+/// `MemAvailable`, or less where the cgroup it runs in (a container's
+/// `memory.max`) leaves less; `None` where neither says.
+pub fn memory_available() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
+    let cgroup = |f: &str| std::fs::read_to_string(format!("/sys/fs/cgroup/{f}")).ok();
+    available_of(
+        meminfo.as_deref(),
+        cgroup("memory.max").as_deref(),
+        cgroup("memory.current").as_deref(),
+    )
+}
+
+/// [`memory_available`] from the texts of `/proc/meminfo`, `memory.max` and
+/// `memory.current`.
+fn available_of(meminfo: Option<&str>, max: Option<&str>, current: Option<&str>) -> Option<u64> {
+    let host = meminfo.and_then(|m| {
+        m.lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))
+            .and_then(|v| v.trim().strip_suffix("kB"))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map(|kb| kb.saturating_mul(1024))
+    });
+    // `max` (no limit) or unreadable: no cgroup bound.
+    let limit = max
+        .and_then(|m| m.trim().parse::<u64>().ok())
+        .map(|max| max.saturating_sub(current.and_then(|c| c.trim().parse().ok()).unwrap_or(0)));
+    match (host, limit) {
+        (Some(h), Some(l)) => Some(h.min(l)),
+        (h, l) => h.or(l),
+    }
+}
+
+/// Bytes of the regular files under `dir` (recursively; 0 where it cannot
+/// be read).
+pub fn dir_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_bytes(&e.path()),
+            Ok(t) if t.is_file() => e.metadata().map_or(0, |m| m.len()),
+            _ => 0,
+        })
+        .sum()
+}
+
 /// Whether `dir` is on a file system kept in memory (tmpfs, ramfs), where
 /// rewriting a file in place costs no disk writes.
 pub fn in_memory(dir: &Path) -> bool {
@@ -138,6 +187,42 @@ pub fn in_memory(dir: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn memory_available_is_the_host_s_or_the_cgroup_s_whichever_is_less() {
+        let meminfo =
+            "MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   20000000 kB\n";
+        let host = 20_000_000u64 * 1024;
+        assert_eq!(available_of(Some(meminfo), None, None), Some(host));
+        assert_eq!(
+            available_of(Some(meminfo), Some("max\n"), Some("5\n")),
+            Some(host)
+        );
+        // A container limited to 8 GiB with 3 GiB in use: 5 GiB left.
+        let (max, cur) = ((8u64 << 30).to_string(), (3u64 << 30).to_string());
+        assert_eq!(
+            available_of(Some(meminfo), Some(&max), Some(&cur)),
+            Some(5 << 30)
+        );
+        // Over its limit already: nothing left.
+        assert_eq!(available_of(Some(meminfo), Some("10"), Some("20")), Some(0));
+        assert_eq!(available_of(None, Some(&max), None), Some(8 << 30));
+        assert_eq!(available_of(Some("garbage"), Some("max"), None), None);
+        assert_eq!(available_of(None, None, None), None);
+        // And this machine's answer, whatever it is, is read without error.
+        let _ = memory_available();
+    }
+
+    #[test]
+    fn dir_bytes_sums_regular_files_at_every_depth() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("a"), vec![0u8; 10]).unwrap();
+        std::fs::create_dir_all(dir.path().join("sub/deeper")).unwrap();
+        std::fs::write(dir.path().join("sub/b"), vec![0u8; 5]).unwrap();
+        std::fs::write(dir.path().join("sub/deeper/c"), vec![0u8; 7]).unwrap();
+        assert_eq!(dir_bytes(dir.path()), 22);
+        assert_eq!(dir_bytes(&dir.path().join("missing")), 0);
+    }
 
     #[test]
     fn write_atomic_replaces_whole_and_errors_name_the_file() {

@@ -133,8 +133,9 @@ pub struct PublisherConfig {
     pub distributed: Option<Distributed>,
     /// How the snapshot in `state_dir` follows the versions: patched in
     /// place, or kept as the last anchor wrote it with the deltas since
-    /// beside it (an overlay); by default in place on tmpfs and ramfs, an
-    /// overlay elsewhere ([`StateMode`]).
+    /// beside it (an overlay); by default in place on tmpfs and ramfs and
+    /// for a snapshot of more than a quarter of the memory available, an
+    /// overlay elsewhere ([`StateMode::resolve`]).
     pub state_mode: StateMode,
 }
 

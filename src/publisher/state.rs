@@ -109,11 +109,43 @@ impl std::str::FromStr for StateMode {
     }
 }
 
+/// `auto` keeps an overlay only for a snapshot of at most this share of the
+/// memory available: the overlay's last version lives in anonymous memory,
+/// at RL densities all of it (see [`StateMode::resolve`]).
+pub const OVERLAY_MEMORY_SHARE: u64 = 4;
+
 impl StateMode {
-    /// `InPlace` or `Overlay` for the state directory `dir`.
-    pub fn resolve(self, dir: &Path) -> StateMode {
+    /// `InPlace` or `Overlay` for the state directory `dir`, whose snapshot
+    /// files take `snapshot_bytes`.
+    ///
+    /// `auto` on a disk picks the overlay, which writes the delta to the disk
+    /// instead of every page a version touches, unless the snapshot is more
+    /// than a quarter of the memory available (`MemAvailable`, or a cgroup's
+    /// limit): the overlay holds the last version in private pages, and at
+    /// RL densities every page is one, so its anonymous memory is the whole
+    /// snapshot. Memory the node cannot spare weighs more than disk writes.
+    pub fn resolve(self, dir: &Path, snapshot_bytes: u64) -> StateMode {
+        self.resolve_with(
+            crate::fsio::in_memory(dir),
+            snapshot_bytes,
+            crate::fsio::memory_available(),
+        )
+    }
+
+    fn resolve_with(self, in_memory: bool, snapshot: u64, available: Option<u64>) -> StateMode {
         match self {
-            StateMode::Auto if crate::fsio::in_memory(dir) => StateMode::InPlace,
+            StateMode::Auto if in_memory => StateMode::InPlace,
+            StateMode::Auto if available.is_some_and(|a| snapshot > a / OVERLAY_MEMORY_SHARE) => {
+                tracing::warn!(
+                    snapshot_bytes = snapshot,
+                    memory_available = available,
+                    "--state-mode auto: the snapshot is more than a quarter of the memory \
+                     available, so it is patched in place (each version writes the pages it \
+                     touches to the disk) rather than kept as an overlay (which would hold \
+                     it all in anonymous memory); --state-mode overlay forces the overlay"
+                );
+                StateMode::InPlace
+            }
             StateMode::Auto => StateMode::Overlay,
             other => other,
         }
@@ -424,7 +456,7 @@ impl Snapshot {
         F: FnOnce(u64, String) -> Fut,
         Fut: std::future::Future<Output = Result<Committed>>,
     {
-        let mode = mode.resolve(dir);
+        let mode = mode.resolve(dir, crate::fsio::dir_bytes(&Self::files_dir(dir)));
         let Some(mut state) = Self::read_state(dir) else {
             return (None, None);
         };
@@ -934,7 +966,7 @@ pub(crate) fn write_state(dir: &Path, state: &State) -> Result<()> {
 /// (digests known, no pass over the data), its files stamped (they were
 /// fsynced when written).
 pub fn install_anchor(dir: &Path, mode: StateMode, after: State) -> Result<Snapshot> {
-    let mode = mode.resolve(dir);
+    let mode = mode.resolve(dir, crate::fsio::dir_bytes(&Snapshot::next_dir(dir)));
     Snapshot::swap_in_next(dir)?;
     let _ = std::fs::remove_dir_all(dir.join("overlay"));
     let _ = std::fs::remove_dir_all(dir.join("context"));
@@ -973,4 +1005,33 @@ pub fn install_anchor(dir: &Path, mode: StateMode, after: State) -> Result<Snaps
     crate::failpoint::hit("publisher.before_record");
     snap.record()?;
     Ok(snap)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StateMode::{self, Auto, InPlace, Overlay};
+
+    #[test]
+    fn auto_keeps_an_overlay_only_where_memory_can_hold_it() {
+        const GB: u64 = 1 << 30;
+        let r = |m: StateMode, in_memory, snapshot, available| {
+            m.resolve_with(in_memory, snapshot, available)
+        };
+        // In memory (tmpfs): in place, whatever the sizes.
+        assert_eq!(r(Auto, true, 100 * GB, Some(GB)), InPlace);
+        // On a disk: the overlay while the snapshot is at most a quarter of
+        // the memory available ...
+        assert_eq!(r(Auto, false, 2 * GB, Some(20 * GB)), Overlay);
+        assert_eq!(r(Auto, false, 5 * GB, Some(20 * GB)), Overlay);
+        // ... in place beyond (a model the overlay would hold in anonymous
+        // memory the node cannot spare) ...
+        assert_eq!(r(Auto, false, 5 * GB + 1, Some(20 * GB)), InPlace);
+        assert_eq!(r(Auto, false, 8 * GB, Some(20 * GB)), InPlace);
+        // ... and the overlay where the kernel does not say.
+        assert_eq!(r(Auto, false, 100 * GB, None), Overlay);
+        // An explicit mode is kept.
+        assert_eq!(r(Overlay, false, 100 * GB, Some(GB)), Overlay);
+        assert_eq!(r(Overlay, true, GB, Some(100 * GB)), Overlay);
+        assert_eq!(r(InPlace, false, GB, Some(100 * GB)), InPlace);
+    }
 }

@@ -410,8 +410,10 @@ pub struct PublishOpts {
     /// delta patched into its files: on a disk, every page a version changes
     /// is written back), overlay (the files stay as the last anchor wrote
     /// them, the deltas since are kept beside them and applied in memory:
-    /// the disk writes the delta), or auto (in-place on tmpfs and ramfs,
-    /// overlay elsewhere).
+    /// the disk writes the delta, and the last version takes anonymous
+    /// memory the size of the model), or auto (in-place on tmpfs and ramfs,
+    /// and on a disk when the snapshot is more than a quarter of the memory
+    /// available; overlay elsewhere).
     #[arg(long, default_value = "auto")]
     pub state_mode: weightcast::publisher::StateMode,
     /// Delta encoding.
