@@ -8,7 +8,8 @@
 #
 #   cargo build --release                       # here: the binary travels
 #   pip download --only-binary=:all: --python-version 3.12 -d .whl-deps numpy
-#   # on the host (device run, carry target/release/weightcast and .whl-deps):
+#   # on the host (device run, carry target/release/weightcast and .whl-deps,
+#   # or .gpu-carry as scripts/gpu-host-anchor.sh packs it):
 #   OUT=$OUT SIZES=4e9,8e9 bash scripts/gpu-host-curve.sh
 #
 # Two leases (2026-11-27) ran out of time at 8e9 after the anchor: drawing
@@ -28,9 +29,16 @@ DISK=${DISK:-/tmp/wc-e2e-out}
 mkdir -p "$OUT" "$LIB"
 cd "$(dirname "$0")/.."
 shopt -s nullglob
+np=(.whl-deps/numpy-*.whl .gpu-carry/wheels/numpy-*.whl)
 "$PY" -c 'import numpy' 2>/dev/null || "$PY" -m pip install --quiet --no-deps --no-index \
-    --target "$LIB" .whl-deps/numpy-*.whl > "$OUT/steps.txt" 2>&1
+    --target "$LIB" "${np[@]:0:1}" > "$OUT/steps.txt" 2>&1
 export PYTHONPATH=$LIB
+# The binary may travel xz-compressed, as scripts/gpu-host-anchor.sh's does.
+if [ ! -x target/release/weightcast ] && [ -f .gpu-carry/weightcast.xz ]; then
+    mkdir -p target/release
+    "$PY" -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+        .gpu-carry/weightcast.xz target/release/weightcast && chmod +x target/release/weightcast
+fi
 { date +%s; nproc; free -g | head -2; df -h /dev/shm /tmp | tail -2; } >> "$OUT/steps.txt" 2>&1
 [ -x target/release/weightcast ] || { echo "target/release/weightcast is missing: carry it" >> "$OUT/steps.txt"; exit 1; }
 rm -rf "$SHM" "$DISK"
