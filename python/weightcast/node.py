@@ -42,12 +42,12 @@ version, as an anchor), and every rank loads its shard from the new copy.
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import hashlib
 import json
 import logging
 import os
 import shutil
-import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -126,29 +126,6 @@ def _stripes_match(h: "Handoff", meta: Mapping[str, Any], rank: int, world: int)
                 == [digests[i] for i in mine])
     except (OSError, ValueError, KeyError, TypeError, AttributeError, Error):
         return False
-
-
-class _Background:
-    """A call run on a thread (the library's checksums let go of the GIL,
-    so it overlaps the caller's copies to the device): :meth:`result`
-    waits for its value, re-raising what it raised."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self._fn, self._value, self._error = fn, None, None
-        self._thread = threading.Thread(target=self._run, name="weightcast-check", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._value = self._fn()
-        except BaseException as e:  # handed to result()
-            self._error = e
-
-    def result(self) -> Any:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 def _fits(e: Mapping[str, Any], size: int) -> bool:
@@ -455,6 +432,10 @@ class RankFollower:
         self._staged: Optional[Tuple[Handoff, List[Tuple[Any, Any, Any]]]] = None
         self.commit_seconds = 0.0
         self._staging = _device.Staging()
+        # Hashes this rank's stripes of a patch while its bytes travel (the
+        # library lets go of the GIL).
+        self._checker = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="weightcast-check")
         #: Where the last patch's prepare went: ``check_s`` (the hand-off's
         #: index, and where this rank's changes lie in the patch),
         #: ``upload_s`` (those bytes to the device), ``check_wait_s``
@@ -569,7 +550,7 @@ class RankFollower:
         # This rank's stripes are hashed on a thread while the bytes it
         # needs are found, packed and copied to the device; nothing uses
         # them as positions or words there before the stripes match.
-        stripes = _Background(lambda: _stripes_match(h, meta, self.rank, self.world))
+        stripes = self._checker.submit(_stripes_match, h, meta, self.rank, self.world)
         # What this rank's runs can touch of each tensor's changes — a
         # stretch found by binary searches of the positions here (a shard of
         # whole rows needs its rows' changes only) — goes where the

@@ -456,7 +456,11 @@ impl Snapshot {
         F: FnOnce(u64, String) -> Fut,
         Fut: std::future::Future<Output = Result<Committed>>,
     {
-        let mode = mode.resolve(dir, crate::fsio::dir_bytes(&Self::files_dir(dir)));
+        // The snapshot's size: its files, or an anchor's in `next/` when a
+        // crash left its commit pending.
+        let bytes = crate::fsio::dir_bytes(&Self::files_dir(dir))
+            .max(crate::fsio::dir_bytes(&Self::next_dir(dir)));
+        let mode = mode.resolve(dir, bytes);
         let Some(mut state) = Self::read_state(dir) else {
             return (None, None);
         };
