@@ -79,6 +79,9 @@ impl Publisher {
         if self.cfg.distributed.is_some() {
             return full("a rank of a distributed publisher diffs its own files".into());
         }
+        if self.cfg.state_mode == super::StateMode::Previous {
+            return Err(super::previous_needs_files());
+        }
         if self.cfg.encoding != Encoding::Compact {
             return full(format!(
                 "encoding `{}`: changes are encoded as `compact` only",

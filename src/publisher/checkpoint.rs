@@ -105,6 +105,9 @@ pub struct Checkpoint {
     pub(crate) files: BTreeMap<String, FileSource>,
     /// Where it was read from (for messages), if from disk.
     pub(crate) origin: Option<PathBuf>,
+    /// Tensor file name → the file it was mapped from (resolved), if from
+    /// disk: what `--state-mode previous` keeps as the next delta's base.
+    pub(crate) tensor_paths: BTreeMap<String, PathBuf>,
     stamps: Vec<(PathBuf, Stamp)>,
 }
 
@@ -133,6 +136,7 @@ impl Checkpoint {
             tensors: BTreeMap::new(),
             files: BTreeMap::new(),
             origin: Some(path.to_path_buf()),
+            tensor_paths: BTreeMap::new(),
             stamps: Vec::new(),
         };
         for (name, p) in entries {
@@ -153,6 +157,7 @@ impl Checkpoint {
             if name.ends_with(".safetensors") {
                 let set = TensorSet::map(&real, false, Digests::Skip)
                     .map_err(|e| e.in_input(format!("checkpoint file {}", p.display())))?;
+                cp.tensor_paths.insert(name.clone(), real.clone());
                 cp.tensors.insert(name, set);
             } else {
                 cp.files.insert(
@@ -202,6 +207,7 @@ impl Checkpoint {
                 .map(|(k, v)| (k, FileSource::Bytes(v)))
                 .collect(),
             origin: None,
+            tensor_paths: BTreeMap::new(),
             stamps: Vec::new(),
         }
     }
@@ -243,6 +249,9 @@ impl Checkpoint {
             return false;
         }
         let set = self.tensors.remove(&name).expect("listed");
+        if let Some(p) = self.tensor_paths.remove(&name) {
+            self.tensor_paths.insert(stable.clone(), p);
+        }
         tracing::debug!(file = %name, published_as = %stable, "a single-file checkpoint");
         self.tensors.insert(stable, set);
         true
@@ -270,6 +279,13 @@ impl Checkpoint {
             }
         }
         Ok(())
+    }
+
+    /// Every tensor file's own path, if all were read from disk (`None`
+    /// for a checkpoint from memory).
+    pub(crate) fn tensor_paths(&self) -> Option<&BTreeMap<String, PathBuf>> {
+        (self.tensor_paths.len() == self.tensors.len() && !self.tensors.is_empty())
+            .then_some(&self.tensor_paths)
     }
 
     /// Where the checkpoint came from, for messages.

@@ -437,6 +437,11 @@ impl Publisher {
         opts: &PublishOptions,
     ) -> Result<Published> {
         self.gate.begin_publish()?;
+        if self.cfg.state_mode == StateMode::Previous
+            && (self.cfg.layout == crate::protocol::Layout::Trl || cp.tensor_paths().is_none())
+        {
+            return Err(previous_needs_files());
+        }
         if self.cfg.layout == crate::protocol::Layout::Trl {
             return self.publish_trl(cp, opts).await;
         }
@@ -479,6 +484,21 @@ impl Publisher {
     /// goes. A snapshot that is not the bucket's newest version (a wiped or
     /// reset bucket, another writer's commit) stops being trusted.
     async fn position(&mut self) -> Result<Position> {
+        if let Some(snap) = &self.snapshot
+            && !snap.base_holds()
+        {
+            // `previous` mode: the trainer rewrote or removed the checkpoint
+            // the last version was published from. Its mapping is dropped
+            // unread.
+            tracing::warn!(
+                checkpoint = %snap.state.base.values().next().map(|p| p.display().to_string()).unwrap_or_default(),
+                "the checkpoint the last version was published from changed or is gone \
+                 (--state-mode previous needs the trainer to keep each checkpoint, unchanged, \
+                 until the next one is published: a directory per step); the next version \
+                 will be an anchor"
+            );
+            self.snapshot = None;
+        }
         let newest = newest_version(&self.store).await?;
         // A state records a commit only with its writer token (a state
         // written before any commit has none).
@@ -576,7 +596,22 @@ impl Publisher {
             } else if changed == 0 && self.cfg.distributed.is_none() && self.files_unchanged(cp)? {
                 // The same content as the last version: nothing to publish.
                 cp.check_unchanged()?;
-                return Ok(Published::unchanged(st, total));
+                let unchanged = Published::unchanged(st, total);
+                if self.cfg.state_mode == StateMode::Previous
+                    && let Some(paths) = cp.tensor_paths().cloned()
+                    && let Some(snap) = self.snapshot.as_mut()
+                {
+                    // Its files become the base (the trainer may drop the
+                    // older ones).
+                    snap.rebase(std::mem::take(&mut cp.tensors), paths)?;
+                    let recorded = snap.state.clone();
+                    if let Err(e) = cp.check_unchanged() {
+                        // Rewritten around the stamps just recorded.
+                        self.distrust_snapshot(&recorded);
+                        return Err(e);
+                    }
+                }
+                return Ok(unchanged);
             } else if let Some((why, bridge)) = self.size_reason(st, delta_bytes) {
                 if !bridge {
                     deltas.clear();
@@ -813,8 +848,21 @@ impl Publisher {
             overlay: Vec::new(),
             snapshot_files: BTreeMap::new(),
             stamps: BTreeMap::new(),
+            base: BTreeMap::new(),
+            chain: Vec::new(),
             pending: None,
         };
+        let previous = self.cfg.state_mode == StateMode::Previous;
+        let mut after = after;
+        if previous {
+            // The checkpoint's own files become the next delta's base: their
+            // paths and stamps go into the state before the commit (a crash
+            // after it resumes from them), taken once the publish has read
+            // them — and checked against the stamps the reads began with.
+            after.base = cp.tensor_paths().cloned().unwrap_or_default();
+            after.stamps = Snapshot::take_stamps(&self.cfg.state_dir, &after, cp.tensors.keys())?;
+            cp.check_unchanged()?;
+        }
         let snap = self.snapshot.as_mut().expect("checked above");
         snap.prepare_delta(next, &writer, &deltas, after.clone())?;
         crate::failpoint::hit("publisher.before_commit");
@@ -829,7 +877,12 @@ impl Publisher {
         }
         crate::failpoint::hit("publisher.after_latest");
         let snap = self.snapshot.as_mut().expect("checked above");
-        if let Err(e) = snap.finish_delta(&deltas, after.clone()) {
+        let finished = if previous {
+            snap.follow(std::mem::take(&mut cp.tensors), &deltas, after.clone())
+        } else {
+            snap.finish_delta(&deltas, after.clone())
+        };
+        if let Err(e) = finished {
             // The version's own deltas do not verify against the snapshot
             // they were made from: the checkpoint's bytes changed while the
             // diff read them (a caller's buffer written during the publish),
@@ -1110,6 +1163,8 @@ impl Publisher {
             overlay: Vec::new(),
             snapshot_files: BTreeMap::new(),
             stamps: BTreeMap::new(),
+            base: BTreeMap::new(),
+            chain: Vec::new(),
             pending: None,
         };
         // Record the commit in flight (in the old state, which stays valid if
@@ -1379,6 +1434,16 @@ impl Position {
 /// is nothing a publisher can build on, and must not stop it from
 /// publishing; the next version is then an anchor after it. Store errors are
 /// returned.
+/// `--state-mode previous` with a checkpoint that is not files on disk.
+pub(crate) fn previous_needs_files() -> Error {
+    Error::Config(
+        "--state-mode previous makes each checkpoint on disk the next delta's base; this \
+         publish has none (a checkpoint from memory, handed-over changes, or the TRL layout): \
+         use --state-mode auto, overlay or in-place"
+            .into(),
+    )
+}
+
 async fn readable_manifest(store: &Store, version: u64) -> Result<Option<Manifest>> {
     match read_manifest(store, version).await {
         Err(e) if e.kind() == crate::error::ErrorKind::Corrupt => {

@@ -93,6 +93,13 @@ pub enum StateMode {
     /// The snapshot's files kept as the last anchor wrote them; the deltas
     /// since beside them, applied to a private copy-on-write map.
     Overlay,
+    /// No copy of the model past an anchor's first delta: the checkpoint
+    /// each version was published from (the trainer's step directory) is
+    /// the next delta's base, trusted by its stamps and mapped read-only.
+    /// The trainer must keep a checkpoint's files, unchanged, until the next
+    /// one is published; if it does not, the next version is an anchor.
+    /// Checkpoints on disk only.
+    Previous,
 }
 
 impl std::str::FromStr for StateMode {
@@ -102,8 +109,9 @@ impl std::str::FromStr for StateMode {
             "auto" => Ok(StateMode::Auto),
             "in-place" => Ok(StateMode::InPlace),
             "overlay" => Ok(StateMode::Overlay),
+            "previous" => Ok(StateMode::Previous),
             other => Err(Error::Config(format!(
-                "state mode `{other}`: expected auto, in-place or overlay"
+                "state mode `{other}`: expected auto, in-place, overlay or previous"
             ))),
         }
     }
@@ -142,7 +150,9 @@ impl StateMode {
                     "--state-mode auto: the snapshot is more than a quarter of the memory \
                      available, so it is patched in place (each version writes the pages it \
                      touches to the disk) rather than kept as an overlay (which would hold \
-                     it all in anonymous memory); --state-mode overlay forces the overlay"
+                     it all in anonymous memory); --state-mode overlay forces the overlay, \
+                     and --state-mode previous needs neither where the trainer keeps each \
+                     step's checkpoint until the next is published"
                 );
                 StateMode::InPlace
             }
@@ -250,6 +260,17 @@ pub struct State {
     /// verified in full at the next start).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub stamps: BTreeMap<String, FileStamp>,
+    /// `previous` mode: tensor file → the checkpoint file that holds it at
+    /// `version` (the trainer's own; never written here). Empty: the files
+    /// are `snapshot/<name>`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub base: BTreeMap<String, PathBuf>,
+    /// `previous` mode: the delta versions since the last one made without
+    /// any context, their objects kept under `overlay/<version>/`, so that a
+    /// start rebuilds the `compact2` contexts by decoding them (nothing is
+    /// applied: the files hold `version`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub chain: Vec<OverlayVersion>,
     /// A commit in flight.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending: Option<Pending>,
@@ -272,7 +293,18 @@ impl State {
         self.overlay.clear();
         self.snapshot_files.clear();
         self.stamps.clear();
+        self.base.clear();
+        self.chain.clear();
         self
+    }
+
+    /// Where snapshot file `name` is: the checkpoint's own file (`previous`
+    /// mode), else `snapshot/<name>` under `dir`.
+    fn file_path(&self, dir: &Path, name: &str) -> PathBuf {
+        match self.base.get(name) {
+            Some(p) => p.clone(),
+            None => Snapshot::files_dir(dir).join(name),
+        }
     }
 }
 
@@ -487,6 +519,10 @@ impl Snapshot {
                 let recorded = s.state.clone();
                 (Some(s), Some(recorded))
             }
+            Err(e) if mode == StateMode::Previous && !base.base.is_empty() => {
+                tracing::warn!(error = %e, "the checkpoint the last version was published from is gone or changed (--state-mode previous needs the trainer to keep each checkpoint, unchanged, until the next one is published); the next version will be an anchor");
+                (None, Some(base))
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "publisher snapshot does not verify; the next version will be an anchor");
                 (None, Some(base))
@@ -518,13 +554,39 @@ impl Snapshot {
             target = None;
             let _ = std::fs::remove_dir_all(dir.join("overlay"));
         }
+        if mode == StateMode::Previous
+            && let Some((after, VersionKind::Delta)) = &target
+        {
+            // The commit happened: the checkpoint it was made from holds the
+            // version (its paths and stamps were recorded before the
+            // commit). Its contexts are not rebuilt: the next delta is made
+            // without one.
+            state = after.clone();
+            state.chain.clear();
+            target = None;
+            let _ = std::fs::remove_dir_all(dir.join("overlay"));
+        }
         if state.disk_digests().is_empty() {
             return Err(Error::NotFound("the state lists no snapshot file".into()));
+        }
+        if !state.base.is_empty() && mode != StateMode::Previous {
+            return Err(Error::Config(format!(
+                "the state's last version is the trainer's checkpoint {} (--state-mode \
+                 previous), not a snapshot of its own; another --state-mode starts from an anchor",
+                state.base.values().next().expect("not empty").display()
+            )));
+        }
+        if mode == StateMode::Previous && !state.overlay.is_empty() {
+            return Err(Error::Config(
+                "the state holds an overlay (--state-mode overlay); --state-mode previous \
+                 starts from an anchor"
+                    .into(),
+            ));
         }
         let trusted = !full && target.is_none() && Self::stamps_hold(dir, &state);
         let mut sets = BTreeMap::new();
         for name in state.disk_digests().keys() {
-            let path = Self::files_dir(dir).join(name);
+            let path = state.file_path(dir, name);
             let digests = if trusted {
                 Digests::Skip
             } else {
@@ -532,6 +594,7 @@ impl Snapshot {
             };
             let set = match mode {
                 StateMode::InPlace => TensorSet::map(&path, true, digests)?,
+                StateMode::Previous => TensorSet::map(&path, false, digests)?,
                 _ => TensorSet::map_private(&path, digests)?,
             };
             sets.insert(name.clone(), set);
@@ -581,10 +644,11 @@ impl Snapshot {
         // The contexts of the files' own version (the overlay's replay
         // brings them forward).
         snap.load_contexts();
+        snap.replay_chain();
         // Over an overlay, every version patches private pages (at RL
         // densities, all of them): fault them in writable now, before a
         // diff maps them for reading (see `TensorSet::populate_private`).
-        if snap.mode != StateMode::InPlace {
+        if matches!(snap.mode, StateMode::Overlay | StateMode::Auto) {
             for set in snap.sets.values_mut() {
                 set.populate_private();
             }
@@ -618,12 +682,12 @@ impl Snapshot {
                 // hold the version.
                 snap.settle_in_place()?;
             } else if !trusted {
-                snap.state.stamps = Self::take_stamps(dir, snap.sets.keys())?;
+                snap.state.stamps = Self::take_stamps(dir, &snap.state, snap.sets.keys())?;
             }
             snap.record()?;
         }
         let _ = std::fs::remove_dir_all(dir.join("journal"));
-        if snap.state.overlay.is_empty() {
+        if snap.state.overlay.is_empty() && snap.state.chain.is_empty() {
             let _ = std::fs::remove_dir_all(dir.join("overlay"));
         }
         Ok(snap)
@@ -675,7 +739,7 @@ impl Snapshot {
             }
             let mut bytes = 0;
             for (name, want) in state.disk_digests() {
-                let path = Self::files_dir(dir).join(name);
+                let path = state.file_path(dir, name);
                 let set = TensorSet::map_private(&path, Digests::Compute)?;
                 bytes += set.total_bytes();
                 if FileDigests::of(&set) != *want {
@@ -714,7 +778,7 @@ impl Snapshot {
         !state.stamps.is_empty()
             && state.stamps.len() == files.len()
             && files.keys().all(|name| {
-                let path = Self::files_dir(dir).join(name);
+                let path = state.file_path(dir, name);
                 state.stamps.get(name).is_some_and(|want| {
                     Stamp::of(&path) == Some((want.size, want.stamp))
                         && want.stamp.older_than(&record)
@@ -725,13 +789,14 @@ impl Snapshot {
 
     /// The stamps of the snapshot files `names` as they are now (call once
     /// they are durable).
-    fn take_stamps<'a>(
+    pub(crate) fn take_stamps<'a>(
         dir: &Path,
+        state: &State,
         names: impl Iterator<Item = &'a String>,
     ) -> Result<BTreeMap<String, FileStamp>> {
         let mut out = BTreeMap::new();
         for name in names {
-            let path = Self::files_dir(dir).join(name);
+            let path = state.file_path(dir, name);
             let missing = || io_err("reading", &path, std::io::ErrorKind::NotFound.into());
             let (size, stamp) = Stamp::of(&path).ok_or_else(missing)?;
             let header_blake3 = header_blake3(&path).ok_or_else(missing)?;
@@ -799,7 +864,7 @@ impl Snapshot {
         }
         self.state.overlay.clear();
         self.state.snapshot_files.clear();
-        self.state.stamps = Self::take_stamps(&self.dir, self.sets.keys())?;
+        self.state.stamps = Self::take_stamps(&self.dir, &self.state, self.sets.keys())?;
         self.save_contexts()
     }
 
@@ -940,6 +1005,150 @@ impl Snapshot {
     pub fn finish_delta(&mut self, deltas: &[(String, Vec<u8>)], after: State) -> Result<()> {
         self.advance(deltas, after)
     }
+
+    /// `previous` mode, after a delta commit: the checkpoint's own files
+    /// (`sets`, mapped read-only, their digests those the diff computed)
+    /// become the snapshot — nothing is applied or written, they hold the
+    /// version. The contexts move forward by decoding the deltas
+    /// ([`Context::of_delta`]), whose objects join the chain while any
+    /// context lives; `after` (with the files' paths and stamps, taken before
+    /// the commit) is recorded; a snapshot of our own left by an anchor is
+    /// deleted.
+    pub fn follow(
+        &mut self,
+        sets: BTreeMap<String, TensorSet>,
+        deltas: &[(String, Vec<u8>)],
+        after: State,
+    ) -> Result<()> {
+        let mut after = after;
+        after.pending = None;
+        let version = after.version;
+        let mut contexts = BTreeMap::new();
+        for (name, bytes) in deltas {
+            // The context the delta was made against (as the diff chose it).
+            let before = self.sets.get(name).map(|s| s.digest());
+            let old = self.contexts.get(name).filter(|c| Some(c.id.to) == before);
+            match Context::of_delta(bytes, old) {
+                Ok(Some(c)) => {
+                    contexts.insert(name.clone(), c);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(file = %name, error = %e, "context dropped: the next delta of this file is made without one")
+                }
+            }
+        }
+        self.sets = sets;
+        self.contexts = contexts;
+        let mut chain = std::mem::take(&mut self.state.chain);
+        let journal = Self::journal_dir(&self.dir, version);
+        if self.contexts.is_empty() {
+            chain.clear();
+            let _ = std::fs::remove_dir_all(self.dir.join("overlay"));
+        } else if journal.exists() {
+            let (parent, odir) = (
+                self.dir.join("overlay"),
+                Self::overlay_dir(&self.dir, version),
+            );
+            std::fs::create_dir_all(&parent).map_err(|e| io_err("creating", &parent, e))?;
+            let _ = std::fs::remove_dir_all(&odir);
+            std::fs::rename(&journal, &odir).map_err(|e| io_err("renaming", &journal, e))?;
+            sync_dir(&parent)?;
+            chain.retain(|o| o.version < version);
+            chain.push(OverlayVersion {
+                version,
+                objects: deltas
+                    .iter()
+                    .map(|(n, d)| {
+                        (
+                            n.clone(),
+                            (d.len() as u64, blake3::hash(d).to_hex().to_string()),
+                        )
+                    })
+                    .collect(),
+            });
+        }
+        self.state = State { chain, ..after };
+        self.check_digests(&self.state.tensor_files.clone(), "the version")?;
+        crate::failpoint::hit("publisher.before_record");
+        self.record()?;
+        let _ = std::fs::remove_dir_all(self.dir.join("journal"));
+        // The anchor's files, if the base was still ours: no longer needed.
+        let _ = std::fs::remove_dir_all(Self::files_dir(&self.dir));
+        Ok(())
+    }
+
+    /// `previous` mode: whether the checkpoint files the snapshot maps still
+    /// have the stamps recorded when it was published (always, for a
+    /// snapshot of our own). Checked before every publish reads them: the
+    /// trainer may have rewritten or removed them since, and a mapped file
+    /// cut shorter must not be read.
+    pub fn base_holds(&self) -> bool {
+        self.state.base.is_empty() || Self::stamps_hold(&self.dir, &self.state)
+    }
+
+    /// `previous` mode, a publish that found the same content as the last
+    /// version (nothing committed): the new checkpoint's files, equal to the
+    /// snapshot's, become its base, so the trainer may drop the older ones.
+    pub fn rebase(
+        &mut self,
+        sets: BTreeMap<String, TensorSet>,
+        base: BTreeMap<String, PathBuf>,
+    ) -> Result<()> {
+        let mut state = self.state.clone();
+        state.base = base;
+        state.stamps = Self::take_stamps(&self.dir, &state, sets.keys())?;
+        self.sets = sets;
+        self.state = state;
+        self.record()?;
+        let _ = std::fs::remove_dir_all(Self::files_dir(&self.dir));
+        Ok(())
+    }
+
+    /// `previous` mode: rebuilds the contexts from the chain's delta objects
+    /// (each checked against its recorded size and BLAKE3), keeping those
+    /// that lead to the files' digests. Anything amiss drops them all: the
+    /// next deltas are made without context, which every reader decodes.
+    fn replay_chain(&mut self) {
+        if self.state.chain.is_empty() {
+            return;
+        }
+        let replayed = (|| -> Result<BTreeMap<String, Context>> {
+            let mut contexts: BTreeMap<String, Context> = BTreeMap::new();
+            for ov in &self.state.chain {
+                let odir = Self::overlay_dir(&self.dir, ov.version);
+                for (name, (size, blake3)) in &ov.objects {
+                    let p = odir.join(format!("{name}.delta"));
+                    let bytes = std::fs::read(&p).map_err(|e| io_err("reading", &p, e))?;
+                    let hash = blake3::hash(&bytes).to_hex();
+                    if bytes.len() as u64 != *size || hash.as_str() != blake3 {
+                        return Err(Error::Integrity {
+                            scope: format!("publisher context chain object {}", p.display()),
+                            expected: format!("{size} bytes, BLAKE3 {blake3}"),
+                            actual: format!("{} bytes, BLAKE3 {hash}", bytes.len()),
+                        });
+                    }
+                    match Context::of_delta(&bytes, contexts.get(name))? {
+                        Some(c) => contexts.insert(name.clone(), c),
+                        None => contexts.remove(name),
+                    };
+                }
+            }
+            Ok(contexts)
+        })();
+        match replayed {
+            Ok(mut contexts) => {
+                contexts
+                    .retain(|name, c| self.sets.get(name).is_some_and(|s| s.digest() == c.id.to));
+                self.contexts = contexts;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the context chain does not replay; the next deltas are made without context");
+                self.state.chain.clear();
+                self.contexts.clear();
+            }
+        }
+    }
 }
 
 /// BLAKE3 of a safetensors file's length and header bytes (`None`: not
@@ -979,6 +1188,7 @@ pub fn install_anchor(dir: &Path, mode: StateMode, after: State) -> Result<Snaps
         let path = Snapshot::files_dir(dir).join(name);
         let mut set = match mode {
             StateMode::InPlace => TensorSet::map(&path, true, Digests::Skip)?,
+            StateMode::Previous => TensorSet::map(&path, false, Digests::Skip)?,
             _ => TensorSet::map_private(&path, Digests::Skip)?,
         };
         let digests = d.parsed().ok_or_else(|| {
@@ -988,7 +1198,7 @@ pub fn install_anchor(dir: &Path, mode: StateMode, after: State) -> Result<Snaps
             )
         })?;
         set.assume_digests(&digests)?;
-        if mode != StateMode::InPlace {
+        if matches!(mode, StateMode::Overlay | StateMode::Auto) {
             set.populate_private();
         }
         sets.insert(name.clone(), set);
@@ -997,7 +1207,9 @@ pub fn install_anchor(dir: &Path, mode: StateMode, after: State) -> Result<Snaps
     state.pending = None;
     state.overlay.clear();
     state.snapshot_files.clear();
-    state.stamps = Snapshot::take_stamps(dir, sets.keys())?;
+    state.base.clear();
+    state.chain.clear();
+    state.stamps = Snapshot::take_stamps(dir, &state, sets.keys())?;
     let snap = Snapshot {
         dir: dir.to_path_buf(),
         mode,

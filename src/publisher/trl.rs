@@ -156,6 +156,8 @@ impl Publisher {
             overlay: Vec::new(),
             snapshot_files: Default::default(),
             stamps: Default::default(),
+            base: Default::default(),
+            chain: Vec::new(),
             pending: None,
         };
         let deltas = vec![(FILE.to_string(), bytes)];
@@ -249,6 +251,8 @@ impl Publisher {
             overlay: Vec::new(),
             snapshot_files: Default::default(),
             stamps: Default::default(),
+            base: Default::default(),
+            chain: Vec::new(),
             pending: None,
         };
         let mut pending = self.state.clone().unwrap_or_default();

@@ -94,8 +94,16 @@ impl Trainer {
         self.publish(&dir).await
     }
 
+    /// The file the publisher's last version is in: its snapshot's, or in
+    /// `previous` mode (past an anchor) the last checkpoint's own.
     fn snapshot_file(&self) -> PathBuf {
-        self.state.join("snapshot/model.safetensors")
+        let own = self.state.join("snapshot/model.safetensors");
+        match self.published.last() {
+            Some(dir) if self.mode == StateMode::Previous && !own.exists() => {
+                dir.join("model.safetensors")
+            }
+            _ => own,
+        }
     }
 }
 
@@ -169,7 +177,7 @@ fn forge_output_stamps(out: &Path) {
 /// trusted when it verifies. Before issue 27 every start made the full pass.
 #[tokio::test]
 async fn a_restart_trusts_the_snapshot_by_its_stamps_or_verifies_it() {
-    for mode in [StateMode::InPlace, StateMode::Overlay] {
+    for mode in [StateMode::InPlace, StateMode::Overlay, StateMode::Previous] {
         let (store, _bucket) = common::local_store();
         let work = tempfile::tempdir().unwrap();
         let mut t = Trainer::new(&store, work.path(), mode).await;
@@ -488,7 +496,7 @@ async fn a_once_bootstrap_fills_the_standby_and_the_first_delta_costs_its_change
 /// its context repairs from the anchor. Every version bit-identical.
 #[tokio::test]
 async fn compact2_contexts_survive_one_shot_runs_and_their_loss_costs_no_byte() {
-    for mode in [StateMode::InPlace, StateMode::Overlay] {
+    for mode in [StateMode::InPlace, StateMode::Overlay, StateMode::Previous] {
         let (store, _bucket) = common::local_store();
         let work = tempfile::tempdir().unwrap();
         let mut t = Trainer::new(&store, work.path(), mode).await;
@@ -553,4 +561,124 @@ async fn compact2_contexts_survive_one_shot_runs_and_their_loss_costs_no_byte() 
         t.step().await; // v6
         follow(&t, 6, false).await;
     }
+}
+
+/// Total bytes of the files under `dir`.
+fn tree_bytes(dir: &Path) -> u64 {
+    let mut n = 0;
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let m = e.metadata().unwrap();
+        n += if m.is_dir() {
+            tree_bytes(&e.path())
+        } else {
+            m.len()
+        };
+    }
+    n
+}
+
+/// `--state-mode previous`: past an anchor's first delta the publisher keeps
+/// no copy of the model — each checkpoint it published (the trainer's step
+/// directory) is the next delta's base, trusted by its stamps, and its state
+/// is `state.json` (plus, with `compact2`, the deltas since the anchor). The
+/// trainer may drop older steps. A base that is removed or rewritten (a
+/// trainer writing every step into the same directory) is noticed before it
+/// is read, by a running publisher and by a new process alike: the next
+/// version is an anchor, and every subscriber stays exact. A checkpoint from
+/// memory is refused with the setting named.
+#[tokio::test]
+async fn previous_mode_diffs_against_the_last_checkpoint_and_keeps_no_copy() {
+    let (store, _bucket) = common::local_store();
+    let work = tempfile::tempdir().unwrap();
+    let mut t = Trainer::new(&store, work.path(), StateMode::Previous).await;
+    let sub = work.path().join("sub");
+    let kind = |p: &weightcast::publisher::Published| p.kind;
+    use weightcast::protocol::VersionKind::{Anchor, Delta};
+
+    assert_eq!(kind(&t.step().await), Anchor); // v0: its own snapshot
+    assert!(t.state.join("snapshot/model.safetensors").exists());
+    assert_eq!(kind(&t.step().await), Delta); // v1: from the anchor's files
+    assert!(
+        !t.state.join("snapshot").exists(),
+        "no copy past the first delta"
+    );
+    let model = tree_bytes(&t.published[1]);
+    for v in 2..=3 {
+        assert_eq!(kind(&t.step().await), Delta, "v{v}");
+        // The trainer keeps only its last checkpoint.
+        std::fs::remove_dir_all(&t.published[v - 2]).unwrap();
+    }
+    let kept = tree_bytes(&t.state);
+    assert!(
+        kept < model / 4,
+        "the state holds {kept} bytes for a {model}-byte model"
+    );
+    let state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(t.state.join("state.json")).unwrap()).unwrap();
+    assert_eq!(
+        state["base"]["model.safetensors"]
+            .as_str()
+            .map(PathBuf::from),
+        Some(
+            t.published[3]
+                .join("model.safetensors")
+                .canonicalize()
+                .unwrap()
+        ),
+        "{state}"
+    );
+    // A new process trusts the trainer's files by their stamps.
+    assert_eq!(t.reopen().await, Some((Check::Stamps, StateMode::Previous)));
+    assert_eq!(kind(&t.step().await), Delta); // v4
+    let c = catch_up(&store, &sub).await.unwrap().unwrap();
+    assert_eq!(c.version, 4);
+    assert_matches(&sub, &t.published[4]);
+
+    // The base removed under a running publisher: noticed before any read.
+    let base = t.published[4].clone();
+    let next = t.checkpoint();
+    std::fs::remove_dir_all(&base).unwrap();
+    let out = t.publish(&next).await; // v5
+    assert_eq!(kind(&out), Anchor, "{out:?}");
+    assert_eq!(kind(&t.step().await), Delta); // v6
+    let c = catch_up(&store, &sub).await.unwrap().unwrap();
+    assert_eq!((c.version, c.from_anchor), (6, true));
+    assert_matches(&sub, &t.published[6]);
+
+    // A trainer that writes the next step over the last one: the base is
+    // gone (the new content is in its place), for a running publisher and
+    // for a new process alike; each such version is an anchor, exact.
+    for restart in [false, true] {
+        // A delta first: its checkpoint is the base (after an anchor, the
+        // base is the anchor's own files).
+        assert_eq!(kind(&t.step().await), Delta);
+        let dir = t.published.last().unwrap().clone();
+        t.g.step();
+        let mut f = std::fs::File::create(dir.join("model.safetensors")).unwrap();
+        t.g.snapshot().write_to(&BTreeMap::new(), &mut f).unwrap();
+        drop(f);
+        if restart {
+            assert_eq!(t.reopen().await, None, "the rewritten base is not trusted");
+        }
+        let out = t.publish(&dir).await;
+        assert_eq!(kind(&out), Anchor, "restart {restart}: {out:?}");
+        let c = catch_up(&store, &sub).await.unwrap().unwrap();
+        assert_eq!(c.version, out.version);
+        assert_matches(&sub, &dir);
+    }
+
+    // Nothing but files on disk can be the next base.
+    let p = t.publisher.as_mut().unwrap();
+    let set = TensorSet::read(
+        &t.published.last().unwrap().join("model.safetensors"),
+        Digests::Skip,
+    )
+    .unwrap();
+    let cp = weightcast::publisher::Checkpoint::from_sets(
+        [("model.safetensors".to_string(), set)].into(),
+        BTreeMap::new(),
+    )
+    .unwrap();
+    let e = p.publish(cp, &Default::default()).await.unwrap_err();
+    assert!(e.to_string().contains("--state-mode previous"), "{e}");
 }

@@ -61,17 +61,21 @@ fn checkpoint(g: &Generator, dir: &Path) -> std::path::PathBuf {
     ignore = "needs --features failpoints (scripts/test.sh enables it)"
 )]
 fn a_publisher_killed_at_any_commit_phase_recovers() {
-    // Both ways of keeping the snapshot: patched in place, or the anchor's
-    // files with the deltas since beside them (the overlay).
-    for (mode, point) in ["in-place", "overlay"].into_iter().flat_map(|m| {
-        [
-            "publisher.before_commit",
-            "publisher.after_commit",
-            "publisher.after_latest",
-            "publisher.before_record",
-        ]
-        .map(|p| (m, p))
-    }) {
+    // Every way of keeping the snapshot: patched in place, the anchor's
+    // files with the deltas since beside them (the overlay), or none (the
+    // previous checkpoint as the base).
+    for (mode, point) in ["in-place", "overlay", "previous"]
+        .into_iter()
+        .flat_map(|m| {
+            [
+                "publisher.before_commit",
+                "publisher.after_commit",
+                "publisher.after_latest",
+                "publisher.before_record",
+            ]
+            .map(|p| (m, p))
+        })
+    {
         // Versions 0..=4 with anchors at 0 and 3: the crash hits version 2 (a
         // delta) in one run and version 3 (an anchor with bridges) in the next.
         for crash_at in [2u64, 3] {

@@ -251,7 +251,10 @@ impl TensorSet {
     ///
     /// The file must not be truncated while mapped (reading a page past the
     /// new end raises SIGBUS): map only files this process owns, such as its
-    /// own state, never a file another process may rewrite.
+    /// own state, or — read-only — a file whose writer is done with it and
+    /// whose stamp the caller checks again before every read (the
+    /// publisher's checkpoints: see `Snapshot::base_holds` in the
+    /// `weightcast` crate).
     pub fn map(path: &Path, writable: bool, digests: Digests) -> Result<Self> {
         let io = |e| Error::io(format!("mapping {}", path.display()), e);
         let file = std::fs::OpenOptions::new()
@@ -263,8 +266,9 @@ impl TensorSet {
         // or truncate the file while it is mapped (Rust's aliasing rules do
         // not cover that, and truncation raises SIGBUS). `map` is documented
         // to be used only on files this process owns (its state directory and
-        // output slots), which nothing else writes; the mapping lives inside
-        // the returned set.
+        // output slots), which nothing else writes, or read-only on files
+        // their writer has finished, re-checked by stamp before each read;
+        // the mapping lives inside the returned set.
         let buf = unsafe {
             if writable {
                 Buffer::MappedMut(memmap2::MmapMut::map_mut(&file).map_err(io)?)

@@ -411,9 +411,13 @@ pub struct PublishOpts {
     /// is written back), overlay (the files stay as the last anchor wrote
     /// them, the deltas since are kept beside them and applied in memory:
     /// the disk writes the delta, and the last version takes anonymous
-    /// memory the size of the model), or auto (in-place on tmpfs and ramfs,
-    /// and on a disk when the snapshot is more than a quarter of the memory
-    /// available; overlay elsewhere).
+    /// memory the size of the model), previous (no copy of the model: the
+    /// checkpoint each version was published from is the next delta's base,
+    /// so the trainer must keep each checkpoint, unchanged, until the next
+    /// one is published, a directory per step; otherwise the next version is
+    /// an anchor), or auto (in-place on tmpfs and ramfs, and on a disk when
+    /// the snapshot is more than a quarter of the memory available; overlay
+    /// elsewhere).
     #[arg(long, default_value = "auto")]
     pub state_mode: weightcast::publisher::StateMode,
     /// Delta encoding.
