@@ -312,12 +312,12 @@ class PublisherDaemon(Proc):
     TOKEN = "bench-e2e-publisher-token"
 
     def __init__(self, bin_: str, store: str, state: Path, root: Path, notify: list[str],
-                 env: dict, log: Path):
+                 env: dict, log: Path, state_mode: str = "auto"):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}/v1/publish"
         cmd = [bin_, "publisher", "--store", store, "--state", str(state), "--token", self.TOKEN,
                "--checkpoint-root", str(root), "--listen", f"127.0.0.1:{port}",
-               "--anchor-every", "1000", "--notify-key", KEY]
+               "--anchor-every", "1000", "--notify-key", KEY, "--state-mode", state_mode]
         for u in notify:
             cmd += ["--notify", u]
         self.start(cmd, env, log)
@@ -445,13 +445,13 @@ def run_size(a, elements: int, store_kind: str, s3: ShapedS3 | None) -> dict:
         s3.bucket(bucket)
         store = f"s3://{bucket}/run"
         env = s3.env(env)
-    ckpt, prev = work / "ckpt", work / "prev"
+    ckpt, prev = work / ("step-0" if a.step_dirs else "ckpt"), work / "prev"
     rng = np.random.default_rng(a.seed)
     print(f"[{store_kind} {elements:.0e}] writing the model", file=sys.stderr)
     write_model(ckpt, elements, a.shards, a.seed, fast=a.fast_gen)
     size = sum(p.stat().st_size for p in ckpt.glob("model-*.safetensors"))
     row: dict = {"store": store_kind, "elements": elements, "model_bytes": size,
-                 "fast_gen": a.fast_gen}
+                 "fast_gen": a.fast_gen, "state_mode": a.state_mode, "step_dirs": a.step_dirs}
     link0 = s3.link_bytes() if s3 else 0
 
     row["read_once_s"] = cat_seconds(ckpt)
@@ -459,7 +459,8 @@ def run_size(a, elements: int, store_kind: str, s3: ShapedS3 | None) -> dict:
     state = Path(a.state_root) / f"{store_kind}-{elements:.0e}-state"
     shutil.rmtree(state, ignore_errors=True)
     pub = PublisherDaemon(bin_, store, state, work,
-                          [f"http://127.0.0.1:{port_a}/v1/notify"], env, work / "publisher.log")
+                          [f"http://127.0.0.1:{port_a}/v1/notify"], env, work / "publisher.log",
+                          a.state_mode)
 
     def publish(v: int) -> dict:
         l0 = s3.link_bytes() if s3 else 0
@@ -489,6 +490,15 @@ def run_size(a, elements: int, store_kind: str, s3: ShapedS3 | None) -> dict:
         first = v == 1
         if first and not a.lean:
             row["plain_copy_s"], _ = timed(shutil.copytree, ckpt, prev)
+        trainer_write = None
+        if a.step_dirs:
+            # The trainer writes each step to a directory of its own and keeps
+            # the last two (save_total_limit=2): a full write of the model.
+            new = work / f"step-{v}"
+            if v >= 2:
+                shutil.rmtree(work / f"step-{v - 2}")
+            trainer_write, _ = timed(shutil.copytree, ckpt, new)
+            ckpt = new
         changed = step_model(ckpt, a.density, rng, v, fast=a.fast_gen)
         if first and not a.lean:
             row["plain_compare_s"], diff = timed(plain_compare, prev, ckpt)
@@ -507,7 +517,9 @@ def run_size(a, elements: int, store_kind: str, s3: ShapedS3 | None) -> dict:
              "publish_over_read": p["seconds"] / read_once,
              "catch_up_1_over_read": apply_s / read_once, "catch_up_1_s": apply_s,
              "catch_up_1_wall_after_publish_s": wall, "catch_up_1_peak_rss_anon_mib": anon_a,
-             "standby_s": standby, "delta_bytes": p["report"]["bytes"]}
+             "standby_s": standby, "delta_bytes": p["report"]["bytes"],
+             "publisher_write_bytes": p["report"].get("local_write_bytes"),
+             "trainer_write_s": trainer_write}
         if first and not a.lean:
             # A fresh subscriber: the anchor and this delta.
             fresh = run_measured([bin_, "subscribe", "-q", "--once", "--store", store,
@@ -557,6 +569,12 @@ def summarize(row: dict) -> dict:
         "catch_up_10_s": None if lean else row["deltas"][-1]["catch_up_10"]["seconds"],
         "fresh_bootstrap_s": None if lean else d1["fresh_bootstrap"]["seconds"],
         "delta_mb": med([d["delta_bytes"] for d in row["deltas"]]) / 1e6,
+        "state_mode": row.get("state_mode", "auto"),
+        # The publisher's own writes to storage per delta version
+        # (/proc/self/io write_bytes), and their ratio to the delta.
+        "publisher_write_mb": (med([d["publisher_write_bytes"] for d in row["deltas"]]) / 1e6
+                               if all(d.get("publisher_write_bytes") is not None for d in row["deltas"])
+                               else None),
         "anchor_mb": row["publish_anchor"]["report"]["bytes"] / 1e6,
         "peak_rss_anon_mib": {
             "publish_anchor": row["publish_anchor"]["peak_rss_anon_mib"],
@@ -632,6 +650,12 @@ def main() -> None:
                          "(checkpoint, snapshot, bucket, A's two slots) instead of 10x")
     ap.add_argument("--versions", type=int, default=10, help="deltas per size (B catches up all of them)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--state-mode", default="auto",
+                    help="the publisher's --state-mode (auto, in-place, overlay, previous)")
+    ap.add_argument("--step-dirs", action="store_true",
+                    help="each version in a directory of its own, the last two kept (as a "
+                         "trainer with save_total_limit=2), instead of stepping one in place; "
+                         "needed by --state-mode previous")
     ap.add_argument("--fast-gen", action="store_true",
                     help="the faster model and steps (see write_model, step_model): for the "
                          "largest sizes, where drawing the model dominates the run")

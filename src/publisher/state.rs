@@ -958,6 +958,13 @@ impl Snapshot {
     ) -> Result<()> {
         let journal = Self::journal_dir(&self.dir, version);
         let _ = std::fs::remove_dir_all(self.dir.join("journal"));
+        // `previous` mode needs none: after the commit the checkpoint holds
+        // the version, and a crash resumes from it.
+        let deltas = if self.mode == StateMode::Previous {
+            &[]
+        } else {
+            deltas
+        };
         for (name, bytes) in deltas {
             let p = journal.join(format!("{name}.delta"));
             if let Some(parent) = p.parent() {
@@ -1041,19 +1048,22 @@ impl Snapshot {
         self.sets = sets;
         self.contexts = contexts;
         let mut chain = std::mem::take(&mut self.state.chain);
-        let journal = Self::journal_dir(&self.dir, version);
         if self.contexts.is_empty() {
             chain.clear();
             let _ = std::fs::remove_dir_all(self.dir.join("overlay"));
-        } else if journal.exists() {
-            let (parent, odir) = (
-                self.dir.join("overlay"),
-                Self::overlay_dir(&self.dir, version),
-            );
-            std::fs::create_dir_all(&parent).map_err(|e| io_err("creating", &parent, e))?;
+        } else {
+            // The objects the contexts are rebuilt from (only with contexts:
+            // the `compact2` encoding).
+            let odir = Self::overlay_dir(&self.dir, version);
             let _ = std::fs::remove_dir_all(&odir);
-            std::fs::rename(&journal, &odir).map_err(|e| io_err("renaming", &journal, e))?;
-            sync_dir(&parent)?;
+            for (name, bytes) in deltas {
+                let p = odir.join(format!("{name}.delta"));
+                if let Some(parent) = p.parent() {
+                    std::fs::create_dir_all(parent).map_err(|e| io_err("creating", parent, e))?;
+                }
+                write_atomic(&p, bytes)?;
+            }
+            sync_dir(&self.dir.join("overlay"))?;
             chain.retain(|o| o.version < version);
             chain.push(OverlayVersion {
                 version,

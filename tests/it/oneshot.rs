@@ -545,6 +545,20 @@ async fn compact2_contexts_survive_one_shot_runs_and_their_loss_costs_no_byte() 
                 "a damaged context is dropped"
             );
             follow(&t, 4, false).await;
+        } else if mode == StateMode::Previous {
+            // The chain the contexts are rebuilt from, damaged: dropped
+            // whole, the files still trusted, v4 coded without context.
+            let chained = t
+                .state
+                .join(format!("overlay/{:020}/model.safetensors.delta", 3));
+            flip(&chained, 100);
+            assert_eq!(t.reopen().await, Some((Check::Stamps, mode)));
+            t.step().await; // v4
+            assert!(
+                !common::coded_with_context(&store, 4).await,
+                "a damaged chain is dropped"
+            );
+            follow(&t, 4, false).await;
         } else {
             t.step().await; // v4
             follow(&t, 4, false).await;
