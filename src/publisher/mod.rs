@@ -1011,6 +1011,15 @@ impl Publisher {
         // once this publish returns; the snapshot is ours).
         let next_dir = Snapshot::next_dir(&dir);
         let _ = std::fs::remove_dir_all(&next_dir);
+        // `--state-mode previous`: no snapshot of our own; the checkpoint's
+        // files are the base (they must stay as they are until the next
+        // publish, which checks their stamps): their digests and the planes
+        // are made from the same mapping, and a rewrite in between changes
+        // their stamps, checked before the commit. Raw anchors upload a
+        // snapshot file's bytes, so they still write one.
+        let own_base = self.cfg.state_mode == StateMode::Previous
+            && self.cfg.anchor_encoding == AnchorEncoding::Planes
+            && cp.tensor_paths().is_some();
         let mut anchor_bytes = 0u64;
         let mut tensor_files = BTreeMap::new();
         let spill_dir = dir.join("spill");
@@ -1018,15 +1027,25 @@ impl Publisher {
         // (the link and the cores both busy); at most one upload is in
         // flight, so the objects go up in order and memory stays that of one.
         let mut uploading: Option<Upload> = None;
-        for (name, set) in &cp.tensors {
+        let described = cp.describe();
+        for (name, set) in cp.tensors.iter_mut() {
             let path = next_dir.join(name);
-            tracing::debug!(file = %name, "anchor: writing the snapshot file");
-            // Blocking work (here and the compression below) runs with this
-            // worker's other tasks — the upload in flight — handed to another.
-            let (written, data_start) = blocking(|| write_snapshot_file(&path, set))?;
-            tracing::debug!(file = %name, "anchor: snapshot file written");
-            let digests = FileDigests::of(&written);
-            if set.has_digests() && FileDigests::of(set) != digests {
+            let diffed = set.has_digests().then(|| FileDigests::of(set));
+            let own;
+            let (written, data_start) = if own_base {
+                blocking(|| set.compute_digests());
+                (&*set, 0)
+            } else {
+                tracing::debug!(file = %name, "anchor: writing the snapshot file");
+                // Blocking work (here and the compression below) runs with
+                // this worker's other tasks — the upload in flight — handed
+                // to another.
+                own = blocking(|| write_snapshot_file(&path, set))?;
+                tracing::debug!(file = %name, "anchor: snapshot file written");
+                (&own.0, own.1)
+            };
+            let digests = FileDigests::of(written);
+            if diffed.is_some_and(|d| d != digests) {
                 // The bridges were diffed from other bytes than the ones
                 // just written.
                 let _ = std::fs::remove_dir_all(&next_dir);
@@ -1040,7 +1059,7 @@ impl Publisher {
                      (its bytes differ between the diff and the snapshot); nothing was committed \
                      and the next version is an anchor. Publish again once the trainer has \
                      finished writing it",
-                    cp.describe()
+                    described
                 )));
             }
             tensor_files.insert(name.clone(), digests);
@@ -1061,7 +1080,7 @@ impl Publisher {
             let mut spill = None;
             let sources = match self.cfg.anchor_encoding {
                 AnchorEncoding::Raw => vec![
-                    Source::Bytes(Bytes::from(anchor_prefix(&written, next)?)),
+                    Source::Bytes(Bytes::from(anchor_prefix(written, next)?)),
                     Source::File {
                         path: path.clone(),
                         offset: data_start,
@@ -1080,7 +1099,7 @@ impl Publisher {
                     );
                     let done = blocking(|| {
                         crate::codec::write_anchor_planes(
-                            &written,
+                            written,
                             next,
                             crate::codec::planes::PlanesOptions::default(),
                             sink,
@@ -1101,7 +1120,6 @@ impl Publisher {
                     sources
                 }
             };
-            drop(written);
             let key = staging.key(ObjectRole::Anchor, name)?;
             if staged.active() {
                 let (size, blake3) = hash_sources(&sources)?;
@@ -1128,7 +1146,9 @@ impl Publisher {
             anchor_bytes += entry.size;
             staging.record(entry);
         }
-        crate::fsio::sync_dir(&next_dir)?;
+        if !own_base {
+            crate::fsio::sync_dir(&next_dir)?;
+        }
         let bridged = !bridges.is_empty();
         let mut bridge_bytes = 0u64;
         for (name, d) in bridges {
@@ -1167,6 +1187,14 @@ impl Publisher {
             chain: Vec::new(),
             pending: None,
         };
+        let mut after = after;
+        if own_base {
+            // As for a delta (`publish_delta`): the files' paths and stamps,
+            // checked against those the reads began with.
+            after.base = cp.tensor_paths().cloned().unwrap_or_default();
+            after.stamps = Snapshot::take_stamps(&dir, &after, cp.tensors.keys())?;
+            cp.check_unchanged()?;
+        }
         // Record the commit in flight (in the old state, which stays valid if
         // it does not happen).
         let mut pending = self.state.clone().unwrap_or_default();
@@ -1188,11 +1216,20 @@ impl Publisher {
         crate::failpoint::hit("publisher.after_latest");
         // The old snapshot's mappings go before its files are replaced.
         self.snapshot = None;
-        self.snapshot = Some(state::install_anchor(
-            &dir,
-            self.cfg.state_mode,
-            after.clone(),
-        )?);
+        if own_base {
+            self.snapshot = Some(state::install_base(
+                &dir,
+                std::mem::take(&mut cp.tensors),
+                after.clone(),
+            )?);
+            self.state = Some(after.clone());
+        } else {
+            self.snapshot = Some(state::install_anchor(
+                &dir,
+                self.cfg.state_mode,
+                after.clone(),
+            )?);
+        }
         self.state = Some(after);
         let notified = self.notify(next, next);
         let collected = self.collect().await;

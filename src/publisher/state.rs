@@ -28,6 +28,15 @@
 //!   journal) and `state.json`; memory holds the pages the versions since the
 //!   anchor changed. The next anchor replaces the snapshot and empties the
 //!   overlay (its compaction).
+//! - **previous** (`--state-mode previous`): no copy past an anchor's
+//!   first delta. The checkpoint each version was published from (the
+//!   trainer's step directory) is the next delta's base: `state.json`
+//!   records its files' paths (`base`) and stamps, and they are mapped
+//!   read-only. A commit needs no journal and applies nothing (the
+//!   checkpoint holds the version); [`Snapshot::base_holds`] is checked
+//!   before every publish reads them, and a base that changed means an
+//!   anchor. With `compact2`, the delta objects since the anchor go to
+//!   `overlay/<version>/` (the `chain`) to rebuild the contexts at start.
 //!
 //! **Contexts** (`compact2`, docs/format.md §6.3). The snapshot holds, per
 //! file, the changes of the delta that produced its version: what the next
@@ -687,6 +696,10 @@ impl Snapshot {
             snap.record()?;
         }
         let _ = std::fs::remove_dir_all(dir.join("journal"));
+        if !snap.state.base.is_empty() {
+            // A snapshot of our own that a crash left behind.
+            let _ = std::fs::remove_dir_all(Self::files_dir(dir));
+        }
         if snap.state.overlay.is_empty() && snap.state.chain.is_empty() {
             let _ = std::fs::remove_dir_all(dir.join("overlay"));
         }
@@ -1228,6 +1241,37 @@ pub fn install_anchor(dir: &Path, mode: StateMode, after: State) -> Result<Snaps
         sets,
         contexts: BTreeMap::new(),
     };
+    crate::failpoint::hit("publisher.before_record");
+    snap.record()?;
+    Ok(snap)
+}
+
+/// `previous` mode, after an anchor commit made from the checkpoint's own
+/// files: they are the snapshot (`sets`, digests computed; `after` names
+/// their paths and stamps). Nothing is written but `state.json`; what a
+/// former mode or anchor left in the state directory goes.
+pub fn install_base(
+    dir: &Path,
+    sets: BTreeMap<String, TensorSet>,
+    after: State,
+) -> Result<Snapshot> {
+    for sub in ["overlay", "context", "journal", "snapshot", "next"] {
+        let _ = std::fs::remove_dir_all(dir.join(sub));
+    }
+    let mut state = after;
+    state.pending = None;
+    state.overlay.clear();
+    state.snapshot_files.clear();
+    state.chain.clear();
+    let snap = Snapshot {
+        dir: dir.to_path_buf(),
+        mode: StateMode::Previous,
+        check: Check::Written,
+        state,
+        sets,
+        contexts: BTreeMap::new(),
+    };
+    snap.check_digests(&snap.state.tensor_files, "the anchor")?;
     crate::failpoint::hit("publisher.before_record");
     snap.record()?;
     Ok(snap)

@@ -15,7 +15,7 @@ use weightcast::format::Encoding;
 use weightcast::fsio::Stamp;
 use weightcast::generator::{Generator, GeneratorConfig};
 use weightcast::publisher::state::Check;
-use weightcast::publisher::{Publisher, PublisherConfig, StateMode};
+use weightcast::publisher::{AnchorEncoding, Publisher, PublisherConfig, StateMode};
 use weightcast::store::Store;
 use weightcast::subscriber::{DirSink, catch_up};
 use weightcast::tensors::{Digests, TensorSet};
@@ -26,6 +26,7 @@ struct Trainer {
     state: PathBuf,
     mode: StateMode,
     encoding: Encoding,
+    anchor_encoding: AnchorEncoding,
     store: Store,
     publisher: Option<Publisher>,
     published: Vec<PathBuf>,
@@ -39,6 +40,7 @@ impl Trainer {
             state: work.join("pub-state"),
             mode,
             encoding: Encoding::Compact,
+            anchor_encoding: AnchorEncoding::Planes,
             store: store.clone(),
             publisher: None,
             published: Vec::new(),
@@ -51,6 +53,7 @@ impl Trainer {
         PublisherConfig {
             state_mode: self.mode,
             encoding: self.encoding,
+            anchor_encoding: self.anchor_encoding,
             ..common::publisher_config(&self.state, 100, None)
         }
     }
@@ -591,27 +594,39 @@ fn tree_bytes(dir: &Path) -> u64 {
     n
 }
 
-/// `--state-mode previous`: past an anchor's first delta the publisher keeps
-/// no copy of the model — each checkpoint it published (the trainer's step
-/// directory) is the next delta's base, trusted by its stamps, and its state
-/// is `state.json` (plus, with `compact2`, the deltas since the anchor). The
-/// trainer may drop older steps. A base that is removed or rewritten (a
+/// `--state-mode previous`: the publisher keeps no copy of the model — each
+/// checkpoint it published (the trainer's step directory) is the next
+/// delta's base, trusted by its stamps, and its state is `state.json` (plus,
+/// with `compact2`, the deltas since the anchor); with `raw` anchors, only
+/// until the anchor's first delta. The trainer may drop older steps. A base that is removed or rewritten (a
 /// trainer writing every step into the same directory) is noticed before it
 /// is read, by a running publisher and by a new process alike: the next
 /// version is an anchor, and every subscriber stays exact. A checkpoint from
 /// memory is refused with the setting named.
 #[tokio::test]
 async fn previous_mode_diffs_against_the_last_checkpoint_and_keeps_no_copy() {
+    for anchors in [AnchorEncoding::Planes, AnchorEncoding::Raw] {
+        previous_mode(anchors).await;
+    }
+}
+
+async fn previous_mode(anchors: AnchorEncoding) {
     let (store, _bucket) = common::local_store();
     let work = tempfile::tempdir().unwrap();
     let mut t = Trainer::new(&store, work.path(), StateMode::Previous).await;
+    t.anchor_encoding = anchors;
+    t.reopen().await;
     let sub = work.path().join("sub");
     let kind = |p: &weightcast::publisher::Published| p.kind;
     use weightcast::protocol::VersionKind::{Anchor, Delta};
 
-    assert_eq!(kind(&t.step().await), Anchor); // v0: its own snapshot
-    assert!(t.state.join("snapshot/model.safetensors").exists());
-    assert_eq!(kind(&t.step().await), Delta); // v1: from the anchor's files
+    assert_eq!(kind(&t.step().await), Anchor); // v0
+    assert_eq!(
+        t.state.join("snapshot/model.safetensors").exists(),
+        anchors == AnchorEncoding::Raw,
+        "{anchors:?}: a snapshot of its own only for raw anchors"
+    );
+    assert_eq!(kind(&t.step().await), Delta); // v1
     assert!(
         !t.state.join("snapshot").exists(),
         "no copy past the first delta"
@@ -663,8 +678,8 @@ async fn previous_mode_diffs_against_the_last_checkpoint_and_keeps_no_copy() {
     // gone (the new content is in its place), for a running publisher and
     // for a new process alike; each such version is an anchor, exact.
     for restart in [false, true] {
-        // A delta first: its checkpoint is the base (after an anchor, the
-        // base is the anchor's own files).
+        // A delta first: its checkpoint is the base (after a raw anchor,
+        // the base is the anchor's own files).
         assert_eq!(kind(&t.step().await), Delta);
         let dir = t.published.last().unwrap().clone();
         t.g.step();
