@@ -1071,7 +1071,7 @@ impl Publisher {
             {
                 let key = staging.key(ObjectRole::Anchor, name)?;
                 if let Some(up) =
-                    self.stream_planes_anchor(&written, next, name, key, &spill_dir)?
+                    self.stream_planes_anchor(written, next, name, key, &spill_dir)?
                 {
                     uploading = Some(up);
                     continue;
