@@ -1070,9 +1070,7 @@ impl Publisher {
                 && self.cfg.anchor_encoding == AnchorEncoding::Planes
             {
                 let key = staging.key(ObjectRole::Anchor, name)?;
-                if let Some(up) =
-                    self.stream_planes_anchor(written, next, name, key, &spill_dir)?
-                {
+                if let Some(up) = self.stream_planes_anchor(written, next, name, key, &spill_dir)? {
                     uploading = Some(up);
                     continue;
                 }

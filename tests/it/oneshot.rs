@@ -696,6 +696,24 @@ async fn previous_mode(anchors: AnchorEncoding) {
         assert_matches(&sub, &dir);
     }
 
+    // Another mode cannot take over the trainer's files (in place would
+    // patch them): it starts from an anchor of its own, exact.
+    assert_eq!(kind(&t.step().await), Delta);
+    t.mode = StateMode::Overlay;
+    assert_eq!(
+        t.reopen().await,
+        None,
+        "the trainer's files are not a snapshot"
+    );
+    let out = t.step().await;
+    assert_eq!(kind(&out), Anchor);
+    assert!(t.state.join("snapshot/model.safetensors").exists());
+    let c = catch_up(&store, &sub).await.unwrap().unwrap();
+    assert_eq!(c.version, out.version);
+    assert_matches(&sub, t.published.last().unwrap());
+    t.mode = StateMode::Previous;
+    t.reopen().await;
+
     // Nothing but files on disk can be the next base.
     let p = t.publisher.as_mut().unwrap();
     let set = TensorSet::read(
