@@ -218,6 +218,24 @@ pub struct OverlayVersion {
     pub objects: BTreeMap<String, (u64, String)>,
 }
 
+impl OverlayVersion {
+    /// Version `version`'s delta objects (file → bytes), by size and BLAKE3.
+    fn of(version: u64, deltas: &[(String, Vec<u8>)]) -> OverlayVersion {
+        OverlayVersion {
+            version,
+            objects: deltas
+                .iter()
+                .map(|(n, d)| {
+                    (
+                        n.clone(),
+                        (d.len() as u64, blake3::hash(d).to_hex().to_string()),
+                    )
+                })
+                .collect(),
+        }
+    }
+}
+
 /// What a snapshot file looked like once it was durable.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileStamp {
@@ -825,6 +843,23 @@ impl Snapshot {
         Ok(out)
     }
 
+    /// Reads overlay version `ov`'s object for file `name`, checked against
+    /// its recorded size and BLAKE3.
+    fn read_object(dir: &Path, ov: &OverlayVersion, name: &str) -> Result<Vec<u8>> {
+        let p = Self::overlay_dir(dir, ov.version).join(format!("{name}.delta"));
+        let (size, blake3) = &ov.objects[name];
+        let bytes = std::fs::read(&p).map_err(|e| io_err("reading", &p, e))?;
+        let hash = blake3::hash(&bytes).to_hex();
+        if bytes.len() as u64 != *size || hash.as_str() != blake3 {
+            return Err(Error::Integrity {
+                scope: format!("publisher overlay object {}", p.display()),
+                expected: format!("{size} bytes, BLAKE3 {blake3}"),
+                actual: format!("{} bytes, BLAKE3 {hash}", bytes.len()),
+            });
+        }
+        Ok(bytes)
+    }
+
     /// Applies one overlay version's objects (checked against their
     /// recorded size and BLAKE3 first) to the sets.
     fn apply_overlay_version(&mut self, ov: &OverlayVersion) -> Result<()> {
@@ -836,17 +871,8 @@ impl Snapshot {
                 actual: format!("{}", ov.objects.len()),
             });
         }
-        for (name, (size, blake3)) in &ov.objects {
-            let p = odir.join(format!("{name}.delta"));
-            let bytes = std::fs::read(&p).map_err(|e| io_err("reading", &p, e))?;
-            let hash = blake3::hash(&bytes).to_hex();
-            if bytes.len() as u64 != *size || hash.as_str() != blake3 {
-                return Err(Error::Integrity {
-                    scope: format!("publisher overlay object {}", p.display()),
-                    expected: format!("{size} bytes, BLAKE3 {blake3}"),
-                    actual: format!("{} bytes, BLAKE3 {hash}", bytes.len()),
-                });
-            }
+        for name in ov.objects.keys() {
+            let bytes = Self::read_object(&self.dir, ov, name)?;
             self.apply_one(name, &bytes)?;
         }
         Ok(())
@@ -914,16 +940,7 @@ impl Snapshot {
                     sync_dir(&parent)?;
                 }
                 overlay.retain(|o| o.version < version);
-                overlay.push(OverlayVersion {
-                    version,
-                    objects: deltas
-                        .iter()
-                        .map(|(n, d)| {
-                            let entry = (d.len() as u64, blake3::hash(d).to_hex().to_string());
-                            (n.clone(), entry)
-                        })
-                        .collect(),
-                });
+                overlay.push(OverlayVersion::of(version, deltas));
                 self.state = State {
                     overlay,
                     snapshot_files: disk,
@@ -1078,18 +1095,7 @@ impl Snapshot {
             }
             sync_dir(&self.dir.join("overlay"))?;
             chain.retain(|o| o.version < version);
-            chain.push(OverlayVersion {
-                version,
-                objects: deltas
-                    .iter()
-                    .map(|(n, d)| {
-                        (
-                            n.clone(),
-                            (d.len() as u64, blake3::hash(d).to_hex().to_string()),
-                        )
-                    })
-                    .collect(),
-            });
+            chain.push(OverlayVersion::of(version, deltas));
         }
         self.state = State { chain, ..after };
         self.check_digests(&self.state.tensor_files.clone(), "the version")?;
@@ -1139,18 +1145,8 @@ impl Snapshot {
         let replayed = (|| -> Result<BTreeMap<String, Context>> {
             let mut contexts: BTreeMap<String, Context> = BTreeMap::new();
             for ov in &self.state.chain {
-                let odir = Self::overlay_dir(&self.dir, ov.version);
-                for (name, (size, blake3)) in &ov.objects {
-                    let p = odir.join(format!("{name}.delta"));
-                    let bytes = std::fs::read(&p).map_err(|e| io_err("reading", &p, e))?;
-                    let hash = blake3::hash(&bytes).to_hex();
-                    if bytes.len() as u64 != *size || hash.as_str() != blake3 {
-                        return Err(Error::Integrity {
-                            scope: format!("publisher context chain object {}", p.display()),
-                            expected: format!("{size} bytes, BLAKE3 {blake3}"),
-                            actual: format!("{} bytes, BLAKE3 {hash}", bytes.len()),
-                        });
-                    }
+                for name in ov.objects.keys() {
+                    let bytes = Self::read_object(&self.dir, ov, name)?;
                     match Context::of_delta(&bytes, contexts.get(name))? {
                         Some(c) => contexts.insert(name.clone(), c),
                         None => contexts.remove(name),
