@@ -104,6 +104,10 @@ def main() -> None:
     ap.add_argument("--disk", help="block device for /proc/diskstats (e.g. vda)")
     ap.add_argument("--bin", default=str(ROOT / "target/release/weightcast"))
     ap.add_argument("--publish-args", default="", help="extra flags for publish")
+    ap.add_argument("--step-dirs", action="store_true",
+                    help="each version in a directory of its own under --ckpt, the last two kept "
+                         "(a trainer with save_total_limit=2; what --state-mode previous needs), "
+                         "written and synced before the publish is timed")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--clean", action="store_true")
     a = ap.parse_args()
@@ -114,17 +118,26 @@ def main() -> None:
     env = dict(os.environ, RUST_LOG="warn")
     store = f"file://{a.bucket}"
     a.bucket.mkdir(parents=True)
-    write_model(a.ckpt, int(a.elements), a.shards, seed=1)
+    first = a.ckpt / "step-0" if a.step_dirs else a.ckpt
+    write_model(first, int(a.elements), a.shards, seed=1)
     rng = np.random.default_rng(2)
     publish = [a.bin, "publish", "--quiet", "--store", store, "--state", str(a.state),
-               "--checkpoint", str(a.ckpt), *a.publish_args.split()]
+               *a.publish_args.split(), "--checkpoint"]
     once = [a.bin, "subscribe", "--once", "--quiet", "--store", store, "--out", str(a.out)]
     rows = []
     try:
+        ckpt = first
         for v in range(a.versions + 1):
-            changed = step_model(a.ckpt, a.density, rng, v) if v else 0
-            read = cat_seconds(a.ckpt)
-            pub = run(publish, env, a.disk)
+            if a.step_dirs and v:
+                if v >= 2:
+                    shutil.rmtree(a.ckpt / f"step-{v - 2}")
+                shutil.copytree(ckpt, a.ckpt / f"step-{v}")
+                ckpt = a.ckpt / f"step-{v}"
+            changed = step_model(ckpt, a.density, rng, v) if v else 0
+            if a.step_dirs:
+                os.sync()  # the trainer's write is not the publisher's
+            read = cat_seconds(ckpt)
+            pub = run(publish + [str(ckpt)], env, a.disk)
             sub = run(once, env, a.disk)
             row = {
                 "version": v, "changed": changed, "read_s": read,
