@@ -66,6 +66,8 @@ struct Rank<'a> {
     state: PathBuf,
     rank: u32,
     world: u32,
+    /// `--state-mode`, if not the default.
+    mode: Option<&'a str>,
 }
 
 impl Rank<'_> {
@@ -81,6 +83,7 @@ impl Rank<'_> {
             "--rank-timeout".to_string(),
             "120".to_string(),
         ])
+        .args(self.mode.map(|m| ["--state-mode", m]).into_iter().flatten())
         .envs(self.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -175,6 +178,14 @@ async fn assert_versions(store: &Store, step: u64) {
 
 #[test]
 fn two_ranks_publish_one_version_per_step() {
+    // Each rank's checkpoint is a step directory of its own, so the ranks
+    // can also keep no copy (`--state-mode previous`).
+    for mode in [None, Some("previous")] {
+        two_ranks_in(mode);
+    }
+}
+
+fn two_ranks_in(mode: Option<&str>) {
     let work = tempfile::tempdir().unwrap();
     let bucket = work.path().join("bucket");
     std::fs::create_dir_all(&bucket).unwrap();
@@ -188,6 +199,7 @@ fn two_ranks_publish_one_version_per_step() {
             state: work.path().join(format!("state-{r}")),
             rank: r,
             world: 2,
+            mode,
         })
         .collect();
     let mut g = Generator::new(GeneratorConfig::tiny(21));
@@ -208,7 +220,13 @@ fn two_ranks_publish_one_version_per_step() {
             assert_eq!(out["version"], step, "rank {r}: {out}");
             assert_eq!(out["step"], step, "rank {r}: {out}");
             let kind = if step % 3 == 0 { "anchor" } else { "delta" };
-            assert_eq!(out["kind"], kind, "rank {r}, step {step}: {out}");
+            assert_eq!(out["kind"], kind, "{mode:?} rank {r}, step {step}: {out}");
+        }
+        if mode.is_some() {
+            assert!(
+                !work.path().join("state-0/snapshot").exists(),
+                "no copy of the rank's shard"
+            );
         }
         rt.block_on(async {
             assert_versions(&store, step).await;
@@ -253,6 +271,7 @@ fn four_ranks_on_moto_survive_a_rank_killed_mid_upload() {
             state: work.path().join(format!("state-{r}")),
             rank: r,
             world: 4,
+            mode: None,
         })
         .collect();
     let mut g = Generator::new(GeneratorConfig::tiny(22));
@@ -887,6 +906,7 @@ fn a_restarted_rank_never_rewrites_an_object_its_part_names() {
             state: work.path().join(format!("state-{r}")),
             rank: r,
             world: 2,
+            mode: None,
         })
         .collect();
     let mut g = Generator::new(GeneratorConfig::tiny(29));
