@@ -32,6 +32,12 @@ the checkpoint and downloading it again (multipart, 8 threads).
     python3 scripts/bench_e2e.py --sizes 1e8,5e8,1e9,3e9 --s3 \\
         --work /tmp/wc-e2e --json docs/bench/e2e.json --plot docs/bench/e2e.png
 
+`--state-mode` passes the publisher's mode; `--step-dirs` writes each
+version to a directory of its own (the last two kept, as a trainer with
+`save_total_limit=2`), which `--state-mode previous` needs, and records the
+trainer's copy time apart. Each delta's JSON has the publisher's own writes
+(`publisher_write_bytes`, from `/proc/self/io`).
+
 Needs `cargo build --release` (the binary at target/release/weightcast),
 numpy, and for `--s3` root and a Python with moto and boto3 to run this
 script (`.ci-work/venv/bin/python`, which `./scripts/test.sh` sets up). Disk under `--work`: about 4x the
