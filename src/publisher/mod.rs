@@ -1220,7 +1220,6 @@ impl Publisher {
                 std::mem::take(&mut cp.tensors),
                 after.clone(),
             )?);
-            self.state = Some(after.clone());
         } else {
             self.snapshot = Some(state::install_anchor(
                 &dir,
