@@ -995,13 +995,7 @@ impl Snapshot {
         } else {
             deltas
         };
-        for (name, bytes) in deltas {
-            let p = journal.join(format!("{name}.delta"));
-            if let Some(parent) = p.parent() {
-                std::fs::create_dir_all(parent).map_err(|e| io_err("creating", parent, e))?;
-            }
-            write_atomic(&p, bytes)?;
-        }
+        write_objects(&journal, deltas)?;
         self.set_pending(Pending {
             version,
             writer: writer.to_string(),
@@ -1086,13 +1080,7 @@ impl Snapshot {
             // the `compact2` encoding).
             let odir = Self::overlay_dir(&self.dir, version);
             let _ = std::fs::remove_dir_all(&odir);
-            for (name, bytes) in deltas {
-                let p = odir.join(format!("{name}.delta"));
-                if let Some(parent) = p.parent() {
-                    std::fs::create_dir_all(parent).map_err(|e| io_err("creating", parent, e))?;
-                }
-                write_atomic(&p, bytes)?;
-            }
+            write_objects(&odir, deltas)?;
             sync_dir(&self.dir.join("overlay"))?;
             chain.retain(|o| o.version < version);
             chain.push(OverlayVersion::of(version, deltas));
@@ -1168,6 +1156,19 @@ impl Snapshot {
             }
         }
     }
+}
+
+/// Writes each delta object (file → bytes) as `<dir>/<file>.delta`,
+/// atomically and durably.
+fn write_objects(dir: &Path, deltas: &[(String, Vec<u8>)]) -> Result<()> {
+    for (name, bytes) in deltas {
+        let p = dir.join(format!("{name}.delta"));
+        if let Some(parent) = p.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| io_err("creating", parent, e))?;
+        }
+        write_atomic(&p, bytes)?;
+    }
+    Ok(())
 }
 
 /// BLAKE3 of a safetensors file's length and header bytes (`None`: not
