@@ -849,7 +849,6 @@ impl Publisher {
             snapshot_files: BTreeMap::new(),
             stamps: BTreeMap::new(),
             base: BTreeMap::new(),
-            chain: Vec::new(),
             pending: None,
         };
         let previous = self.cfg.state_mode == StateMode::Previous;
@@ -1182,7 +1181,6 @@ impl Publisher {
             snapshot_files: BTreeMap::new(),
             stamps: BTreeMap::new(),
             base: BTreeMap::new(),
-            chain: Vec::new(),
             pending: None,
         };
         let mut after = after;

@@ -292,12 +292,6 @@ pub struct State {
     /// are `snapshot/<name>`.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub base: BTreeMap<String, PathBuf>,
-    /// `previous` mode: the delta versions since the last one made without
-    /// any context, their objects kept under `overlay/<version>/`, so that a
-    /// start rebuilds the `compact2` contexts by decoding them (nothing is
-    /// applied: the files hold `version`).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub chain: Vec<OverlayVersion>,
     /// A commit in flight.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending: Option<Pending>,
@@ -321,7 +315,6 @@ impl State {
         self.snapshot_files.clear();
         self.stamps.clear();
         self.base.clear();
-        self.chain.clear();
         self
     }
 
@@ -436,9 +429,10 @@ impl Snapshot {
         }
     }
 
-    /// In place: saves the contexts (and removes those of files without one).
+    /// In place and `previous`: saves the contexts (and removes those of
+    /// files without one). Over an overlay they are rebuilt by applying it.
     fn save_contexts(&self) -> Result<()> {
-        if self.mode != StateMode::InPlace {
+        if !matches!(self.mode, StateMode::InPlace | StateMode::Previous) {
             return Ok(());
         }
         for name in self.sets.keys() {
@@ -586,10 +580,10 @@ impl Snapshot {
         {
             // The commit happened: the checkpoint it was made from holds the
             // version (its paths and stamps were recorded before the
-            // commit). Its contexts are not rebuilt: the next delta is made
-            // without one.
+            // commit). Its contexts are those saved for it, if the crash
+            // came after they were written (they name the digests they lead
+            // to); otherwise the next delta is made without one.
             state = after.clone();
-            state.chain.clear();
             target = None;
             let _ = std::fs::remove_dir_all(dir.join("overlay"));
         }
@@ -671,7 +665,6 @@ impl Snapshot {
         // The contexts of the files' own version (the overlay's replay
         // brings them forward).
         snap.load_contexts();
-        snap.replay_chain();
         // Over an overlay, every version patches private pages (at RL
         // densities, all of them): fault them in writable now, before a
         // diff maps them for reading (see `TensorSet::populate_private`).
@@ -718,7 +711,7 @@ impl Snapshot {
             // A snapshot of our own that a crash left behind.
             let _ = std::fs::remove_dir_all(Self::files_dir(dir));
         }
-        if snap.state.overlay.is_empty() && snap.state.chain.is_empty() {
+        if snap.state.overlay.is_empty() {
             let _ = std::fs::remove_dir_all(dir.join("overlay"));
         }
         Ok(snap)
@@ -1039,11 +1032,12 @@ impl Snapshot {
 
     /// `previous` mode, after a delta commit: the checkpoint's own files
     /// (`sets`, mapped read-only, their digests those the diff computed)
-    /// become the snapshot — nothing is applied or written, they hold the
-    /// version. The contexts move forward by decoding the deltas
-    /// ([`Context::of_delta`]), whose objects join the chain while any
-    /// context lives; `after` (with the files' paths and stamps, taken before
-    /// the commit) is recorded; a snapshot of our own left by an anchor is
+    /// become the snapshot — nothing is applied, and nothing model-sized is
+    /// written. The contexts move forward by decoding the deltas
+    /// ([`Context::of_delta`]) and are saved (`context/<file>.ctx`, about
+    /// 1.1 bytes per changed element), so that a new process starts from
+    /// them; `after` (with the files' paths and stamps, taken before the
+    /// commit) is recorded; a snapshot of our own left by an anchor is
     /// deleted.
     pub fn follow(
         &mut self,
@@ -1053,7 +1047,6 @@ impl Snapshot {
     ) -> Result<()> {
         let mut after = after;
         after.pending = None;
-        let version = after.version;
         let mut contexts = BTreeMap::new();
         for (name, bytes) in deltas {
             // The context the delta was made against (as the diff chose it).
@@ -1071,26 +1064,15 @@ impl Snapshot {
         }
         self.sets = sets;
         self.contexts = contexts;
-        let mut chain = std::mem::take(&mut self.state.chain);
-        if self.contexts.is_empty() {
-            chain.clear();
-            let _ = std::fs::remove_dir_all(self.dir.join("overlay"));
-        } else {
-            // The objects the contexts are rebuilt from (only with contexts:
-            // the `compact2` encoding).
-            let odir = Self::overlay_dir(&self.dir, version);
-            let _ = std::fs::remove_dir_all(&odir);
-            write_objects(&odir, deltas)?;
-            sync_dir(&self.dir.join("overlay"))?;
-            chain.retain(|o| o.version < version);
-            chain.push(OverlayVersion::of(version, deltas));
-        }
-        self.state = State { chain, ..after };
+        self.save_contexts()?;
+        self.state = after;
         self.check_digests(&self.state.tensor_files.clone(), "the version")?;
         crate::failpoint::hit("publisher.before_record");
         self.record()?;
         let _ = std::fs::remove_dir_all(self.dir.join("journal"));
-        // The anchor's files, if the base was still ours: no longer needed.
+        // What an earlier binary's context chain left, and the anchor's
+        // files if the base was still ours: no longer needed.
+        let _ = std::fs::remove_dir_all(self.dir.join("overlay"));
         let _ = std::fs::remove_dir_all(Self::files_dir(&self.dir));
         Ok(())
     }
@@ -1120,41 +1102,6 @@ impl Snapshot {
         self.record()?;
         let _ = std::fs::remove_dir_all(Self::files_dir(&self.dir));
         Ok(())
-    }
-
-    /// `previous` mode: rebuilds the contexts from the chain's delta objects
-    /// (each checked against its recorded size and BLAKE3), keeping those
-    /// that lead to the files' digests. Anything amiss drops them all: the
-    /// next deltas are made without context, which every reader decodes.
-    fn replay_chain(&mut self) {
-        if self.state.chain.is_empty() {
-            return;
-        }
-        let replayed = (|| -> Result<BTreeMap<String, Context>> {
-            let mut contexts: BTreeMap<String, Context> = BTreeMap::new();
-            for ov in &self.state.chain {
-                for name in ov.objects.keys() {
-                    let bytes = Self::read_object(&self.dir, ov, name)?;
-                    match Context::of_delta(&bytes, contexts.get(name))? {
-                        Some(c) => contexts.insert(name.clone(), c),
-                        None => contexts.remove(name),
-                    };
-                }
-            }
-            Ok(contexts)
-        })();
-        match replayed {
-            Ok(mut contexts) => {
-                contexts
-                    .retain(|name, c| self.sets.get(name).is_some_and(|s| s.digest() == c.id.to));
-                self.contexts = contexts;
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "the context chain does not replay; the next deltas are made without context");
-                self.state.chain.clear();
-                self.contexts.clear();
-            }
-        }
     }
 }
 
@@ -1228,7 +1175,6 @@ pub fn install_anchor(dir: &Path, mode: StateMode, after: State) -> Result<Snaps
     state.overlay.clear();
     state.snapshot_files.clear();
     state.base.clear();
-    state.chain.clear();
     state.stamps = Snapshot::take_stamps(dir, &state, sets.keys())?;
     let snap = Snapshot {
         dir: dir.to_path_buf(),
@@ -1259,7 +1205,6 @@ pub fn install_base(
     state.pending = None;
     state.overlay.clear();
     state.snapshot_files.clear();
-    state.chain.clear();
     let snap = Snapshot {
         dir: dir.to_path_buf(),
         mode: StateMode::Previous,

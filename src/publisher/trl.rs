@@ -157,7 +157,6 @@ impl Publisher {
             snapshot_files: Default::default(),
             stamps: Default::default(),
             base: Default::default(),
-            chain: Vec::new(),
             pending: None,
         };
         let deltas = vec![(FILE.to_string(), bytes)];
@@ -252,7 +251,6 @@ impl Publisher {
             snapshot_files: Default::default(),
             stamps: Default::default(),
             base: Default::default(),
-            chain: Vec::new(),
             pending: None,
         };
         let mut pending = self.state.clone().unwrap_or_default();

@@ -492,9 +492,9 @@ async fn a_once_bootstrap_fills_the_standby_and_the_first_delta_costs_its_change
 
 /// `compact2` across one-shot runs (issue 29): every `publish` and every
 /// `--once` is a new process, and each finds the context its next delta is
-/// coded against — the publisher in its state (`context/` in place, the
-/// overlay's replay otherwise), the subscriber in its journal — so the chain
-/// keeps its contexts without a repair. A saved context that is damaged is
+/// coded against — the publisher in its state (`context/` in place and in
+/// `previous` mode, the overlay's replay otherwise), the subscriber in its
+/// journal — so the chain keeps its contexts without a repair. A saved context that is damaged is
 /// dropped (the next delta is written without one); a subscriber that lost
 /// its context repairs from the anchor. Every version bit-identical.
 #[tokio::test]
@@ -534,38 +534,28 @@ async fn compact2_contexts_survive_one_shot_runs_and_their_loss_costs_no_byte() 
         );
         follow(&t, 3, false).await;
 
-        // In place, the saved context damaged: dropped, and v4 is coded
-        // without one (still exact). Over an overlay there is none to damage.
+        // In place and in previous mode, the saved context damaged: dropped
+        // (the files still trusted), and v4 is coded without one, still
+        // exact. Over an overlay there is none to damage.
         let saved = t.state.join("context/model.safetensors.ctx");
-        assert_eq!(saved.exists(), mode == StateMode::InPlace, "{mode:?}");
-        if mode == StateMode::InPlace {
+        assert_eq!(
+            saved.exists(),
+            matches!(mode, StateMode::InPlace | StateMode::Previous),
+            "{mode:?}"
+        );
+        if saved.exists() {
             let len = std::fs::metadata(&saved).unwrap().len();
             flip(&saved, len - 1);
-            t.reopen().await;
-            t.step().await; // v4
-            assert!(
-                !common::coded_with_context(&store, 4).await,
-                "a damaged context is dropped"
-            );
-            follow(&t, 4, false).await;
-        } else if mode == StateMode::Previous {
-            // The chain the contexts are rebuilt from, damaged: dropped
-            // whole, the files still trusted, v4 coded without context.
-            let chained = t
-                .state
-                .join(format!("overlay/{:020}/model.safetensors.delta", 3));
-            flip(&chained, 100);
             assert_eq!(t.reopen().await, Some((Check::Stamps, mode)));
             t.step().await; // v4
             assert!(
                 !common::coded_with_context(&store, 4).await,
-                "a damaged chain is dropped"
+                "{mode:?}: a damaged context is dropped"
             );
-            follow(&t, 4, false).await;
         } else {
             t.step().await; // v4
-            follow(&t, 4, false).await;
         }
+        follow(&t, 4, false).await;
         t.step().await; // v5
         assert!(common::coded_with_context(&store, 5).await, "{mode:?}");
         // The subscriber loses its journal, and with it the context of the

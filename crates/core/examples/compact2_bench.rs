@@ -149,6 +149,21 @@ fn main() {
             "encode2" => drop(
                 encode_delta_ctx(&s1, &mut s2w, &opts(Encoding::Compact2, 2), Some(&ctx1)).unwrap(),
             ),
+            "stage2" => {
+                // The staging of compact2's encoder alone (no parameter
+                // choice, no writing).
+                let mut n = 0;
+                for (i, t) in s1.tensors().iter().enumerate() {
+                    n += weightcast_core::codec::compact::v2::stage_only(
+                        weightcast_core::dtype::key_kind(t.dtype),
+                        t.dtype.bitsize() / 8,
+                        t.seed,
+                        (s1.data(i), s2.data(i)),
+                        ctx1.tensors.get(&t.name),
+                    );
+                }
+                std::hint::black_box(n);
+            }
             "apply2n" => {
                 apply_delta_ctx(&mut state, &v2n_fwd, None).unwrap();
                 apply_delta_ctx(&mut state, &v2n_back, None).unwrap();
@@ -164,6 +179,8 @@ fn main() {
         };
         let names: Vec<String> = match phase.as_str() {
             "encode" => vec!["encode1".into(), "encode2".into()],
+            // compact's whole encoder against compact2's staging alone
+            "stage" => vec!["encode1".into(), "stage2".into()],
             // and compact2 without context (every change in class 0)
             "apply" => vec!["apply1".into(), "apply2".into(), "apply2n".into()],
             _ => vec![phase.clone()],

@@ -1545,6 +1545,44 @@ pub fn encode_tensor(
     Encoded2 { tensor, next }
 }
 
+/// Stages every block of `base` → `new` as [`encode_tensor`] does and
+/// writes nothing: the staging alone, for benchmarks (`examples/compact2_bench`,
+/// `WEIGHTCAST_PHASE=stage`). Returns the changes staged.
+#[doc(hidden)]
+pub fn stage_only(
+    kind: crate::dtype::KeyKind,
+    wb: usize,
+    seed: crate::digest::TensorSeed,
+    (base, new): (&[u8], &[u8]),
+    context: Option<&super::context::TensorContext>,
+) -> u64 {
+    use rayon::prelude::*;
+    let platform = crate::platform::Platform::detect();
+    let block_words = super::BLOCK_WORDS;
+    let block_bytes = (block_words as usize * wb).max(1);
+    base.par_chunks(block_bytes)
+        .zip(new.par_chunks(block_bytes))
+        .enumerate()
+        .map(|(b, (old, new))| {
+            let ctx = super::Ctx {
+                kind,
+                seed,
+                first: b as u64 * block_words,
+            };
+            let members = context
+                .filter(|c| c.block_words == block_words)
+                .map_or(&[][..], |c| c.block(b));
+            ENCODE.with(|cell| {
+                let s = &mut *cell.borrow_mut();
+                crate::with_word_width!(wb, W => {
+                    stage::<W>(platform, ctx, (old, new), members, s)
+                });
+                s.class.iter().map(|c| c.n as u64).sum::<u64>()
+            })
+        })
+        .sum()
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
