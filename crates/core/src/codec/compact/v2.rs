@@ -1498,33 +1498,12 @@ pub fn encode_tensor(
     (base, new): (&[u8], &[u8]),
     context: Option<&super::context::TensorContext>,
 ) -> Encoded2 {
-    use rayon::prelude::*;
-    let platform = crate::platform::Platform::detect();
     let block_words = super::BLOCK_WORDS;
-    let block_bytes = block_words as usize * wb;
-    let parts: Vec<(BlockEntry, Vec<u8>, u64, Vec<Member>)> = base
-        .par_chunks(block_bytes.max(1))
-        .zip(new.par_chunks(block_bytes.max(1)))
-        .enumerate()
-        .map(|(b, (old, new))| {
-            let ctx = super::Ctx {
-                kind,
-                seed,
-                first: b as u64 * block_words,
-            };
-            let members = context
-                .filter(|c| c.block_words == block_words)
-                .map_or(&[][..], |c| c.block(b));
-            ENCODE.with(|cell| {
-                let s = &mut *cell.borrow_mut();
-                let dig = crate::with_word_width!(wb, W => {
-                    stage::<W>(platform, ctx, (old, new), members, s)
-                });
-                let (e, bytes) = encode(wb, new, s);
-                (e, bytes, dig, s.next().to_vec())
-            })
-        })
-        .collect();
+    let parts: Vec<(BlockEntry, Vec<u8>, u64, Vec<Member>)> =
+        stage_blocks(kind, wb, seed, (base, new), context, |s, dig, new| {
+            let (e, bytes) = encode(wb, new, s);
+            (e, bytes, dig, s.next().to_vec())
+        });
     let mut tensor = super::EncodedTensor {
         changed: 0,
         digest_change: 0,
@@ -1545,17 +1524,17 @@ pub fn encode_tensor(
     Encoded2 { tensor, next }
 }
 
-/// Stages every block of `base` → `new` as [`encode_tensor`] does and
-/// writes nothing: the staging alone, for benchmarks (`examples/compact2_bench`,
-/// `WEIGHTCAST_PHASE=stage`). Returns the changes staged.
-#[doc(hidden)]
-pub fn stage_only(
+/// Stages every block of `base` → `new` (`wb`-byte words, in parallel)
+/// against its members in `context`, and maps each block's staging (the
+/// scratch, the digest change and the block's new words) with `then`.
+fn stage_blocks<T: Send>(
     kind: crate::dtype::KeyKind,
     wb: usize,
     seed: crate::digest::TensorSeed,
     (base, new): (&[u8], &[u8]),
     context: Option<&super::context::TensorContext>,
-) -> u64 {
+    then: impl Fn(&mut EncodeScratch, u64, &[u8]) -> T + Sync,
+) -> Vec<T> {
     use rayon::prelude::*;
     let platform = crate::platform::Platform::detect();
     let block_words = super::BLOCK_WORDS;
@@ -1574,13 +1553,31 @@ pub fn stage_only(
                 .map_or(&[][..], |c| c.block(b));
             ENCODE.with(|cell| {
                 let s = &mut *cell.borrow_mut();
-                crate::with_word_width!(wb, W => {
+                let dig = crate::with_word_width!(wb, W => {
                     stage::<W>(platform, ctx, (old, new), members, s)
                 });
-                s.class.iter().map(|c| c.n as u64).sum::<u64>()
+                then(s, dig, new)
             })
         })
-        .sum()
+        .collect()
+}
+
+/// Stages every block of `base` → `new` as [`encode_tensor`] does and
+/// writes nothing: the staging alone, for benchmarks (`examples/compact2_bench`,
+/// `WEIGHTCAST_PHASE=stage`). Returns the changes staged.
+#[doc(hidden)]
+pub fn stage_only(
+    kind: crate::dtype::KeyKind,
+    wb: usize,
+    seed: crate::digest::TensorSeed,
+    (base, new): (&[u8], &[u8]),
+    context: Option<&super::context::TensorContext>,
+) -> u64 {
+    stage_blocks(kind, wb, seed, (base, new), context, |s, _, _| {
+        s.class.iter().map(|c| c.n as u64).sum::<u64>()
+    })
+    .into_iter()
+    .sum()
 }
 
 #[cfg(test)]
