@@ -10,6 +10,13 @@
 //! with an error naming the key; and each open is bounded by
 //! [`LOCAL_OPEN_TIMEOUT`] (a file system that stops answering, or a file
 //! swapped for a FIFO between the check and the open).
+//!
+//! Deleting an object removes the directories it leaves empty (object_store's
+//! automatic cleanup), which races with another writer creating an object in
+//! the same directory: its directory can vanish between being made and the
+//! object's file being created in it. A write that fails for a missing
+//! directory is therefore tried again ([`WRITE_TRIES`] times in all); it had
+//! created nothing.
 
 use std::ops::Range;
 use std::time::Duration;
@@ -22,6 +29,34 @@ use object_store::{
     CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
     PutMultipartOptions, PutOptions, PutPayload, PutResult, RenameOptions,
 };
+
+/// How often a write whose directory vanished under it is tried.
+pub const WRITE_TRIES: usize = 16;
+
+/// Whether `e` is a write that failed because a directory on the object's
+/// path changed under it: missing (`ENOENT`: another writer's delete removed
+/// it after this write had made it) or, while being made, reported as
+/// existing and then gone again (`EEXIST` from making a directory). Only
+/// the backend's generic errors qualify: a conditional create that finds
+/// the object is `AlreadyExists`, and is not tried again.
+fn directory_vanished(e: &object_store::Error) -> bool {
+    let object_store::Error::Generic { source, .. } = e else {
+        return false;
+    };
+    let mut src: Option<&(dyn std::error::Error + 'static)> = Some(source.as_ref());
+    while let Some(s) = src {
+        if s.downcast_ref::<std::io::Error>().is_some_and(|io| {
+            matches!(
+                io.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::AlreadyExists
+            )
+        }) {
+            return true;
+        }
+        src = s.source();
+    }
+    false
+}
 
 /// Longest an open (with its checks) of a `file://` object may take.
 pub const LOCAL_OPEN_TIMEOUT: Duration = Duration::from_secs(60);
@@ -132,7 +167,17 @@ impl ObjectStore for RegularFiles {
         payload: PutPayload,
         opts: PutOptions,
     ) -> object_store::Result<PutResult> {
-        self.inner.put_opts(location, payload, opts).await
+        let mut tries = 1;
+        loop {
+            match self
+                .inner
+                .put_opts(location, payload.clone(), opts.clone())
+                .await
+            {
+                Err(e) if tries < WRITE_TRIES && directory_vanished(&e) => tries += 1,
+                r => return r,
+            }
+        }
     }
 
     async fn put_multipart_opts(
@@ -140,7 +185,13 @@ impl ObjectStore for RegularFiles {
         location: &Path,
         opts: PutMultipartOptions,
     ) -> object_store::Result<Box<dyn MultipartUpload>> {
-        self.inner.put_multipart_opts(location, opts).await
+        let mut tries = 1;
+        loop {
+            match self.inner.put_multipart_opts(location, opts.clone()).await {
+                Err(e) if tries < WRITE_TRIES && directory_vanished(&e) => tries += 1,
+                r => return r,
+            }
+        }
     }
 
     async fn get_opts(
@@ -243,6 +294,43 @@ mod tests {
         }
         assert_eq!(store.get("deltas/none").await.unwrap(), None);
         assert_eq!(store.get("deltas").await.unwrap(), None, "a directory");
+    }
+
+    /// Two writers in one directory of a `file://` bucket, one deleting
+    /// its object as the other creates one: the delete's cleanup removes
+    /// the directory it left empty, and the other's create must not fail
+    /// for it (as it did when two ranks probed a new bucket at once). Plain
+    /// puts, conditional creates and multipart uploads each race it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_directory_emptied_by_another_writer_does_not_fail_a_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = url::Url::from_directory_path(dir.path())
+            .unwrap()
+            .to_string();
+        let store = Store::open(&url).unwrap();
+        let churn = {
+            let store = store.clone();
+            tokio::spawn(async move {
+                for i in 0..3000 {
+                    let key = format!("d/e/churn-{i}");
+                    store.put(&key, Bytes::from_static(b"x")).await.unwrap();
+                    store.delete(&key).await.unwrap();
+                }
+            })
+        };
+        let mut n = 0;
+        while !churn.is_finished() {
+            let key = format!("d/e/w-{n}");
+            if n % 2 == 0 {
+                store.put(&key, Bytes::from_static(b"y")).await.unwrap();
+            } else {
+                store.create(&key, Bytes::from_static(b"y")).await.unwrap();
+            }
+            store.delete(&key).await.unwrap();
+            n += 1;
+        }
+        churn.await.unwrap();
+        assert!(n > 100, "only {n} writes raced the churn");
     }
 
     use bytes::Bytes;
