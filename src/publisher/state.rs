@@ -988,7 +988,13 @@ impl Snapshot {
         } else {
             deltas
         };
-        write_objects(&journal, deltas)?;
+        for (name, bytes) in deltas {
+            let p = journal.join(format!("{name}.delta"));
+            if let Some(parent) = p.parent() {
+                std::fs::create_dir_all(parent).map_err(|e| io_err("creating", parent, e))?;
+            }
+            write_atomic(&p, bytes)?;
+        }
         self.set_pending(Pending {
             version,
             writer: writer.to_string(),
@@ -1103,19 +1109,6 @@ impl Snapshot {
         let _ = std::fs::remove_dir_all(Self::files_dir(&self.dir));
         Ok(())
     }
-}
-
-/// Writes each delta object (file → bytes) as `<dir>/<file>.delta`,
-/// atomically and durably.
-fn write_objects(dir: &Path, deltas: &[(String, Vec<u8>)]) -> Result<()> {
-    for (name, bytes) in deltas {
-        let p = dir.join(format!("{name}.delta"));
-        if let Some(parent) = p.parent() {
-            std::fs::create_dir_all(parent).map_err(|e| io_err("creating", parent, e))?;
-        }
-        write_atomic(&p, bytes)?;
-    }
-    Ok(())
 }
 
 /// BLAKE3 of a safetensors file's length and header bytes (`None`: not

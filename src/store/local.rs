@@ -58,6 +58,22 @@ fn directory_vanished(e: &object_store::Error) -> bool {
     false
 }
 
+/// Runs the write `op` until it succeeds, fails for another reason than a
+/// vanished directory ([`directory_vanished`]), or has run [`WRITE_TRIES`]
+/// times.
+async fn retry_vanished<T, F>(mut op: impl FnMut() -> F) -> object_store::Result<T>
+where
+    F: std::future::Future<Output = object_store::Result<T>>,
+{
+    let mut tries = 1;
+    loop {
+        match op().await {
+            Err(e) if tries < WRITE_TRIES && directory_vanished(&e) => tries += 1,
+            r => return r,
+        }
+    }
+}
+
 /// Longest an open (with its checks) of a `file://` object may take.
 pub const LOCAL_OPEN_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -167,17 +183,7 @@ impl ObjectStore for RegularFiles {
         payload: PutPayload,
         opts: PutOptions,
     ) -> object_store::Result<PutResult> {
-        let mut tries = 1;
-        loop {
-            match self
-                .inner
-                .put_opts(location, payload.clone(), opts.clone())
-                .await
-            {
-                Err(e) if tries < WRITE_TRIES && directory_vanished(&e) => tries += 1,
-                r => return r,
-            }
-        }
+        retry_vanished(|| self.inner.put_opts(location, payload.clone(), opts.clone())).await
     }
 
     async fn put_multipart_opts(
@@ -185,13 +191,7 @@ impl ObjectStore for RegularFiles {
         location: &Path,
         opts: PutMultipartOptions,
     ) -> object_store::Result<Box<dyn MultipartUpload>> {
-        let mut tries = 1;
-        loop {
-            match self.inner.put_multipart_opts(location, opts.clone()).await {
-                Err(e) if tries < WRITE_TRIES && directory_vanished(&e) => tries += 1,
-                r => return r,
-            }
-        }
+        retry_vanished(|| self.inner.put_multipart_opts(location, opts.clone())).await
     }
 
     async fn get_opts(
@@ -258,13 +258,19 @@ impl ObjectStore for RegularFiles {
 mod tests {
     use crate::store::Store;
 
-    #[tokio::test]
-    async fn only_regular_files_are_read_and_the_refusal_names_the_key() {
+    /// A `file://` store over a new temporary directory.
+    fn temp_store() -> (tempfile::TempDir, Store) {
         let dir = tempfile::tempdir().unwrap();
         let url = url::Url::from_directory_path(dir.path())
             .unwrap()
             .to_string();
         let store = Store::open(&url).unwrap();
+        (dir, store)
+    }
+
+    #[tokio::test]
+    async fn only_regular_files_are_read_and_the_refusal_names_the_key() {
+        let (dir, store) = temp_store();
         store
             .put("deltas/a", Bytes::from_static(b"fine"))
             .await
@@ -298,16 +304,17 @@ mod tests {
 
     /// Two writers in one directory of a `file://` bucket, one deleting
     /// its object as the other creates one: the delete's cleanup removes
-    /// the directory it left empty, and the other's create must not fail
-    /// for it (as it did when two ranks probed a new bucket at once). Plain
-    /// puts, conditional creates and multipart uploads each race it.
+    /// the directory it left empty, and the other's write must not fail for
+    /// it (as a create did when two ranks probed a new bucket at once).
+    /// Plain puts, conditional creates and multipart uploads each race it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_directory_emptied_by_another_writer_does_not_fail_a_write() {
-        let dir = tempfile::tempdir().unwrap();
-        let url = url::Url::from_directory_path(dir.path())
-            .unwrap()
-            .to_string();
-        let store = Store::open(&url).unwrap();
+        let (dir, store) = temp_store();
+        let files = super::RegularFiles::new(
+            object_store::local::LocalFileSystem::new_with_prefix(dir.path())
+                .unwrap()
+                .with_automatic_cleanup(true),
+        );
         let churn = {
             let store = store.clone();
             tokio::spawn(async move {
@@ -321,10 +328,25 @@ mod tests {
         let mut n = 0;
         while !churn.is_finished() {
             let key = format!("d/e/w-{n}");
-            if n % 2 == 0 {
-                store.put(&key, Bytes::from_static(b"y")).await.unwrap();
-            } else {
-                store.create(&key, Bytes::from_static(b"y")).await.unwrap();
+            match n % 3 {
+                0 => store.put(&key, Bytes::from_static(b"y")).await.unwrap(),
+                1 => {
+                    store.create(&key, Bytes::from_static(b"y")).await.unwrap();
+                }
+                _ => {
+                    // The backend's own multipart upload (the store takes it
+                    // for large objects only).
+                    use object_store::ObjectStore;
+                    let path = object_store::path::Path::from(key.as_str());
+                    let mut up = files
+                        .put_multipart_opts(&path, Default::default())
+                        .await
+                        .unwrap();
+                    up.put_part(object_store::PutPayload::from_static(b"y"))
+                        .await
+                        .unwrap();
+                    up.complete().await.unwrap();
+                }
             }
             store.delete(&key).await.unwrap();
             n += 1;

@@ -293,36 +293,19 @@ fn take_varint(data: &mut &[u8]) -> Option<u64> {
     None
 }
 
-/// The Rice parameter for `n` gaps summing to `sum`: the `k` with `2^k`
-/// closest below the mean gap times ln 2 (at most 30).
-fn saved_rice_k(n: u64, sum: u64) -> u32 {
-    let mean = sum as f64 / n.max(1) as f64;
-    let k = (mean * std::f64::consts::LN_2).max(1.0).log2().floor();
-    (k as u32).min(30)
-}
-
 /// One block's members in the saved form: Rice-coded index gaps (parameter
 /// `k`, each gap counted from one past the previous index), each followed by
 /// the member's two flag bits; the stream's bytes.
 fn encode_saved_block(members: &[Member]) -> (u32, Vec<u8>) {
     let sum = members.last().map_or(0, |&m| index(m) as u64 + 1) - members.len() as u64;
-    let k = saved_rice_k(members.len() as u64, sum);
+    // The decoder takes parameters up to 30 (gaps stay below 2^30).
+    let k = super::v2::rice_guess(members.len() as u64, sum).min(30);
     let mut w = crate::codec::bits::FastWriter::default();
     w.reserve(members.len() * 2 + 16);
     let mut next = 0u32;
     for &m in members {
         let g = (index(m) - next) as u64;
-        let (q, low, flags) = (g >> k, g & ((1u64 << k) - 1), (m & 3) as u64);
-        if q + k as u64 + 3 <= 56 {
-            // One append: q zeros, a one, the low bits, the flags.
-            let code = (1u64 << q) | (low << (q + 1)) | (flags << (q + 1 + k as u64));
-            w.reserve(8);
-            w.put56(code, q as u32 + k + 3);
-        } else {
-            w.put_unary(q);
-            w.put(low, k);
-            w.put(flags, 2);
-        }
+        super::v2::put_rice(&mut w, g, k, ((m & 3) as u64, 2));
         next = index(m) + 1;
     }
     (k, w.finish())
@@ -339,20 +322,16 @@ fn decode_saved_block(stream: &[u8], count: u64, k: u32, block_words: u64) -> Op
         r.ensure();
         let (acc, n) = r.peek();
         let q = acc.trailing_zeros();
-        if acc != 0 && q + k + 3 <= n {
-            // The whole member is buffered.
-            let g = ((q as u64) << k) | ((acc >> (q + 1)) & mask);
-            let flags = ((acc >> (q + 1 + k)) & 3) as u32;
+        let (g, flags) = if acc != 0 && q + k + 3 <= n {
+            // The whole member is buffered: one read.
             r.consume(q + k + 3);
-            let i = next.checked_add(g).filter(|&i| i < block_words)?;
-            out.push(((i as u32) << 2) | flags);
-            next = i + 1;
-            continue;
-        }
-        let q = r.unary(block_words >> k)?;
-        let g = (q << k) | r.get(k)?;
+            let g = ((q as u64) << k) | ((acc >> (q + 1)) & mask);
+            (g, ((acc >> (q + 1 + k)) & 3) as u32)
+        } else {
+            let q = r.unary(block_words >> k)?;
+            ((q << k) | r.get(k)?, r.get(2)? as u32)
+        };
         let i = next.checked_add(g).filter(|&i| i < block_words)?;
-        let flags = r.get(2)? as u32;
         out.push(((i as u32) << 2) | flags);
         next = i + 1;
     }

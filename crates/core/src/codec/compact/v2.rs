@@ -1134,7 +1134,7 @@ fn rice_costs(gaps: &[u32], k: u32) -> [u64; 3] {
 
 /// The Rice parameter whose estimated length `n·(k+1) + S/2^k −
 /// n·(1 − 2^−k)/2` for `n` gaps summing to `sum` is smallest.
-fn rice_guess(n: u64, sum: u64) -> u32 {
+pub(super) fn rice_guess(n: u64, sum: u64) -> u32 {
     if n == 0 {
         return 0;
     }
@@ -1203,7 +1203,7 @@ fn put_eg(w: &mut FastWriter, x: u64, k: u32) {
 /// Writes `g` in Rice code with parameter `k`, then the low `extra` bits of
 /// `tail` (`extra` ≤ 8); one append when it fits.
 #[inline(always)]
-fn put_rice(w: &mut FastWriter, g: u64, k: u32, (tail, extra): (u64, u32)) {
+pub(super) fn put_rice(w: &mut FastWriter, g: u64, k: u32, (tail, extra): (u64, u32)) {
     let q = g >> k;
     if q + 1 + k as u64 + extra as u64 <= 56 {
         let len = q as u32 + 1 + k;
