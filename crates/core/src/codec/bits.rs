@@ -160,6 +160,38 @@ impl FastWriter {
     }
 }
 
+/// The Rice parameter whose estimated length `n·(k+1) + S/2^k −
+/// n·(1 − 2^−k)/2` for `n` gaps summing to `sum` is smallest (`k` up to `max_k`).
+pub(crate) fn rice_guess(n: u64, sum: u64, max_k: u32) -> u32 {
+    if n == 0 {
+        return 0;
+    }
+    let est = |k: u32| {
+        let (n, p) = (n as f64, (1u64 << k) as f64);
+        n * (k as f64 + 1.0) + sum as f64 / p - n * (1.0 - 1.0 / p) / 2.0
+    };
+    (0..=max_k)
+        .min_by(|&a, &b| est(a).total_cmp(&est(b)))
+        .expect("non-empty range")
+}
+
+/// Writes `g` in Rice code with parameter `k`, then the low `extra` bits of
+/// `tail` (`extra` ≤ 8); one append when it fits.
+#[inline(always)]
+pub(crate) fn put_rice(w: &mut FastWriter, g: u64, k: u32, (tail, extra): (u64, u32)) {
+    let q = g >> k;
+    if q + 1 + k as u64 + extra as u64 <= 56 {
+        let len = q as u32 + 1 + k;
+        let code = (1u64 << q) | ((g & ((1u64 << k) - 1)) << (q + 1)) | (tail << len);
+        w.reserve(8);
+        w.put56(code, len + extra);
+    } else {
+        w.put_unary(q);
+        w.put(g & ((1u64 << k) - 1), k);
+        w.put(tail, extra);
+    }
+}
+
 /// Reads bits from a byte slice; every read is checked against the end.
 pub struct BitReader<'a> {
     data: &'a [u8],

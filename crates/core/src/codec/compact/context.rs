@@ -299,13 +299,13 @@ fn take_varint(data: &mut &[u8]) -> Option<u64> {
 fn encode_saved_block(members: &[Member]) -> (u32, Vec<u8>) {
     let sum = members.last().map_or(0, |&m| index(m) as u64 + 1) - members.len() as u64;
     // The decoder takes parameters up to 30 (gaps stay below 2^30).
-    let k = super::v2::rice_guess(members.len() as u64, sum).min(30);
+    let k = crate::codec::bits::rice_guess(members.len() as u64, sum, 30);
     let mut w = crate::codec::bits::FastWriter::default();
     w.reserve(members.len() * 2 + 16);
     let mut next = 0u32;
     for &m in members {
         let g = (index(m) - next) as u64;
-        super::v2::put_rice(&mut w, g, k, ((m & 3) as u64, 2));
+        crate::codec::bits::put_rice(&mut w, g, k, ((m & 3) as u64, 2));
         next = index(m) + 1;
     }
     (k, w.finish())

@@ -25,7 +25,7 @@
 
 use super::context::{BIG, Member, NEG, index, member};
 use super::{BATCH, Block, Group, MAX_POS_K, MAX_VAL_K};
-use crate::codec::bits::{BitReader, FastWriter};
+use crate::codec::bits::{BitReader, FastWriter, put_rice};
 use crate::dtype::{to_key, word_mask};
 use crate::error::Result;
 use crate::format::{BlockEntry, ValueCoding};
@@ -1132,19 +1132,9 @@ fn rice_costs(gaps: &[u32], k: u32) -> [u64; 3] {
     ]
 }
 
-/// The Rice parameter whose estimated length `n·(k+1) + S/2^k −
-/// n·(1 − 2^−k)/2` for `n` gaps summing to `sum` is smallest.
-pub(super) fn rice_guess(n: u64, sum: u64) -> u32 {
-    if n == 0 {
-        return 0;
-    }
-    let est = |k: u32| {
-        let (n, p) = (n as f64, (1u64 << k) as f64);
-        n * (k as f64 + 1.0) + sum as f64 / p - n * (1.0 - 1.0 / p) / 2.0
-    };
-    (0..=MAX_POS_K as u32)
-        .min_by(|&a, &b| est(a).total_cmp(&est(b)))
-        .expect("non-empty range")
+/// [`crate::codec::bits::rice_guess`] up to `MAX_POS_K`.
+fn rice_guess_k(n: u64, sum: u64) -> u32 {
+    crate::codec::bits::rice_guess(n, sum, MAX_POS_K as u32)
 }
 
 /// The best Rice parameter for `gaps` (summing to `sum`) and its cost: the
@@ -1153,7 +1143,7 @@ fn best_rice(gaps: &[u32], sum: u64) -> (u32, u64) {
     if gaps.is_empty() {
         return (0, 0);
     }
-    let k = rice_guess(gaps.len() as u64, sum).min(MAX_POS_K as u32 - 1);
+    let k = rice_guess_k(gaps.len() as u64, sum).min(MAX_POS_K as u32 - 1);
     let costs = rice_costs(gaps, k);
     let cands = [
         (k.saturating_sub(1), costs[0]),
@@ -1198,23 +1188,6 @@ fn put_eg(w: &mut FastWriter, x: u64, k: u32) {
     w.put_unary((nb - 1 - k) as u64);
     let rest = (y - (1u128 << (nb - 1))) as u64;
     w.put(rest, nb - 1);
-}
-
-/// Writes `g` in Rice code with parameter `k`, then the low `extra` bits of
-/// `tail` (`extra` ≤ 8); one append when it fits.
-#[inline(always)]
-pub(super) fn put_rice(w: &mut FastWriter, g: u64, k: u32, (tail, extra): (u64, u32)) {
-    let q = g >> k;
-    if q + 1 + k as u64 + extra as u64 <= 56 {
-        let len = q as u32 + 1 + k;
-        let code = (1u64 << q) | ((g & ((1u64 << k) - 1)) << (q + 1)) | (tail << len);
-        w.reserve(8);
-        w.put56(code, len + extra);
-    } else {
-        w.put_unary(q);
-        w.put(g & ((1u64 << k) - 1), k);
-        w.put(tail, extra);
-    }
 }
 
 /// A class's coding choices beyond its prologue head: the escapes' rank
@@ -1271,13 +1244,13 @@ fn choose(st: &Staged, wb: usize) -> Choice {
     h.esc = esc;
     let mut step_bits = pos_bits;
     if esc > 0 {
-        h.ke = rice_guess(esc, esc_sum);
+        h.ke = rice_guess_k(esc, esc_sum);
         let (ve, val_bits) = best_eg(&small, &large);
         h.ve = ve;
         step_bits += esc * (h.ke as u64 + 1) + (esc_sum >> h.ke) + val_bits;
     }
     // The list costs two prologue bytes more than a bit per entry.
-    let ko = rice_guess(set, set_sum);
+    let ko = rice_guess_k(set, set_sum);
     let list_bits = set * (ko as u64 + 1) + (set_sum >> ko) + 16;
     if list_bits < n {
         h.list = Some(set);
