@@ -445,7 +445,10 @@ def run_size(a, elements: int, store_kind: str, s3: ShapedS3 | None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WEIGHTCAST_", "AWS_"))}
     env["RUST_LOG"] = "weightcast=warn"
     if store_kind == "file":
-        store = (work / "bucket").as_uri()
+        bucket_dir = Path(a.bucket_root) / f"{store_kind}-{elements:.0e}-bucket" if a.bucket_root else work / "bucket"
+        shutil.rmtree(bucket_dir, ignore_errors=True)
+        bucket_dir.mkdir(parents=True)
+        store = bucket_dir.as_uri()
     else:
         bucket = f"e2e{elements:.0e}".replace("+", "")
         s3.bucket(bucket)
@@ -553,6 +556,8 @@ def run_size(a, elements: int, store_kind: str, s3: ShapedS3 | None) -> dict:
     shutil.rmtree(work)
     shutil.rmtree(out_root, ignore_errors=True)
     shutil.rmtree(state, ignore_errors=True)
+    if store_kind == "file" and a.bucket_root:
+        shutil.rmtree(bucket_dir, ignore_errors=True)
     return row
 
 
@@ -609,7 +614,8 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4.5))
+    link = any(r["store"] == "s3" for r in rows)
+    fig, ax = plt.subplots(1, 3 if link else 2, figsize=(15 if link else 10, 4.5))
     for kind, mark in (("file", "o-"), ("s3", "s--")):
         rs = [r for r in rows if r["store"] == kind]
         if not rs:
@@ -633,8 +639,9 @@ def plot(rows: list[dict], path: str) -> None:
             ax[2].plot(x, [r["publish_anchor_s"] for r in rs], mark, label="publish anchor")
     ax[0].set(xlabel="model (billion bf16 elements)", ylabel="seconds", title="time against size")
     ax[1].set(xlabel="model (billion bf16 elements)", ylabel="MiB", title="peak RssAnon")
-    ax[2].set(xlabel="model (billion bf16 elements)", ylabel="seconds", yscale="log",
-              title="over the shaped link: delta vs full sync")
+    if link:
+        ax[2].set(xlabel="model (billion bf16 elements)", ylabel="seconds", yscale="log",
+                  title="over the shaped link: delta vs full sync")
     for x in ax:
         x.legend(fontsize=7)
         x.grid(alpha=0.3)
@@ -669,6 +676,9 @@ def main() -> None:
     ap.add_argument("--out-root", default=None, help="subscriber outputs (default: --work)")
     ap.add_argument("--state-root", default=None,
                     help="the publisher's snapshot (default: --work; on tmpfs it costs no disk writes)")
+    ap.add_argument("--bucket-root", default=None,
+                    help="the file:// bucket (default: --work); tmpfs here keeps the largest sizes "
+                         "within a small disk")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     ap.add_argument("--from-json", nargs="+", metavar="FILE",
