@@ -149,6 +149,22 @@ fn main() {
             "encode2" => drop(
                 encode_delta_ctx(&s1, &mut s2w, &opts(Encoding::Compact2, 2), Some(&ctx1)).unwrap(),
             ),
+            "encode2s" => {
+                // compact2 through the staged encoder (the mask encoder off).
+                weightcast_core::codec::compact::set_mask_encoder(false);
+                drop(
+                    encode_delta_ctx(&s1, &mut s2w, &opts(Encoding::Compact2, 2), Some(&ctx1))
+                        .unwrap(),
+                );
+                weightcast_core::codec::compact::set_mask_encoder(true);
+            }
+            "scan" => {
+                let mut n = 0;
+                for (i, _) in s1.tensors().iter().enumerate() {
+                    n += weightcast_core::codec::compact::vector::scan_only(s1.data(i), s2.data(i));
+                }
+                std::hint::black_box(n);
+            }
             "stage2" => {
                 // The staging of compact2's encoder alone (no parameter
                 // choice, no writing).
@@ -179,6 +195,14 @@ fn main() {
         };
         let names: Vec<String> = match phase.as_str() {
             "encode" => vec!["encode1".into(), "encode2".into()],
+            // and compact2's staged encoder
+            "encode3" => vec!["encode1".into(), "encode2".into(), "encode2s".into()],
+            "encode4" => vec![
+                "encode1".into(),
+                "encode2".into(),
+                "encode2s".into(),
+                "scan".into(),
+            ],
             // compact's whole encoder against compact2's staging alone
             "stage" => vec!["encode1".into(), "stage2".into()],
             // and compact2 without context (every change in class 0)

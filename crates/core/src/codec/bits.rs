@@ -145,6 +145,12 @@ impl FastWriter {
         self.put(1u64 << q, q as u32 + 1);
     }
 
+    /// The writer's bytes, position, pending bits and their count, for a
+    /// hot loop that keeps the last three in registers and stores them back.
+    pub(crate) fn parts(&mut self) -> (&mut Vec<u8>, &mut usize, &mut u64, &mut u32) {
+        (&mut self.buf, &mut self.pos, &mut self.acc, &mut self.n)
+    }
+
     /// Number of bits written so far.
     pub fn bit_len(&self) -> u64 {
         self.pos as u64 * 8 + self.n as u64

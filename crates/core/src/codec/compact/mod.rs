@@ -31,6 +31,14 @@
 //! - `vector`: the AVX-512 kernels of the hottest case, 2-byte words (the
 //!   encoder's fused scan and entries, the apply's resolution of a group),
 //!   over the types this file defines ([`Ctx`], `Group`);
+//! - `v2` and `v2_head`: `compact2` blocks (the classes' prologue and
+//!   parameter codes in `v2_head`, shared by both encoders; the decoder and
+//!   the staged encoder in `v2`);
+//! - `v2_masks`: `compact2`'s encoder for 2-byte words on AVX-512 (the
+//!   context's members as bit masks per region, each change's class and
+//!   rank looked up sixteen at a time, each class kept as a compact list);
+//!   `v2`'s staged encoder is the reference it matches byte for byte and
+//!   the path everywhere else;
 //! - `merge`: the member-list work of a `compact2` block (its context split
 //!   into classes, the members that changed again, the next context merged,
 //!   the checksum's sums), sixteen members at a time on AVX-512.
@@ -42,6 +50,8 @@ mod decode;
 mod encode;
 mod merge;
 pub mod v2;
+mod v2_head;
+mod v2_masks;
 pub mod vector;
 
 pub use apply::{BlockUndo, apply_block, apply_block_members, undo_block};
@@ -50,6 +60,7 @@ pub use changes::{PositionSlice, encode_tensor_changes};
 pub use context::{Context, ContextId, TensorContext};
 pub use decode::{decode_block, split_blocks};
 pub use encode::encode_tensor;
+pub use v2_masks::set_enabled as set_mask_encoder;
 
 use crate::digest::{LANES, TensorSeed};
 use crate::dtype::{KeyKind, from_key, to_key, word_mask};

@@ -31,35 +31,9 @@ use crate::error::Result;
 use crate::format::{BlockEntry, ValueCoding};
 use crate::platform::{Platform, prefetch_l2};
 
-/// Classes of a block.
-pub const CLASSES: usize = 3;
-
-/// A class's coding, read from the prologue.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct ClassHead {
-    /// Entries.
-    pub(crate) n: u64,
-    /// Rice parameter of the position gaps.
-    pub(crate) k: u32,
-    /// Escapes (entries with |step| ≥ 2), their ranks' Rice parameter and
-    /// the Exp-Golomb order of `|step| − 2`.
-    pub(crate) esc: u64,
-    pub(crate) ke: u32,
-    pub(crate) ve: u32,
-    /// `None`: one sign bit per entry; `Some(t)`: a list of the `t` entries
-    /// whose sign bit is set, ranks Rice-coded with parameter `ko`.
-    pub(crate) list: Option<u64>,
-    pub(crate) ko: u32,
-    /// Bytes of the class's region.
-    pub(crate) len: usize,
-}
-
-/// A block's prologue: the classes and where the first region starts.
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct Prologue {
-    pub(crate) class: [ClassHead; CLASSES],
-    pub(crate) body: usize,
-}
+pub use super::v2_head::CLASSES;
+pub(crate) use super::v2_head::{ClassHead, Prologue};
+use super::v2_head::{best_eg, put_eg, rice_guess_k};
 
 /// A block's changes, decoded: ascending block indices and, per change, the
 /// masked step (step-coded blocks) or the new word (raw-coded blocks).
@@ -95,14 +69,6 @@ fn byte(s: &[u8], at: &mut usize) -> std::result::Result<u32, &'static str> {
     let b = *s.get(*at).ok_or("prologue truncated")?;
     *at += 1;
     Ok(b as u32)
-}
-
-fn put_varint(out: &mut Vec<u8>, mut v: u64) {
-    while v >= 0x80 {
-        out.push((v as u8) | 0x80);
-        v >>= 7;
-    }
-    out.push(v as u8);
 }
 
 impl Prologue {
@@ -203,34 +169,6 @@ impl Prologue {
             return Err("regions do not fill the block's stream");
         }
         Ok(p)
-    }
-
-    /// Writes the prologue (see [`Prologue::parse`]).
-    pub(crate) fn write(&self, raw: bool, out: &mut Vec<u8>) {
-        for h in &self.class {
-            put_varint(out, h.n);
-            if h.n == 0 {
-                continue;
-            }
-            out.push(h.k as u8);
-            if !raw {
-                put_varint(out, h.esc);
-                if h.esc > 0 {
-                    out.push(h.ke as u8);
-                    out.push(h.ve as u8);
-                }
-                match h.list {
-                    None => put_varint(out, 0),
-                    Some(t) => {
-                        put_varint(out, t + 1);
-                        if t > 0 {
-                            out.push(h.ko as u8);
-                        }
-                    }
-                }
-            }
-            put_varint(out, h.len as u64);
-        }
     }
 }
 
@@ -1132,11 +1070,6 @@ fn rice_costs(gaps: &[u32], k: u32) -> [u64; 3] {
     ]
 }
 
-/// [`crate::codec::bits::rice_guess`] up to `MAX_POS_K`.
-fn rice_guess_k(n: u64, sum: u64) -> u32 {
-    crate::codec::bits::rice_guess(n, sum, MAX_POS_K as u32)
-}
-
 /// The best Rice parameter for `gaps` (summing to `sum`) and its cost: the
 /// estimate's choice and its neighbours, counted exactly.
 fn best_rice(gaps: &[u32], sum: u64) -> (u32, u64) {
@@ -1151,43 +1084,6 @@ fn best_rice(gaps: &[u32], sum: u64) -> (u32, u64) {
         (k + 1, costs[2]),
     ];
     cands.into_iter().min_by_key(|&(_, c)| c).expect("three")
-}
-
-/// Bits of the order-`k` Exp-Golomb code of `x`.
-#[inline]
-fn eg_len(x: u64, k: u32) -> u64 {
-    let y = x as u128 + (1u128 << k);
-    let nb = 128 - y.leading_zeros() as u64;
-    2 * nb - 1 - k as u64
-}
-
-/// The best Exp-Golomb order for the values counted in `small` (values
-/// below 64) and `large` (by bit length) and its cost; large values are
-/// counted at their bit length's upper bound.
-fn best_eg(small: &[u64; 64], large: &[u64; 65]) -> (u32, u64) {
-    (0..=20u32)
-        .map(|k| {
-            let s: u64 = (0..64)
-                .filter(|&x| small[x] > 0)
-                .map(|x| small[x] * eg_len(x as u64, k))
-                .sum();
-            let l: u64 = (7..65)
-                .filter(|&b| large[b] > 0)
-                .map(|b| large[b] * eg_len(u64::MAX >> (64 - b), k))
-                .sum();
-            (k, s + l)
-        })
-        .min_by_key(|&(_, b)| b)
-        .expect("non-empty range")
-}
-
-/// Writes `x` in order-`k` Exp-Golomb code.
-fn put_eg(w: &mut FastWriter, x: u64, k: u32) {
-    let y = x as u128 + (1u128 << k);
-    let nb = 128 - y.leading_zeros();
-    w.put_unary((nb - 1 - k) as u64);
-    let rest = (y - (1u128 << (nb - 1))) as u64;
-    w.put(rest, nb - 1);
 }
 
 /// A class's coding choices beyond its prologue head: the escapes' rank
@@ -1472,11 +1368,32 @@ pub fn encode_tensor(
     context: Option<&super::context::TensorContext>,
 ) -> Encoded2 {
     let block_words = super::BLOCK_WORDS;
-    let parts: Vec<(BlockEntry, Vec<u8>, u64, Vec<Member>)> =
-        stage_blocks(kind, wb, seed, (base, new), context, |s, dig, new| {
-            let (e, bytes) = encode(wb, new, s);
-            (e, bytes, dig, s.next().to_vec())
-        });
+    let platform = crate::platform::Platform::detect();
+    let masks = wb == 2 && super::v2_masks::enabled();
+    let parts: Vec<(BlockEntry, Vec<u8>, u64, Vec<Member>)> = for_blocks(
+        kind,
+        wb,
+        seed,
+        (base, new),
+        context,
+        |ctx, (old, new), members| {
+            if masks
+                && let Some(part) = super::v2_masks::MASKS.with(|cell| {
+                    let s = &mut *cell.borrow_mut();
+                    let (dig, _, proof) =
+                        super::v2_masks::scan_block(platform, ctx, (old, new), members, s)?;
+                    let (e, bytes) = super::v2_masks::encode_scanned(s, proof)?;
+                    Some((e, bytes, dig, s.next[..s.next_n].to_vec()))
+                })
+            {
+                return part;
+            }
+            with_staged(platform, wb, ctx, (old, new), members, |s, dig, new| {
+                let (e, bytes) = encode(wb, new, s);
+                (e, bytes, dig, s.next().to_vec())
+            })
+        },
+    );
     let mut tensor = super::EncodedTensor {
         changed: 0,
         digest_change: 0,
@@ -1497,19 +1414,18 @@ pub fn encode_tensor(
     Encoded2 { tensor, next }
 }
 
-/// Stages every block of `base` → `new` (`wb`-byte words, in parallel)
-/// against its members in `context`, and maps each block's staging (the
-/// scratch, the digest change and the block's new words) with `then`.
-fn stage_blocks<T: Send>(
+/// Maps every block of `base` → `new` (`wb`-byte words, in parallel) with
+/// `f`, given the block's [`super::Ctx`], its words and its members in
+/// `context`.
+fn for_blocks<T: Send>(
     kind: crate::dtype::KeyKind,
     wb: usize,
     seed: crate::digest::TensorSeed,
     (base, new): (&[u8], &[u8]),
     context: Option<&super::context::TensorContext>,
-    then: impl Fn(&mut EncodeScratch, u64, &[u8]) -> T + Sync,
+    f: impl Fn(super::Ctx, (&[u8], &[u8]), &[Member]) -> T + Sync,
 ) -> Vec<T> {
     use rayon::prelude::*;
-    let platform = crate::platform::Platform::detect();
     let block_words = super::BLOCK_WORDS;
     let block_bytes = (block_words as usize * wb).max(1);
     base.par_chunks(block_bytes)
@@ -1524,15 +1440,66 @@ fn stage_blocks<T: Send>(
             let members = context
                 .filter(|c| c.block_words == block_words)
                 .map_or(&[][..], |c| c.block(b));
-            ENCODE.with(|cell| {
-                let s = &mut *cell.borrow_mut();
-                let dig = crate::with_word_width!(wb, W => {
-                    stage::<W>(platform, ctx, (old, new), members, s)
-                });
-                then(s, dig, new)
-            })
+            f(ctx, (old, new), members)
         })
         .collect()
+}
+
+/// Stages one block (`wb`-byte words) against its `members` in this
+/// thread's scratch, and maps the staging (the scratch, the digest change
+/// and the block's new words) with `then`.
+fn with_staged<T>(
+    platform: Platform,
+    wb: usize,
+    ctx: super::Ctx,
+    (old, new): (&[u8], &[u8]),
+    members: &[Member],
+    then: impl FnOnce(&mut EncodeScratch, u64, &[u8]) -> T,
+) -> T {
+    ENCODE.with(|cell| {
+        let s = &mut *cell.borrow_mut();
+        let dig = crate::with_word_width!(wb, W => {
+            stage::<W>(platform, ctx, (old, new), members, s)
+        });
+        then(s, dig, new)
+    })
+}
+
+/// Stages every block of `base` → `new` (`wb`-byte words, in parallel)
+/// against its members in `context`, and maps each block's staging (the
+/// scratch, the digest change and the block's new words) with `then`.
+fn stage_blocks<T: Send>(
+    kind: crate::dtype::KeyKind,
+    wb: usize,
+    seed: crate::digest::TensorSeed,
+    (base, new): (&[u8], &[u8]),
+    context: Option<&super::context::TensorContext>,
+    then: impl Fn(&mut EncodeScratch, u64, &[u8]) -> T + Sync,
+) -> Vec<T> {
+    let platform = crate::platform::Platform::detect();
+    for_blocks(
+        kind,
+        wb,
+        seed,
+        (base, new),
+        context,
+        |ctx, (old, new), members| with_staged(platform, wb, ctx, (old, new), members, &then),
+    )
+}
+
+/// One block through the staged encoder: entry, stream, digest change and
+/// next members (the reference of `v2_masks`' tests).
+#[cfg(test)]
+pub(super) fn staged_block(
+    ctx: super::Ctx,
+    (old, new): (&[u8], &[u8]),
+    members: &[Member],
+) -> (BlockEntry, Vec<u8>, u64, Vec<Member>) {
+    let platform = crate::platform::Platform::detect();
+    with_staged(platform, 2, ctx, (old, new), members, |s, dig, new| {
+        let (e, bytes) = encode(2, new, s);
+        (e, bytes, dig, s.next().to_vec())
+    })
 }
 
 /// Stages every block of `base` → `new` as [`encode_tensor`] does and

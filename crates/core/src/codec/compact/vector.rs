@@ -73,14 +73,14 @@ pub struct Part<'a> {
 /// Words scanned per round: the scan fills the arrays from one region, then
 /// the kernel drains them. Small, so the entries' work overlaps the memory
 /// traffic of the next region (the size of `scan::PIECE`, for the same reason).
-const REGION: usize = 2048;
+pub(super) const REGION: usize = 2048;
 
 /// The changes of one region plus the carried ones, with slack for full-vector
 /// stores past the end.
-struct Records {
-    index: [u32; REGION + 8 + 32],
-    old: [u16; REGION + 8 + 32],
-    new: [u16; REGION + 8 + 32],
+pub(super) struct Records {
+    pub(super) index: [u32; REGION + 8 + 32],
+    pub(super) old: [u16; REGION + 8 + 32],
+    pub(super) new: [u16; REGION + 8 + 32],
 }
 
 /// Encodes every change of `part` as step-coded entries with Rice parameter
@@ -179,7 +179,13 @@ fn encode_direct_w2(
 /// returns the new count.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi2,avx2,bmi1,bmi2,lzcnt,popcnt")]
-fn scan_region(pa: &[u8], pb: &[u8], first: u32, rec: &mut Records, mut len: usize) -> usize {
+pub(super) fn scan_region(
+    pa: &[u8],
+    pb: &[u8],
+    first: u32,
+    rec: &mut Records,
+    mut len: usize,
+) -> usize {
     assert!(pa.len() == pb.len() && pa.len() <= 2 * REGION && len < 8);
     const IOTA: [u16; 32] = {
         let mut a = [0u16; 32];
@@ -626,4 +632,37 @@ fn resolve_steps_w2(
         unsafe { _mm512_storeu_si512(news[8 * h..8 * h + 8].as_mut_ptr().cast(), new) };
     }
     _mm512_reduce_add_epi64(digest) as u64
+}
+
+/// The fused encoder's scan alone over `base` → `new` (2-byte words): the
+/// changes it records (for benchmarks: `WEIGHTCAST_PHASE=scan`).
+#[doc(hidden)]
+pub fn scan_only(base: &[u8], new: &[u8]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if Platform::cpu().has(Level::Avx512Vbmi2) {
+        // SAFETY: as `encode_direct`'s.
+        return unsafe { scan_only_w2(base, new) };
+    }
+    let _ = (base, new);
+    0
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi2,avx2,bmi1,bmi2,lzcnt,popcnt")]
+fn scan_only_w2(base: &[u8], new: &[u8]) -> u64 {
+    let mut rec = Records {
+        index: [0; REGION + 8 + 32],
+        old: [0; REGION + 8 + 32],
+        new: [0; REGION + 8 + 32],
+    };
+    let mut total = 0u64;
+    for (r, (pa, pb)) in base
+        .chunks(2 * REGION)
+        .zip(new.chunks(2 * REGION))
+        .enumerate()
+    {
+        let len = scan_region(pa, pb, (r * REGION) as u32, &mut rec, 0);
+        total += len as u64 + rec.old[0] as u64;
+    }
+    total
 }

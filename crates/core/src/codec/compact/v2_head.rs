@@ -1,0 +1,117 @@
+//! What `compact2`'s two encoders share (docs/format.md §6.3): the
+//! classes' prologue and the codes of their parameters. `v2` reads
+//! prologues and writes them from its staged encoder, `v2_masks` from its
+//! lists.
+
+use super::MAX_POS_K;
+use crate::codec::bits::FastWriter;
+
+/// Classes of a block.
+pub const CLASSES: usize = 3;
+
+/// A class's coding, read from the prologue.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct ClassHead {
+    /// Entries.
+    pub(crate) n: u64,
+    /// Rice parameter of the position gaps.
+    pub(crate) k: u32,
+    /// Escapes (entries with |step| ≥ 2), their ranks' Rice parameter and
+    /// the Exp-Golomb order of `|step| − 2`.
+    pub(crate) esc: u64,
+    pub(crate) ke: u32,
+    pub(crate) ve: u32,
+    /// `None`: one sign bit per entry; `Some(t)`: a list of the `t` entries
+    /// whose sign bit is set, ranks Rice-coded with parameter `ko`.
+    pub(crate) list: Option<u64>,
+    pub(crate) ko: u32,
+    /// Bytes of the class's region.
+    pub(crate) len: usize,
+}
+
+/// A block's prologue: the classes and where the first region starts.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Prologue {
+    pub(crate) class: [ClassHead; CLASSES],
+    pub(crate) body: usize,
+}
+
+pub(super) fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+impl Prologue {
+    /// Writes the prologue (see [`Prologue::parse`]).
+    pub(crate) fn write(&self, raw: bool, out: &mut Vec<u8>) {
+        for h in &self.class {
+            put_varint(out, h.n);
+            if h.n == 0 {
+                continue;
+            }
+            out.push(h.k as u8);
+            if !raw {
+                put_varint(out, h.esc);
+                if h.esc > 0 {
+                    out.push(h.ke as u8);
+                    out.push(h.ve as u8);
+                }
+                match h.list {
+                    None => put_varint(out, 0),
+                    Some(t) => {
+                        put_varint(out, t + 1);
+                        if t > 0 {
+                            out.push(h.ko as u8);
+                        }
+                    }
+                }
+            }
+            put_varint(out, h.len as u64);
+        }
+    }
+}
+
+/// [`crate::codec::bits::rice_guess`] up to `MAX_POS_K`.
+pub(super) fn rice_guess_k(n: u64, sum: u64) -> u32 {
+    crate::codec::bits::rice_guess(n, sum, MAX_POS_K as u32)
+}
+
+/// Bits of the order-`k` Exp-Golomb code of `x`.
+#[inline]
+fn eg_len(x: u64, k: u32) -> u64 {
+    let y = x as u128 + (1u128 << k);
+    let nb = 128 - y.leading_zeros() as u64;
+    2 * nb - 1 - k as u64
+}
+
+/// The best Exp-Golomb order for the values counted in `small` (values
+/// below 64) and `large` (by bit length) and its cost; large values are
+/// counted at their bit length's upper bound.
+pub(super) fn best_eg(small: &[u64; 64], large: &[u64; 65]) -> (u32, u64) {
+    (0..=20u32)
+        .map(|k| {
+            let s: u64 = (0..64)
+                .filter(|&x| small[x] > 0)
+                .map(|x| small[x] * eg_len(x as u64, k))
+                .sum();
+            let l: u64 = (7..65)
+                .filter(|&b| large[b] > 0)
+                .map(|b| large[b] * eg_len(u64::MAX >> (64 - b), k))
+                .sum();
+            (k, s + l)
+        })
+        .min_by_key(|&(_, b)| b)
+        .expect("non-empty range")
+}
+
+/// Writes `x` in order-`k` Exp-Golomb code.
+pub(super) fn put_eg(w: &mut FastWriter, x: u64, k: u32) {
+    let y = x as u128 + (1u128 << k);
+    let nb = 128 - y.leading_zeros();
+    w.put_unary((nb - 1 - k) as u64);
+    let rest = (y - (1u128 << (nb - 1))) as u64;
+    w.put(rest, nb - 1);
+}

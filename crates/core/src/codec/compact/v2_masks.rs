@@ -1,0 +1,956 @@
+//! The `compact2` block encoder for 2-byte words on AVX-512 (VBMI2 and
+//! VPOPCNTDQ), with the context as bit masks and each class as a compact
+//! list.
+//!
+//! `v2`'s staged encoder walks the sorted members beside the changes and
+//! stages each change (index, gap, step: 20 bytes) in its class's arrays.
+//! This one:
+//!
+//! - scans a region of 2,048 words as `compact`'s fused encoder does: the
+//!   changed words are compressed into records (offset, old word, new word);
+//! - makes the context's members of the region three masks per 32 words
+//!   (class 1, class 2, last sign) with each class's rank at the start of
+//!   every 32 words; held in registers, they give sixteen changes' classes,
+//!   ranks and last signs at once (permutes, shifts and popcounts, no
+//!   branch);
+//! - computes the digest change and the next context's members from the
+//!   records, 32 at a time;
+//! - compresses, per class, the changes' positions or ranks (4 bytes) and
+//!   sign bits (1 byte) into the class's lists, and puts each escape's entry
+//!   rank and magnitude in its class's escape list;
+//! - chooses each class's parameters from counts (the staged encoder's
+//!   sums, in closed form; the Rice parameter among the guess and its two
+//!   neighbours by one vectorized pass over the list), and writes each
+//!   region from the lists with the writer's state in registers.
+//!
+//! The bytes are those of `v2::encode`, which the tests check on every kind
+//! of block; a block whose values cost less raw is handed back to it.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::{
+    __m512i, _mm512_add_epi32, _mm512_add_epi64, _mm512_castsi512_si256, _mm512_cvtepu16_epi32,
+    _mm512_cvtepu16_epi64, _mm512_extracti64x4_epi64, _mm512_loadu_si512,
+    _mm512_mask_cmpneq_epi16_mask, _mm512_maskz_loadu_epi16, _mm512_maskz_mov_epi16,
+    _mm512_or_si512, _mm512_reduce_add_epi64, _mm512_set1_epi16, _mm512_set1_epi32,
+    _mm512_set1_epi64, _mm512_setzero_si512, _mm512_slli_epi16, _mm512_slli_epi32,
+    _mm512_srai_epi16, _mm512_srli_epi16, _mm512_storeu_si512, _mm512_sub_epi16,
+    _mm512_ternarylogic_epi32,
+};
+
+use super::MAX_POS_K;
+use super::v2_head::{CLASSES, ClassHead, Prologue, best_eg, put_eg, rice_guess_k};
+use crate::codec::bits::{FastWriter, put_rice};
+use crate::format::{BlockEntry, ValueCoding};
+
+/// Words per region (the fused scan's): its records and the context's masks
+/// stay in L1.
+use super::vector::{REGION, Records};
+/// Slack past a class list's or the next context's entries for full-vector
+/// stores.
+const SLACK: usize = 64;
+
+/// One class's entries: positions (class 0) or ranks, and sign bits.
+#[derive(Default)]
+pub(crate) struct ClassList {
+    pub(crate) at: Vec<u32>,
+    pub(crate) sign: Vec<u8>,
+    pub(crate) n: usize,
+    /// Escapes: entry rank and `|step| − 2`.
+    pub(crate) esc: Vec<(u32, u16)>,
+}
+
+impl ClassList {
+    fn clear(&mut self) {
+        self.n = 0;
+        self.esc.clear();
+    }
+
+    /// Room for `more` entries past `n` (the class loop writes in place).
+    fn room(&mut self, more: usize) {
+        let want = self.n + more;
+        if self.at.len() < want {
+            let len = want.max(2 * self.at.len());
+            self.at.resize(len, 0);
+            self.sign.resize(len, 0);
+        }
+    }
+}
+
+/// Shows that the CPU has the features [`scan_block`] checks: made only
+/// there, it lets [`encode_scanned`] run code compiled with BMI2.
+#[derive(Clone, Copy)]
+pub(crate) struct Scanned(());
+
+/// Per-thread scratch of the encoder.
+#[derive(Default)]
+pub(crate) struct MaskScratch {
+    pub(crate) class: [ClassList; CLASSES],
+    /// The block's members for the next context (`next_n` of them; the
+    /// vector keeps slack for full-vector stores).
+    pub(crate) next: Vec<u32>,
+    pub(crate) next_n: usize,
+}
+
+/// The context's members of one region: bit masks per 32 words (class 1,
+/// class 2, the last step's sign) and each class's rank at each 32 words'
+/// first.
+struct Tables {
+    m1: [u32; WORDS32],
+    m2: [u32; WORDS32],
+    p: [u32; WORDS32],
+    r1: [u32; WORDS32],
+    r2: [u32; WORDS32],
+}
+
+/// 32-word groups of a region: its masks' words.
+const WORDS32: usize = REGION / 32;
+
+/// Encodes one block (`base` → `new`, 2-byte words, block index 0 at
+/// `ctx.first`) against its context `members` into `s` when `platform` has
+/// [`crate::platform::Level::Avx512Vbmi2`]: the class lists and the next
+/// context; returns the digest change and the block's changes. `None`
+/// elsewhere.
+pub(crate) fn scan_block(
+    platform: crate::platform::Platform,
+    ctx: super::Ctx,
+    (base, new): (&[u8], &[u8]),
+    members: &[super::context::Member],
+    s: &mut MaskScratch,
+) -> Option<(u64, u64, Scanned)> {
+    #[cfg(target_arch = "x86_64")]
+    if let (true, true, Some(proof)) = (
+        platform.has(crate::platform::Level::Avx512Vbmi2),
+        std::arch::is_x86_feature_detected!("avx512vpopcntdq")
+            && std::arch::is_x86_feature_detected!("avx512vl"),
+        platform.avx512(),
+    ) {
+        // SAFETY: `platform.has(Level::Avx512Vbmi2)`: detection found every
+        // feature `scan_block_w2` is compiled with (BMI2 and POPCNT are part
+        // of the AVX2 level below it); it is otherwise safe code whose loads
+        // and stores are bounds-checked or justified where they are made.
+        // Its output equals the staged encoder's:
+        // `masks_and_staged_encoders_agree`, `random_blocks_agree`.
+        let (digest, changes) = unsafe { scan_block_w2(proof, ctx, (base, new), members, s) };
+        return Some((digest, changes, Scanned(())));
+    }
+    let _ = (platform, ctx, base, new, members, s);
+    None
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512cd,avx512vbmi2,avx512vpopcntdq,avx2,bmi1,bmi2,lzcnt,popcnt"
+)]
+fn scan_block_w2(
+    proof: crate::platform::HasAvx512,
+    ctx: super::Ctx,
+    (base, new): (&[u8], &[u8]),
+    members: &[super::context::Member],
+    s: &mut MaskScratch,
+) -> (u64, u64) {
+    use super::context::{BIG, NEG, index};
+    assert_eq!(base.len(), new.len(), "encoded buffers differ in length");
+    assert!(base.len().is_multiple_of(2), "odd length for 2-byte words");
+    assert!(base.len() / 2 <= 1 << 30, "block too long");
+    for c in &mut s.class {
+        c.clear();
+    }
+    s.next_n = 0;
+    let sm = ctx.kind == crate::dtype::KeyKind::SignMagnitude;
+    let mut rec = Box::new(Records {
+        index: [0; REGION + 8 + 32],
+        old: [0; REGION + 8 + 32],
+        new: [0; REGION + 8 + 32],
+    });
+    let mut tab = Box::new(Tables {
+        m1: [0; WORDS32],
+        m2: [0; WORDS32],
+        p: [0; WORDS32],
+        r1: [0; WORDS32],
+        r2: [0; WORDS32],
+    });
+    let mut digest = _mm512_setzero_si512();
+    let mut p = 0usize;
+    let mut changes = 0u64;
+    let (mut rank1, mut rank2) = (0u32, 0u32);
+    for (r, (pa, pb)) in base
+        .chunks(2 * REGION)
+        .zip(new.chunks(2 * REGION))
+        .enumerate()
+    {
+        let first = r * REGION;
+        let len = pa.len() / 2;
+        // The context's masks of the region, and the ranks at each chunk.
+        tab.m1 = [0; WORDS32];
+        tab.m2 = [0; WORDS32];
+        tab.p = [0; WORDS32];
+        let end = (first + len) as u32;
+        // Each word's bits gather in registers, and the word is stored
+        // whole after every member (no read-modify-write chain through
+        // memory): the last store of a word holds all its members.
+        let (mut cur, mut a1, mut a2, mut ap) = (usize::MAX, 0u32, 0u32, 0u32);
+        while p < members.len() && index(members[p]) < end {
+            let m = members[p];
+            let i = (index(m) - first as u32) as usize;
+            let (w, b) = (i >> 5, i & 31);
+            let keep = 0u32.wrapping_sub(u32::from(w == cur));
+            let bigm = m & BIG;
+            a1 = (a1 & keep) | ((1 - bigm) << b);
+            a2 = (a2 & keep) | (bigm << b);
+            ap = (ap & keep) | (((m & NEG) >> 1) << b);
+            tab.m1[w] = a1;
+            tab.m2[w] = a2;
+            tab.p[w] = ap;
+            cur = w;
+            p += 1;
+        }
+        for w in 0..WORDS32 {
+            tab.r1[w] = rank1;
+            tab.r2[w] = rank2;
+            rank1 += tab.m1[w].count_ones();
+            rank2 += tab.m2[w].count_ones();
+        }
+        let n = super::vector::scan_region(pa, pb, first as u32, &mut rec, 0);
+        changes += n as u64;
+        digest = _mm512_add_epi64(
+            digest,
+            drain_region(proof, (sm, ctx.seed.0), ctx.first, n, &rec, s),
+        );
+        classify(sm, first as u32, n, (&rec, &tab), &mut s.class);
+    }
+    (_mm512_reduce_add_epi64(digest) as u64, changes)
+}
+
+/// The ordered keys of 32 words.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn keys(sm: bool, x: __m512i) -> __m512i {
+    if sm {
+        // (x ^ flip) | (0x8000 & !flip), flip = all ones for a negative word.
+        let flip = _mm512_srai_epi16::<15>(x);
+        _mm512_ternarylogic_epi32::<0x3E>(x, flip, _mm512_set1_epi16(i16::MIN))
+    } else {
+        x
+    }
+}
+
+/// The digest change (returned, eight lanes) and the next context's members
+/// (appended to `s.next`) of a region's `n` records (block indices), 32 at a
+/// time. `block_first` is the block's first word in the tensor.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512dq,avx512cd,avx512vbmi2,avx2,bmi1,bmi2,lzcnt,popcnt"
+)]
+fn drain_region(
+    proof: crate::platform::HasAvx512,
+    (sm, seed): (bool, u64),
+    block_first: u64,
+    n: usize,
+    rec: &Records,
+    s: &mut MaskScratch,
+) -> __m512i {
+    use std::arch::x86_64::{_mm512_cvtepu32_epi64, _mm512_extracti32x4_epi32};
+    if s.next.len() < s.next_n + REGION + SLACK {
+        let len = (s.next_n + REGION + SLACK).max(2 * s.next.len());
+        s.next.resize(len, 0);
+    }
+    let one = _mm512_set1_epi16(1);
+    let minus = _mm512_set1_epi16(-1);
+    let bf = _mm512_set1_epi64(block_first as i64);
+    let mut digest = _mm512_setzero_si512();
+    let mut at = 0usize;
+    while at < n {
+        let valid: u32 = if n - at >= 32 {
+            u32::MAX
+        } else {
+            (1u32 << (n - at)) - 1
+        };
+        // SAFETY: the record arrays hold `REGION + 40` entries and `at < n ≤
+        // REGION`: the 32 entries at `at` are in bounds. Lanes past `n` are
+        // scratch and masked off below.
+        let (lo_idx, hi_idx, a, b) = unsafe {
+            (
+                _mm512_loadu_si512(rec.index[at..at + 16].as_ptr().cast()),
+                _mm512_loadu_si512(rec.index[at + 16..at + 32].as_ptr().cast()),
+                _mm512_maskz_loadu_epi16(valid, rec.old[at..at + 32].as_ptr().cast()),
+                _mm512_maskz_loadu_epi16(valid, rec.new[at..at + 32].as_ptr().cast()),
+            )
+        };
+        let step = _mm512_sub_epi16(keys(sm, b), keys(sm, a));
+        let big = _mm512_mask_cmpneq_epi16_mask(
+            _mm512_mask_cmpneq_epi16_mask(valid, step, one),
+            step,
+            minus,
+        );
+        // member = index << 2 | neg << 1 | big
+        let tag = _mm512_or_si512(
+            _mm512_slli_epi16::<1>(_mm512_srli_epi16::<15>(step)),
+            _mm512_maskz_mov_epi16(big, one),
+        );
+        let m_lo = _mm512_or_si512(
+            _mm512_slli_epi32::<2>(lo_idx),
+            _mm512_cvtepu16_epi32(_mm512_castsi512_si256(tag)),
+        );
+        let m_hi = _mm512_or_si512(
+            _mm512_slli_epi32::<2>(hi_idx),
+            _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64::<1>(tag)),
+        );
+        let k = s.next_n + at;
+        // SAFETY: `s.next` has `REGION + SLACK` entries past `next_n`, and
+        // `at + 32 ≤ REGION + 32`.
+        unsafe {
+            _mm512_storeu_si512(s.next[k..k + 16].as_mut_ptr().cast(), m_lo);
+            _mm512_storeu_si512(s.next[k + 16..k + 32].as_mut_ptr().cast(), m_hi);
+        }
+        // The digest, eight lanes at a time (unused lanes: old = new = 0).
+        macro_rules! eight {
+            ($idx:expr, $h:literal, $j:literal) => {{
+                let w = |x: __m512i| _mm512_cvtepu16_epi64(_mm512_extracti32x4_epi32::<$j>(x));
+                let idx = _mm512_add_epi64(
+                    _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64::<$h>($idx)),
+                    bf,
+                );
+                digest = _mm512_add_epi64(
+                    digest,
+                    crate::digest::change_x8(proof, seed, idx, w(a), w(b)),
+                );
+            }};
+        }
+        eight!(lo_idx, 0, 0);
+        if valid >> 8 != 0 {
+            eight!(lo_idx, 1, 1);
+            if valid >> 16 != 0 {
+                eight!(hi_idx, 0, 2);
+                if valid >> 24 != 0 {
+                    eight!(hi_idx, 1, 3);
+                }
+            }
+        }
+        at += 32;
+    }
+    s.next_n += n;
+    digest
+}
+
+/// Puts each of a region's `n` records in its class's lists (block index
+/// of the region's first word: `first`), sixteen at a time: each change's
+/// class, rank and last sign come from the region's masks (looked up by
+/// permutes of the tables held in registers), and each class's positions or
+/// ranks and signs are compressed into its lists.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512cd,avx512vbmi2,avx512vpopcntdq,avx2,bmi1,bmi2,lzcnt,popcnt"
+)]
+fn classify(
+    sm: bool,
+    first: u32,
+    n: usize,
+    (rec, tab): (&Records, &Tables),
+    class: &mut [ClassList; CLASSES],
+) {
+    use std::arch::x86_64::{
+        _mm_maskz_compress_epi8, _mm_storeu_si128, _mm256_loadu_si256, _mm512_and_si512,
+        _mm512_andnot_si512, _mm512_cmpeq_epi32_mask, _mm512_cmpneq_epi32_mask,
+        _mm512_cvtepi32_epi8, _mm512_mask_blend_epi32, _mm512_mask_mov_epi32,
+        _mm512_maskz_compress_epi32, _mm512_maskz_mov_epi32, _mm512_permutex2var_epi32,
+        _mm512_popcnt_epi32, _mm512_sllv_epi32, _mm512_srli_epi32, _mm512_srlv_epi32,
+        _mm512_sub_epi32, _mm512_test_epi32_mask, _mm512_xor_si512,
+    };
+    for c in class.iter_mut() {
+        c.room(n + 16);
+    }
+    let table = |a: &[u32; WORDS32]| -> [__m512i; 4] {
+        // SAFETY: `a` holds 64 words: each load reads 16 of them in bounds.
+        std::array::from_fn(|q| unsafe {
+            _mm512_loadu_si512(a[16 * q..16 * q + 16].as_ptr().cast())
+        })
+    };
+    let (t1, t2, tp, tr1, tr2) = (
+        table(&tab.m1),
+        table(&tab.m2),
+        table(&tab.p),
+        table(&tab.r1),
+        table(&tab.r2),
+    );
+    let set1 = _mm512_set1_epi32;
+    let (one, ones, low) = (set1(1), set1(-1), set1(0xffff));
+    let key32 = |x: __m512i| -> __m512i {
+        if sm {
+            // x ^ (0x8000 | (0x7fff if negative)).
+            let neg = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_srli_epi32::<15>(x));
+            _mm512_xor_si512(
+                x,
+                _mm512_or_si512(set1(0x8000), _mm512_and_si512(neg, set1(0x7fff))),
+            )
+        } else {
+            x
+        }
+    };
+    let [c0, c1, c2] = class;
+    let mut j = 0usize;
+    while j < n {
+        let valid: u16 = if n - j >= 16 {
+            u16::MAX
+        } else {
+            (1u16 << (n - j)) - 1
+        };
+        // SAFETY: the arrays hold `REGION + SLACK` words and `j < n ≤
+        // REGION`: the 32 bytes at `j` are in bounds. Lanes past `n` are
+        // scratch, masked off by `valid`.
+        let (i, a, b) = unsafe {
+            (
+                _mm512_loadu_si512(rec.index[j..j + 16].as_ptr().cast()),
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256(rec.old[j..j + 16].as_ptr().cast())),
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256(rec.new[j..j + 16].as_ptr().cast())),
+            )
+        };
+        let step = _mm512_and_si512(_mm512_sub_epi32(key32(b), key32(a)), low);
+        let off = _mm512_sub_epi32(i, set1(first as i32));
+        let w = _mm512_srli_epi32::<5>(off);
+        let bit = _mm512_and_si512(off, set1(31));
+        let upper = _mm512_test_epi32_mask(w, set1(32));
+        let look = |t: &[__m512i; 4]| {
+            _mm512_mask_blend_epi32(
+                upper,
+                _mm512_permutex2var_epi32(t[0], w, t[1]),
+                _mm512_permutex2var_epi32(t[2], w, t[3]),
+            )
+        };
+        let (m1, m2) = (look(&t1), look(&t2));
+        let is1 = valid & _mm512_test_epi32_mask(_mm512_srlv_epi32(m1, bit), one);
+        let is2 = valid & _mm512_test_epi32_mask(_mm512_srlv_epi32(m2, bit), one);
+        let last = _mm512_and_si512(_mm512_srlv_epi32(look(&tp), bit), one);
+        let below = _mm512_sllv_epi32(ones, bit);
+        let rank1 = _mm512_add_epi32(
+            look(&tr1),
+            _mm512_popcnt_epi32(_mm512_andnot_si512(below, m1)),
+        );
+        let rank2 = _mm512_add_epi32(
+            look(&tr2),
+            _mm512_popcnt_epi32(_mm512_andnot_si512(below, m2)),
+        );
+        let at = _mm512_mask_mov_epi32(_mm512_mask_mov_epi32(i, is1, rank1), is2, rank2);
+        // A class-1 or 2 entry's sign is whether the step goes the other way
+        // than the member's last; a step of 2^15 is its own negation, and
+        // the staged encoder writes the top bit of the step negated: 1.
+        let half = _mm512_cmpeq_epi32_mask(step, set1(0x8000));
+        let sign = _mm512_xor_si512(
+            _mm512_srli_epi32::<15>(step),
+            _mm512_maskz_mov_epi32(!half, last),
+        );
+        let sign8 = _mm512_cvtepi32_epi8(sign);
+        let k0 = valid & !is1 & !is2;
+        let big = _mm512_cmpneq_epi32_mask(step, one) & _mm512_cmpneq_epi32_mask(step, low) & valid;
+        let before = [c0.n, c1.n, c2.n];
+        for (c, k) in [(&mut *c0, k0), (&mut *c1, is1), (&mut *c2, is2)] {
+            let at_c = _mm512_maskz_compress_epi32(k, at);
+            let sign_c = _mm_maskz_compress_epi8(k, sign8);
+            // SAFETY: `room(n + 16)` left 16 entries past any count this
+            // region reaches; each store writes 64 or 16 bytes there.
+            unsafe {
+                _mm512_storeu_si512(c.at[c.n..c.n + 16].as_mut_ptr().cast(), at_c);
+                _mm_storeu_si128(c.sign[c.n..c.n + 16].as_mut_ptr().cast(), sign_c);
+            }
+            c.n += k.count_ones() as usize;
+        }
+        if big != 0 {
+            let mut steps = [0u32; 16];
+            // SAFETY: writes the 64 bytes of `steps`.
+            unsafe { _mm512_storeu_si512(steps.as_mut_ptr().cast(), step) };
+            let mut x = big;
+            while x != 0 {
+                let l = x.trailing_zeros();
+                let below = (1u16 << l) - 1;
+                let s = steps[l as usize];
+                let mag = if s >> 15 == 1 { 0x10000 - s } else { s };
+                let e = (mag - 2) as u16;
+                if is1 >> l & 1 == 1 {
+                    c1.esc
+                        .push(((before[1] + (is1 & below).count_ones() as usize) as u32, e));
+                } else if is2 >> l & 1 == 1 {
+                    c2.esc
+                        .push(((before[2] + (is2 & below).count_ones() as usize) as u32, e));
+                } else {
+                    c0.esc
+                        .push(((before[0] + (k0 & below).count_ones() as usize) as u32, e));
+                }
+                x &= x - 1;
+            }
+        }
+        j += 16;
+    }
+}
+
+/// Bits of the Rice codes of the gaps of the ascending `at` with
+/// parameters `k − 1`, `k` and `k + 1` (vectorized by the compiler).
+#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,bmi1,bmi2"))]
+fn rice_costs(at: &[u32], k: u32) -> [u64; 3] {
+    let km = k.saturating_sub(1);
+    let sum = |sh: u32| -> u64 {
+        let first = (at[0] >> sh) as u64;
+        first
+            + at[1..]
+                .iter()
+                .zip(at)
+                .map(|(&a, &b)| ((a - b - 1) >> sh) as u64)
+                .sum::<u64>()
+    };
+    let n = at.len() as u64;
+    [
+        sum(km) + n * (km as u64 + 1),
+        sum(k) + n * (k as u64 + 1),
+        sum(k + 1) + n * (k as u64 + 2),
+    ]
+}
+
+/// A class's head (without its region's length) and the bits its values
+/// cost beyond the positions: step-coded, and raw.
+fn choose(c: &ClassList, _: Scanned) -> (ClassHead, u64, u64) {
+    let n = c.n as u64;
+    let mut h = ClassHead {
+        n,
+        ..ClassHead::default()
+    };
+    if n == 0 {
+        return (h, 0, 0);
+    }
+    let end = c.at[c.n - 1] as u64 + 1;
+    let k = rice_guess_k(n, end - n).min(MAX_POS_K as u32 - 1);
+    // The staged encoder's choice: the guess or a neighbour, whichever
+    // codes the gaps in the fewest bits (the first of equals).
+    // SAFETY: a `Scanned` exists only where `scan_block` found AVX2, BMI1
+    // and BMI2 (and more), every feature `rice_costs` is compiled with; it
+    // is otherwise safe code.
+    let costs = unsafe { rice_costs(&c.at[..c.n], k) };
+    h.k = [k.saturating_sub(1), k, k + 1]
+        .into_iter()
+        .zip(costs)
+        .min_by_key(|&(_, b)| b)
+        .expect("three")
+        .0;
+    let mut step_bits = 0u64;
+    if let Some(&(last, _)) = c.esc.last() {
+        let (mut small, mut large) = ([0u64; 64], [0u64; 65]);
+        for &(_, x) in &c.esc {
+            if x < 64 {
+                small[x as usize] += 1;
+            } else {
+                large[16 - x.leading_zeros() as usize] += 1;
+            }
+        }
+        let e = c.esc.len() as u64;
+        let esc_sum = last as u64 + 1 - e;
+        h.esc = e;
+        h.ke = rice_guess_k(e, esc_sum);
+        let (ve, val_bits) = best_eg(&small, &large);
+        h.ve = ve;
+        step_bits += e * (h.ke as u64 + 1) + (esc_sum >> h.ke) + val_bits;
+    }
+    let signs = &c.sign[..c.n];
+    let t: u64 = signs.iter().map(|&b| b as u64).sum();
+    let set_sum = match signs.iter().rposition(|&b| b != 0) {
+        Some(j) => j as u64 + 1 - t,
+        None => 0,
+    };
+    let ko = rice_guess_k(t, set_sum);
+    let list_bits = t * (ko as u64 + 1) + (set_sum >> ko) + 16;
+    if list_bits < n {
+        h.list = Some(t);
+        h.ko = ko;
+        step_bits += list_bits;
+    } else {
+        step_bits += n;
+    }
+    (h, step_bits, n * 16)
+}
+
+/// Writes the entries' gaps with Rice parameter `k` (each followed by its
+/// sign bit with `signs`). The writer's state stays in registers (the
+/// codes are `put_rice`'s, appended as `FastWriter::put56` does).
+#[cfg_attr(
+    target_arch = "x86_64",
+    target_feature(enable = "bmi1,bmi2,lzcnt,popcnt")
+)]
+fn entries(w: &mut FastWriter, c: &ClassList, k: u32, signs: bool) {
+    let extra = u32::from(signs);
+    let low = (1u64 << k) - 1;
+    let (buf, wpos, wacc, wn) = w.parts();
+    let (mut pos, mut acc, mut n) = (*wpos, *wacc, *wn);
+    // Each code of up to 56 bits advances at most 7 bytes and writes 8.
+    let need = pos + 8 * c.n + 16;
+    if buf.len() < need {
+        buf.resize(need.max(2 * buf.len()), 0);
+    }
+    // Appends `bits` ≤ 56 bits (`v` has no higher bits).
+    macro_rules! put {
+        ($v:expr, $bits:expr) => {{
+            acc |= ($v) << n;
+            n += $bits;
+            buf[pos..pos + 8].copy_from_slice(&acc.to_le_bytes());
+            let whole = n >> 3;
+            pos += whole as usize;
+            acc >>= whole * 8;
+            n &= 7;
+        }};
+    }
+    let mut next = 0u64;
+    for (&at, &s) in c.at[..c.n].iter().zip(&c.sign[..c.n]) {
+        let g = at as u64 - next;
+        let tail = (s as u64) & extra as u64;
+        let q = g >> k;
+        if q + 1 + k as u64 + extra as u64 <= 56 {
+            let len = q as u32 + 1 + k;
+            put!(
+                (1u64 << q) | ((g & low) << (q + 1)) | (tail << len),
+                len + extra
+            );
+        } else {
+            // A long gap (rare): the unary part 48 zeros at a time, room
+            // made for each append.
+            let mut z = q;
+            while z >= 48 {
+                if buf.len() < pos + 16 {
+                    buf.resize(pos + 16 + buf.len(), 0);
+                }
+                put!(0u64, 48);
+                z -= 48;
+            }
+            if buf.len() < pos + 32 {
+                buf.resize(pos + 32 + buf.len(), 0);
+            }
+            put!(1u64 << z, z as u32 + 1);
+            if k > 0 {
+                put!(g & low, k);
+            }
+            put!(tail, extra);
+            // The budget above counted 7 bytes per entry: restore it for the
+            // rest.
+            let need = pos + 8 * c.n + 16;
+            if buf.len() < need {
+                buf.resize(need, 0);
+            }
+        }
+        next = at as u64 + 1;
+    }
+    (*wpos, *wacc, *wn) = (pos, acc, n);
+}
+
+/// Writes a step-coded class region.
+#[cfg_attr(
+    target_arch = "x86_64",
+    target_feature(enable = "bmi1,bmi2,lzcnt,popcnt")
+)]
+fn write_region(c: &ClassList, h: &ClassHead) -> Vec<u8> {
+    let mut w = FastWriter::default();
+    w.reserve(c.n * 2 + 64);
+    let mut next = 0u64;
+    for &(r, x) in &c.esc {
+        put_rice(&mut w, r as u64 - next, h.ke, (0, 0));
+        put_eg(&mut w, x as u64, h.ve);
+        next = r as u64 + 1;
+    }
+    if h.list.is_some() {
+        let mut next = 0u64;
+        for (j, &s) in c.sign[..c.n].iter().enumerate() {
+            if s != 0 {
+                put_rice(&mut w, j as u64 - next, h.ko, (0, 0));
+                next = j as u64 + 1;
+            }
+        }
+    }
+    entries(&mut w, c, h.k, h.list.is_none());
+    w.finish()
+}
+
+/// Encodes a block [`scan_block`] scanned from `s`: its entry and stream,
+/// or `None` when its values cost less raw (the staged encoder writes
+/// those).
+pub(crate) fn encode_scanned(s: &MaskScratch, proof: Scanned) -> Option<(BlockEntry, Vec<u8>)> {
+    let chosen = [0, 1, 2].map(|c| choose(&s.class[c], proof));
+    let step: u64 = chosen.iter().map(|c| c.1).sum();
+    let raw: u64 = chosen.iter().map(|c| c.2).sum();
+    if raw < step {
+        return None;
+    }
+    let mut heads = chosen.map(|c| c.0);
+    let n: u64 = heads.iter().map(|h| h.n).sum();
+    let mut out = Vec::new();
+    if n > 0 {
+        let regions: Vec<Vec<u8>> = (0..CLASSES)
+            .map(|c| {
+                if heads[c].n == 0 {
+                    Vec::new()
+                } else {
+                    // SAFETY: a `Scanned` exists only where `scan_block` found
+                    // BMI1, BMI2, LZCNT and POPCNT (the AVX2 level and up),
+                    // every feature `write_region` is compiled with; it is
+                    // otherwise safe code.
+                    unsafe { write_region(&s.class[c], &heads[c]) }
+                }
+            })
+            .collect();
+        for (h, r) in heads.iter_mut().zip(&regions) {
+            h.len = r.len();
+        }
+        let p = Prologue {
+            class: heads,
+            body: 0,
+        };
+        out.reserve(32 + regions.iter().map(Vec::len).sum::<usize>());
+        p.write(false, &mut out);
+        for r in regions {
+            out.extend_from_slice(&r);
+        }
+    }
+    let e = BlockEntry {
+        changes: n,
+        pos_k: 0,
+        values: ValueCoding::Step,
+        val_k: 0,
+        bytes: out.len() as u64,
+    };
+    Some((e, out))
+}
+
+thread_local! {
+    pub(crate) static MASKS: std::cell::RefCell<MaskScratch> =
+        std::cell::RefCell::new(MaskScratch::default());
+}
+
+static ENABLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Whether `compact2`'s encoder takes this path for 2-byte words (where the
+/// CPU has the features; the default) or always stages (for benchmarks that
+/// compare the two, `examples/compact2_bench`).
+#[doc(hidden)]
+pub fn set_enabled(on: bool) {
+    ENABLED.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+pub(crate) fn enabled() -> bool {
+    ENABLED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::super::context::{BIG, Member, NEG, member};
+    use super::super::testutil::bf16_pair;
+    use super::super::v2::staged_block;
+    use super::super::{BlockEntry, Ctx};
+    use super::*;
+    use crate::digest::TensorSeed;
+    use crate::dtype::{KeyKind, to_key, word_mask};
+    use crate::platform::expect::require;
+    use crate::platform::{Level, Platform};
+
+    type Part = (BlockEntry, Vec<u8>, u64, Vec<Member>);
+
+    /// The mask encoder's block, or `None` where it hands the block back
+    /// (raw values).
+    fn masked(ctx: Ctx, (old, new): (&[u8], &[u8]), members: &[Member]) -> Option<Part> {
+        let mut s = MaskScratch::default();
+        let (dig, n, proof) = scan_block(Platform::cpu(), ctx, (old, new), members, &mut s)
+            .expect("the CPU has the features");
+        assert_eq!(n as usize, s.next_n);
+        let (e, bytes) = encode_scanned(&s, proof)?;
+        Some((e, bytes, dig, s.next[..s.next_n].to_vec()))
+    }
+
+    /// The members a change `old` → `new` leaves (the next context).
+    fn members_of(kind: KeyKind, old: &[u8], new: &[u8]) -> Vec<Member> {
+        let w = |v: &[u8], i: usize| u16::from_le_bytes([v[2 * i], v[2 * i + 1]]) as u64;
+        (0..old.len() / 2)
+            .filter(|&i| w(old, i) != w(new, i))
+            .map(|i| {
+                let s = to_key(kind, 2, w(new, i)).wrapping_sub(to_key(kind, 2, w(old, i)))
+                    & word_mask(2);
+                member(i as u64, s, 2)
+            })
+            .collect()
+    }
+
+    /// Checks one case both ways; returns whether the mask encoder took it.
+    fn check(case: &str, kind: KeyKind, (old, new): (&[u8], &[u8]), members: &[Member]) -> bool {
+        for first in [0u64, 3 << 22] {
+            let ctx = Ctx {
+                kind,
+                seed: TensorSeed(77),
+                first,
+            };
+            let staged = staged_block(ctx, (old, new), members);
+            match masked(ctx, (old, new), members) {
+                Some(got) => {
+                    assert!(
+                        got.0 == staged.0,
+                        "{case}: entry {:?} vs {:?}",
+                        got.0,
+                        staged.0
+                    );
+                    assert!(got.1 == staged.1, "{case}: stream differs ({:?})", staged.0);
+                    assert_eq!(got.2, staged.2, "{case}: digest change");
+                    assert!(got.3 == staged.3, "{case}: next members");
+                }
+                None => {
+                    assert_eq!(
+                        staged.0.values,
+                        ValueCoding::Raw,
+                        "{case}: handed back a step block"
+                    );
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// Words 0x3c00.. (positive) and their negatives, in three versions
+    /// where the third changes many of the words the second changed.
+    fn chain(words: usize, seed: u64, neg: bool) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
+        let h = move |i: usize, k: u64| {
+            (i as u64 ^ seed.wrapping_mul(k))
+                .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                .rotate_left(29)
+                .wrapping_mul(0xbf58_476d_1ce4_e5b9)
+                >> 40
+        };
+        let (mut a, mut b) = bf16_pair(words, |i| h(i, 1) % 37 == 0);
+        if neg {
+            for i in (0..words).filter(|i| i % 3 == 0) {
+                a[2 * i + 1] |= 0x80;
+                b[2 * i + 1] |= 0x80;
+            }
+        }
+        let mut c = b.clone();
+        for i in 0..words {
+            let again = a[2 * i..2 * i + 2] != b[2 * i..2 * i + 2] && h(i, 5) % 2 == 0;
+            if again || h(i, 3) % 71 == 0 {
+                let w = u16::from_le_bytes([b[2 * i], b[2 * i + 1]]);
+                let step = match h(i, 7) % 23 {
+                    0 => 0x8000,
+                    1..=3 => 3 + (h(i, 13) % 200) as u16,
+                    _ => 1,
+                };
+                let w = if h(i, 11) % 2 == 0 {
+                    w.wrapping_add(step)
+                } else {
+                    w.wrapping_sub(step)
+                };
+                c[2 * i..2 * i + 2].copy_from_slice(&w.to_le_bytes());
+            }
+        }
+        (a, b, c)
+    }
+
+    /// Blocks of every shape against their staged encoding: with and
+    /// without context, both key kinds, ragged lengths (regions and 64-word
+    /// chunks cut short), steps of 2^15 at members whose last step was
+    /// negative, escapes in every class, sign lists and sign bits, no
+    /// changes, and dense blocks (which code raw and are handed back).
+    #[test]
+    fn masks_and_staged_encoders_agree() {
+        if !require(Level::Avx512Vbmi2, "masks_and_staged_encoders_agree") {
+            return;
+        }
+        let mut taken = 0;
+        for words in [3 * 2048 + 37, 2048, 64, 63, 1, 5000] {
+            for (seed, neg) in [(1u64, false), (2, true), (3, true)] {
+                let (a, b, c) = chain(words, seed, neg);
+                for kind in [KeyKind::SignMagnitude, KeyKind::Identity] {
+                    let ctx = members_of(kind, &a, &b);
+                    let case = format!("{words} words, seed {seed}, {kind:?}");
+                    taken += check(&format!("{case}, context"), kind, (&b, &c), &ctx) as usize;
+                    taken += check(&format!("{case}, none"), kind, (&b, &c), &[]) as usize;
+                    // The context's members, all flipped to the other class and
+                    // sign: the classes and signs change, the changes do not.
+                    let flipped: Vec<Member> = ctx.iter().map(|m| m ^ BIG ^ NEG).collect();
+                    taken += check(&format!("{case}, flipped"), kind, (&b, &c), &flipped) as usize;
+                }
+            }
+        }
+        // Long gaps after dense runs: Rice codes past 56 bits, several in a
+        // row, in class 0 and (with every changed word a member) class 1.
+        let words = 3 * 2048 + 5;
+        let (b, _) = bf16_pair(words, |_| false);
+        let mut c = b.clone();
+        let picked = |i: usize| i < 1500 || i == 3000 || i == 4500 || i == words - 1;
+        for i in (0..words).filter(|&i| picked(i)) {
+            c[2 * i] ^= 1;
+        }
+        assert!(check("long gaps", KeyKind::SignMagnitude, (&b, &c), &[]));
+        let ones: Vec<Member> = (0..words as u32)
+            .filter(|&i| picked(i as usize) || i % 2 == 0)
+            .map(|i| i << 2)
+            .collect();
+        assert!(check(
+            "long rank gaps",
+            KeyKind::SignMagnitude,
+            (&b, &c),
+            &ones
+        ));
+        let (b, c) = bf16_pair(words, |i| i % 3 != 0);
+        check("dense", KeyKind::SignMagnitude, (&b, &c), &[]);
+        let (b, c) = bf16_pair(words, |_| false);
+        assert!(check("unchanged", KeyKind::SignMagnitude, (&b, &c), &[]));
+        let all: Vec<Member> = (0..words as u32).map(|i| i << 2 | (i & 3)).collect();
+        assert!(check(
+            "unchanged, every word a member",
+            KeyKind::SignMagnitude,
+            (&b, &c),
+            &all
+        ));
+        assert!(taken > 100, "the mask encoder took {taken} cases");
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// Random blocks, changes and contexts (any members, any classes
+        /// and signs) encode as the staged encoder does.
+        #[test]
+        fn random_blocks_agree(
+            words in 1usize..5000,
+            seed in any::<u64>(),
+            density in 1u64..60,
+            mdensity in 1u64..60,
+            identity in any::<bool>(),
+        ) {
+            if !Platform::cpu().has(Level::Avx512Vbmi2) {
+                return Ok(());
+            }
+            let mut x = seed | 1;
+            let mut rnd = move || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            };
+            let base: Vec<u8> = (0..words).flat_map(|_| (rnd() as u16).to_le_bytes()).collect();
+            let mut new = base.clone();
+            let mut members = Vec::new();
+            for i in 0..words {
+                if rnd() % 100 < mdensity {
+                    members.push(((i as u32) << 2) | (rnd() & 3) as u32);
+                }
+                if rnd() % 100 < density {
+                    let r = rnd();
+                    let step: u16 = match r % 8 {
+                        0 => (r >> 8) as u16 | 1,
+                        1 => 0x8000,
+                        2 | 3 => 2 + (r >> 8) as u16 % 5,
+                        _ => 1,
+                    };
+                    let w = u16::from_le_bytes([base[2 * i], base[2 * i + 1]]);
+                    let w = if r & 16 == 0 { w.wrapping_add(step) } else { w.wrapping_sub(step) };
+                    new[2 * i..2 * i + 2].copy_from_slice(&w.to_le_bytes());
+                }
+            }
+            let kind = if identity { KeyKind::Identity } else { KeyKind::SignMagnitude };
+            check("random", kind, (&base, &new), &members);
+        }
+    }
+}
