@@ -227,6 +227,53 @@ mod testutil {
         (base, new)
     }
 
+    /// How [`chain`] makes three versions a → b → c of a BF16 block: one
+    /// word in `first` changes a → b; one in `again` of those changes again
+    /// b → c, and one in `fresh` of all; `step` gives a b → c step's size
+    /// from two hashes of the word; with `neg`, every third word is negative.
+    pub(crate) struct Chain {
+        pub(crate) first: u64,
+        pub(crate) again: u64,
+        pub(crate) fresh: u64,
+        pub(crate) step: fn(u64, u64) -> u16,
+        pub(crate) neg: bool,
+    }
+
+    /// Three versions of one BF16 block, where c changes many of the words
+    /// b changed (as real traces do), made as `spec` says.
+    pub(crate) fn chain(words: usize, seed: u64, spec: &Chain) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
+        let h = move |i: usize, k: u64| {
+            (i as u64 ^ seed.wrapping_mul(k))
+                .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                .rotate_left(29)
+                .wrapping_mul(0xbf58_476d_1ce4_e5b9)
+                >> 40
+        };
+        let (mut a, mut b) = bf16_pair(words, |i| h(i, 1) % spec.first == 0);
+        if spec.neg {
+            for i in (0..words).filter(|i| i % 3 == 0) {
+                a[2 * i + 1] |= 0x80;
+                b[2 * i + 1] |= 0x80;
+            }
+        }
+        let mut c = b.clone();
+        for i in 0..words {
+            let changed_before = a[2 * i..2 * i + 2] != b[2 * i..2 * i + 2];
+            let again = changed_before && h(i, 5) % spec.again == 0;
+            if again || h(i, 3) % spec.fresh == 0 {
+                let w = u16::from_le_bytes([b[2 * i], b[2 * i + 1]]);
+                let step = (spec.step)(h(i, 7), h(i, 13));
+                let w = if h(i, 11) % 2 == 0 {
+                    w.wrapping_add(step)
+                } else {
+                    w.wrapping_sub(step)
+                };
+                c[2 * i..2 * i + 2].copy_from_slice(&w.to_le_bytes());
+            }
+        }
+        (a, b, c)
+    }
+
     /// The one block of a BF16 payload encoded with [`encode_tensor`].
     pub(crate) fn only_block<'a>(enc: &'a EncodedTensor, words: usize) -> Block<'a> {
         assert_eq!(enc.blocks.len(), 1);

@@ -33,7 +33,7 @@ use crate::platform::{Platform, prefetch_l2};
 
 pub use super::v2_head::CLASSES;
 pub(crate) use super::v2_head::{ClassHead, Prologue};
-use super::v2_head::{best_eg, put_eg, rice_guess_k};
+use super::v2_head::{assemble, best_eg, put_eg, rice_guess_k};
 
 /// A block's changes, decoded: ascending block indices and, per change, the
 /// masked step (step-coded blocks) or the new word (raw-coded blocks).
@@ -1231,18 +1231,7 @@ pub(crate) fn encode(wb: usize, new: &[u8], s: &mut EncodeScratch) -> (BlockEntr
                 }
             })
             .collect();
-        for (h, r) in heads.iter_mut().zip(&regions) {
-            h.len = r.len();
-        }
-        let p = Prologue {
-            class: heads,
-            body: 0,
-        };
-        out.reserve(32 + regions.iter().map(Vec::len).sum::<usize>());
-        p.write(raw, &mut out);
-        for r in regions {
-            out.extend_from_slice(&r);
-        }
+        out = assemble(heads, &regions, raw);
     }
     if raw {
         for m in &mut s.next[..s.next_n] {
@@ -1578,32 +1567,14 @@ mod tests {
     /// Three versions a → b → c of one BF16 block, where c changes many of
     /// the words b changed (as real traces do).
     fn chain(words: usize, seed: u64) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
-        let h = move |i: usize, k: u64| {
-            (i as u64 ^ seed.wrapping_mul(k))
-                .wrapping_mul(0x9e37_79b9_7f4a_7c15)
-                .rotate_left(29)
-                .wrapping_mul(0xbf58_476d_1ce4_e5b9)
-                >> 40
+        let spec = super::super::testutil::Chain {
+            first: 61,
+            again: 3,
+            fresh: 97,
+            step: |h, _| if h % 9 == 0 { 3 } else { 1 },
+            neg: false,
         };
-        let (a, b) = bf16_pair(words, |i| h(i, 1) % 61 == 0);
-        let (_, c0) = bf16_pair(words, |i| h(i, 3) % 97 == 0);
-        // c: b, plus b's changes again at a third of them, plus c0's.
-        let mut c = b.clone();
-        for i in 0..words {
-            let changed_before = a[2 * i..2 * i + 2] != b[2 * i..2 * i + 2];
-            let again = changed_before && h(i, 5) % 3 == 0;
-            if again || c0[2 * i..2 * i + 2] != a[2 * i..2 * i + 2] {
-                let w = u16::from_le_bytes([b[2 * i], b[2 * i + 1]]);
-                let step = if h(i, 7) % 9 == 0 { 3 } else { 1 };
-                let w = if h(i, 11) % 2 == 0 {
-                    w.wrapping_add(step)
-                } else {
-                    w.wrapping_sub(step)
-                };
-                c[2 * i..2 * i + 2].copy_from_slice(&w.to_le_bytes());
-            }
-        }
-        (a, b, c)
+        super::super::testutil::chain(words, seed, &spec)
     }
 
     #[test]

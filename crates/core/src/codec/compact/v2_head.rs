@@ -115,3 +115,21 @@ pub(super) fn put_eg(w: &mut FastWriter, x: u64, k: u32) {
     let rest = (y - (1u128 << (nb - 1))) as u64;
     w.put(rest, nb - 1);
 }
+
+/// A block's stream: the prologue of `heads` (each class's region length
+/// set from `regions`), then the regions in class order.
+pub(super) fn assemble(mut heads: [ClassHead; CLASSES], regions: &[Vec<u8>], raw: bool) -> Vec<u8> {
+    for (h, r) in heads.iter_mut().zip(regions) {
+        h.len = r.len();
+    }
+    let p = Prologue {
+        class: heads,
+        body: 0,
+    };
+    let mut out = Vec::with_capacity(32 + regions.iter().map(Vec::len).sum::<usize>());
+    p.write(raw, &mut out);
+    for r in regions {
+        out.extend_from_slice(r);
+    }
+    out
+}

@@ -38,7 +38,7 @@ use std::arch::x86_64::{
 };
 
 use super::MAX_POS_K;
-use super::v2_head::{CLASSES, ClassHead, Prologue, best_eg, put_eg, rice_guess_k};
+use super::v2_head::{CLASSES, ClassHead, assemble, best_eg, put_eg, rice_guess_k};
 use crate::codec::bits::{FastWriter, put_rice};
 use crate::format::{BlockEntry, ValueCoding};
 
@@ -675,7 +675,7 @@ pub(crate) fn encode_scanned(s: &MaskScratch, proof: Scanned) -> Option<(BlockEn
     if raw < step {
         return None;
     }
-    let mut heads = chosen.map(|c| c.0);
+    let heads = chosen.map(|c| c.0);
     let n: u64 = heads.iter().map(|h| h.n).sum();
     let mut out = Vec::new();
     if n > 0 {
@@ -692,18 +692,7 @@ pub(crate) fn encode_scanned(s: &MaskScratch, proof: Scanned) -> Option<(BlockEn
                 }
             })
             .collect();
-        for (h, r) in heads.iter_mut().zip(&regions) {
-            h.len = r.len();
-        }
-        let p = Prologue {
-            class: heads,
-            body: 0,
-        };
-        out.reserve(32 + regions.iter().map(Vec::len).sum::<usize>());
-        p.write(false, &mut out);
-        for r in regions {
-            out.extend_from_slice(&r);
-        }
+        out = assemble(heads, &regions, false);
     }
     let e = BlockEntry {
         changes: n,
@@ -808,42 +797,22 @@ mod tests {
         true
     }
 
-    /// Words 0x3c00.. (positive) and their negatives, in three versions
-    /// where the third changes many of the words the second changed.
+    /// Three versions where the third changes many of the words the second
+    /// changed, by steps of 1, 3..203 and 2^15; with `neg`, a third of the
+    /// words negative.
     fn chain(words: usize, seed: u64, neg: bool) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
-        let h = move |i: usize, k: u64| {
-            (i as u64 ^ seed.wrapping_mul(k))
-                .wrapping_mul(0x9e37_79b9_7f4a_7c15)
-                .rotate_left(29)
-                .wrapping_mul(0xbf58_476d_1ce4_e5b9)
-                >> 40
+        let spec = super::super::testutil::Chain {
+            first: 37,
+            again: 2,
+            fresh: 71,
+            step: |h, h2| match h % 23 {
+                0 => 0x8000,
+                1..=3 => 3 + (h2 % 200) as u16,
+                _ => 1,
+            },
+            neg,
         };
-        let (mut a, mut b) = bf16_pair(words, |i| h(i, 1) % 37 == 0);
-        if neg {
-            for i in (0..words).filter(|i| i % 3 == 0) {
-                a[2 * i + 1] |= 0x80;
-                b[2 * i + 1] |= 0x80;
-            }
-        }
-        let mut c = b.clone();
-        for i in 0..words {
-            let again = a[2 * i..2 * i + 2] != b[2 * i..2 * i + 2] && h(i, 5) % 2 == 0;
-            if again || h(i, 3) % 71 == 0 {
-                let w = u16::from_le_bytes([b[2 * i], b[2 * i + 1]]);
-                let step = match h(i, 7) % 23 {
-                    0 => 0x8000,
-                    1..=3 => 3 + (h(i, 13) % 200) as u16,
-                    _ => 1,
-                };
-                let w = if h(i, 11) % 2 == 0 {
-                    w.wrapping_add(step)
-                } else {
-                    w.wrapping_sub(step)
-                };
-                c[2 * i..2 * i + 2].copy_from_slice(&w.to_le_bytes());
-            }
-        }
-        (a, b, c)
+        super::super::testutil::chain(words, seed, &spec)
     }
 
     /// Blocks of every shape against their staged encoding: with and
