@@ -7,7 +7,8 @@
 //! This one:
 //!
 //! - scans a region of 2,048 words as `compact`'s fused encoder does: the
-//!   changed words are compressed into records (offset, old word, new word);
+//!   changed words are compressed into records (block index, old word, new
+//!   word);
 //! - makes the context's members of the region three masks per 32 words
 //!   (class 1, class 2, last sign) with each class's rank at the start of
 //!   every 32 words; held in registers, they give sixteen changes' classes,
@@ -42,8 +43,8 @@ use super::v2_head::{CLASSES, ClassHead, assemble, best_eg, put_eg, rice_guess_k
 use crate::codec::bits::{FastWriter, put_rice};
 use crate::format::{BlockEntry, ValueCoding};
 
-/// Words per region (the fused scan's): its records and the context's masks
-/// stay in L1.
+// Regions of the fused scan (2,048 words): a region's records and the
+// context's tables stay in L1.
 use super::vector::{REGION, Records};
 /// Slack past a class list's or the next context's entries for full-vector
 /// stores.
@@ -124,10 +125,12 @@ pub(crate) fn scan_block(
             && std::arch::is_x86_feature_detected!("avx512vl"),
         platform.avx512(),
     ) {
-        // SAFETY: `platform.has(Level::Avx512Vbmi2)`: detection found every
-        // feature `scan_block_w2` is compiled with (BMI2 and POPCNT are part
-        // of the AVX2 level below it); it is otherwise safe code whose loads
-        // and stores are bounds-checked or justified where they are made.
+        // SAFETY: `platform.has(Level::Avx512Vbmi2)` and the two checks
+        // beside it: the CPU has every feature `scan_block_w2` is compiled
+        // with (BMI2 and POPCNT are part of the AVX2 level below VBMI2,
+        // VPOPCNTDQ and VL were checked just above); it is otherwise safe
+        // code whose loads and stores are bounds-checked or justified where
+        // they are made.
         // Its output equals the staged encoder's:
         // `masks_and_staged_encoders_agree`, `random_blocks_agree`.
         let (digest, changes) = unsafe { scan_block_w2(proof, ctx, (base, new), members, s) };
