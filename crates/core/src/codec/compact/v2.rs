@@ -33,7 +33,7 @@ use crate::platform::{Platform, prefetch_l2};
 
 pub use super::v2_head::CLASSES;
 pub(crate) use super::v2_head::{ClassHead, Prologue};
-use super::v2_head::{assemble, best_eg, put_eg, rice_guess_k};
+use super::v2_head::{Escapes, assemble, choose_values, put_eg, rice_guess_k};
 
 /// A block's changes, decoded: ascending block indices and, per change, the
 /// masked step (step-coded blocks) or the new word (raw-coded blocks).
@@ -1113,48 +1113,26 @@ fn choose(st: &Staged, wb: usize) -> Choice {
     h.k = k;
     // Escapes, signs: counts, rank-gap sums, magnitudes.
     let top = wb as u32 * 8 - 1;
-    let (mut esc, mut esc_sum, mut esc_next) = (0u64, 0u64, 0u64);
+    let mut esc = Escapes::default();
+    let mut esc_next = 0u64;
     let (mut set, mut set_sum, mut set_next) = (0u64, 0u64, 0u64);
-    let (mut small, mut large) = ([0u64; 64], [0u64; 65]);
     for (r, &s) in st.steps().iter().enumerate() {
         let r = r as u64;
         let m = crate::dtype::step_magnitude(wb, s);
         // Escapes are rare (a predictable branch); signs are a coin toss,
         // counted without a branch.
         if m >= 2 {
-            esc += 1;
-            esc_sum += r - esc_next;
+            esc.n += 1;
+            esc.gap_sum += r - esc_next;
             esc_next = r + 1;
-            let x = m - 2;
-            if x < 64 {
-                small[x as usize] += 1;
-            } else {
-                large[64 - x.leading_zeros() as usize] += 1;
-            }
+            esc.add(m - 2);
         }
         let bit = (s >> top) & 1;
         set += bit;
         set_sum += (r - set_next) & bit.wrapping_neg();
         set_next += (r + 1 - set_next) & bit.wrapping_neg();
     }
-    h.esc = esc;
-    let mut step_bits = pos_bits;
-    if esc > 0 {
-        h.ke = rice_guess_k(esc, esc_sum);
-        let (ve, val_bits) = best_eg(&small, &large);
-        h.ve = ve;
-        step_bits += esc * (h.ke as u64 + 1) + (esc_sum >> h.ke) + val_bits;
-    }
-    // The list costs two prologue bytes more than a bit per entry.
-    let ko = rice_guess_k(set, set_sum);
-    let list_bits = set * (ko as u64 + 1) + (set_sum >> ko) + 16;
-    if list_bits < n {
-        h.list = Some(set);
-        h.ko = ko;
-        step_bits += list_bits;
-    } else {
-        step_bits += n;
-    }
+    let step_bits = pos_bits + choose_values(&mut h, &esc, (set, set_sum));
     Choice {
         head: h,
         step_bits,

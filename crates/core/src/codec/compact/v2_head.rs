@@ -90,7 +90,7 @@ fn eg_len(x: u64, k: u32) -> u64 {
 /// The best Exp-Golomb order for the values counted in `small` (values
 /// below 64) and `large` (by bit length) and its cost; large values are
 /// counted at their bit length's upper bound.
-pub(super) fn best_eg(small: &[u64; 64], large: &[u64; 65]) -> (u32, u64) {
+fn best_eg(small: &[u64; 64], large: &[u64; 65]) -> (u32, u64) {
     (0..=20u32)
         .map(|k| {
             let s: u64 = (0..64)
@@ -132,4 +132,65 @@ pub(super) fn assemble(mut heads: [ClassHead; CLASSES], regions: &[Vec<u8>], raw
         out.extend_from_slice(r);
     }
     out
+}
+
+/// What a class's values cost to choose its value coding from: the
+/// escapes (count, sum of their entry-rank gaps, and `|step| − 2` counted
+/// by [`Escapes::add`]) and the set signs (count, sum of their entry-rank
+/// gaps).
+pub(super) struct Escapes {
+    pub(super) n: u64,
+    pub(super) gap_sum: u64,
+    small: [u64; 64],
+    large: [u64; 65],
+}
+
+impl Default for Escapes {
+    fn default() -> Self {
+        Escapes {
+            n: 0,
+            gap_sum: 0,
+            small: [0; 64],
+            large: [0; 65],
+        }
+    }
+}
+
+impl Escapes {
+    /// Counts an escape's `|step| − 2` (values below 64 exactly, larger ones
+    /// by bit length).
+    #[inline(always)]
+    pub(super) fn add(&mut self, x: u64) {
+        if x < 64 {
+            self.small[x as usize] += 1;
+        } else {
+            self.large[64 - x.leading_zeros() as usize] += 1;
+        }
+    }
+}
+
+/// Sets `h`'s escape and sign coding (`h.n` entries) from `esc` and the
+/// `set` signs whose entry-rank gaps sum to `set_sum`, and returns the bits
+/// the values cost step-coded (beyond the positions). Both encoders choose
+/// here, so they write the same bytes.
+pub(super) fn choose_values(h: &mut ClassHead, esc: &Escapes, (set, set_sum): (u64, u64)) -> u64 {
+    let mut bits = 0u64;
+    h.esc = esc.n;
+    if esc.n > 0 {
+        h.ke = rice_guess_k(esc.n, esc.gap_sum);
+        let (ve, val_bits) = best_eg(&esc.small, &esc.large);
+        h.ve = ve;
+        bits += esc.n * (h.ke as u64 + 1) + (esc.gap_sum >> h.ke) + val_bits;
+    }
+    // The list costs two prologue bytes more than a bit per entry.
+    let ko = rice_guess_k(set, set_sum);
+    let list_bits = set * (ko as u64 + 1) + (set_sum >> ko) + 16;
+    if list_bits < h.n {
+        h.list = Some(set);
+        h.ko = ko;
+        bits += list_bits;
+    } else {
+        bits += h.n;
+    }
+    bits
 }

@@ -39,7 +39,7 @@ use std::arch::x86_64::{
 };
 
 use super::MAX_POS_K;
-use super::v2_head::{CLASSES, ClassHead, assemble, best_eg, put_eg, rice_guess_k};
+use super::v2_head::{CLASSES, ClassHead, Escapes, assemble, choose_values, put_eg, rice_guess_k};
 use crate::codec::bits::{FastWriter, put_rice};
 use crate::format::{BlockEntry, ValueCoding};
 
@@ -534,23 +534,13 @@ fn choose(c: &ClassList, _: Scanned) -> (ClassHead, u64, u64) {
         .min_by_key(|&(_, b)| b)
         .expect("three")
         .0;
-    let mut step_bits = 0u64;
+    let mut esc = Escapes::default();
     if let Some(&(last, _)) = c.esc.last() {
-        let (mut small, mut large) = ([0u64; 64], [0u64; 65]);
+        esc.n = c.esc.len() as u64;
+        esc.gap_sum = last as u64 + 1 - esc.n;
         for &(_, x) in &c.esc {
-            if x < 64 {
-                small[x as usize] += 1;
-            } else {
-                large[16 - x.leading_zeros() as usize] += 1;
-            }
+            esc.add(x as u64);
         }
-        let e = c.esc.len() as u64;
-        let esc_sum = last as u64 + 1 - e;
-        h.esc = e;
-        h.ke = rice_guess_k(e, esc_sum);
-        let (ve, val_bits) = best_eg(&small, &large);
-        h.ve = ve;
-        step_bits += e * (h.ke as u64 + 1) + (esc_sum >> h.ke) + val_bits;
     }
     let signs = &c.sign[..c.n];
     let t: u64 = signs.iter().map(|&b| b as u64).sum();
@@ -558,15 +548,7 @@ fn choose(c: &ClassList, _: Scanned) -> (ClassHead, u64, u64) {
         Some(j) => j as u64 + 1 - t,
         None => 0,
     };
-    let ko = rice_guess_k(t, set_sum);
-    let list_bits = t * (ko as u64 + 1) + (set_sum >> ko) + 16;
-    if list_bits < n {
-        h.list = Some(t);
-        h.ko = ko;
-        step_bits += list_bits;
-    } else {
-        step_bits += n;
-    }
+    let step_bits = choose_values(&mut h, &esc, (t, set_sum));
     (h, step_bits, n * 16)
 }
 
