@@ -230,12 +230,14 @@ mod testutil {
     /// How [`chain`] makes three versions a → b → c of a BF16 block: one
     /// word in `first` changes a → b; one in `again` of those changes again
     /// b → c, and one in `fresh` of all; `step` gives a b → c step's size
-    /// from two hashes of the word; with `neg`, every third word is negative.
+    /// from two hashes of the word, and one in `down` of those steps goes
+    /// down (2: half); with `neg`, every third word is negative.
     pub(crate) struct Chain {
         pub(crate) first: u64,
         pub(crate) again: u64,
         pub(crate) fresh: u64,
         pub(crate) step: fn(u64, u64) -> u16,
+        pub(crate) down: u64,
         pub(crate) neg: bool,
     }
 
@@ -263,10 +265,10 @@ mod testutil {
             if again || h(i, 3) % spec.fresh == 0 {
                 let w = u16::from_le_bytes([b[2 * i], b[2 * i + 1]]);
                 let step = (spec.step)(h(i, 7), h(i, 13));
-                let w = if h(i, 11) % 2 == 0 {
-                    w.wrapping_add(step)
-                } else {
+                let w = if h(i, 11) % spec.down == 1 {
                     w.wrapping_sub(step)
+                } else {
+                    w.wrapping_add(step)
                 };
                 c[2 * i..2 * i + 2].copy_from_slice(&w.to_le_bytes());
             }

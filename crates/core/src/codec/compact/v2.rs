@@ -1550,6 +1550,7 @@ mod tests {
             again: 3,
             fresh: 97,
             step: |h, _| if h % 9 == 0 { 3 } else { 1 },
+            down: 2,
             neg: false,
         };
         super::super::testutil::chain(words, seed, &spec)

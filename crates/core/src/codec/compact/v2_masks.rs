@@ -10,32 +10,33 @@
 //!   changed words are compressed into records (block index, old word, new
 //!   word);
 //! - makes the context's members of the region three masks per 32 words
-//!   (class 1, class 2, last sign) with each class's rank at the start of
-//!   every 32 words; held in registers, they give sixteen changes' classes,
-//!   ranks and last signs at once (permutes, shifts and popcounts, no
-//!   branch);
-//! - computes the digest change and the next context's members from the
-//!   records, 32 at a time;
-//! - compresses, per class, the changes' positions or ranks (4 bytes) and
-//!   sign bits (1 byte) into the class's lists, and puts each escape's entry
-//!   rank and magnitude in its class's escape list;
+//!   (class 1, class 2, last sign); held in registers with each class's
+//!   rank at the start of every 32 words (prefix sums of their popcounts),
+//!   they give sixteen changes' classes, ranks and last signs at once
+//!   (permutes, shifts and popcounts, no branch);
+//! - in the same pass over the records, sixteen at a time, computes the
+//!   digest change and the next context's members, and compresses, per
+//!   class, the changes' positions or ranks (4 bytes) and sign bits (1
+//!   byte) into the class's lists, and the escapes' entry ranks and
+//!   magnitudes into its escape lists;
+//! - prefetches the next region while it works on this one's changes (a
+//!   region is one 4 KiB page of each buffer, where the hardware's
+//!   prefetcher stops);
 //! - chooses each class's parameters from counts (the staged encoder's
 //!   sums, in closed form; the Rice parameter among the guess and its two
 //!   neighbours by one vectorized pass over the list), and writes each
-//!   region from the lists with the writer's state in registers.
+//!   region from the lists, eight entries per vector merged into fewer
+//!   appends, with the writer's state in registers.
 //!
 //! The bytes are those of `v2::encode`, which the tests check on every kind
 //! of block; a block whose values cost less raw is handed back to it.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::{
-    __m512i, _mm512_add_epi32, _mm512_add_epi64, _mm512_castsi512_si256, _mm512_cvtepu16_epi32,
-    _mm512_cvtepu16_epi64, _mm512_extracti64x4_epi64, _mm512_loadu_si512,
-    _mm512_mask_cmpneq_epi16_mask, _mm512_maskz_loadu_epi16, _mm512_maskz_mov_epi16,
-    _mm512_or_si512, _mm512_reduce_add_epi64, _mm512_set1_epi16, _mm512_set1_epi32,
-    _mm512_set1_epi64, _mm512_setzero_si512, _mm512_slli_epi16, _mm512_slli_epi32,
-    _mm512_srai_epi16, _mm512_srli_epi16, _mm512_storeu_si512, _mm512_sub_epi16,
-    _mm512_ternarylogic_epi32,
+    __m256i, __m512i, _mm512_add_epi32, _mm512_add_epi64, _mm512_castsi512_si256,
+    _mm512_cvtepu16_epi32, _mm512_cvtepu16_epi64, _mm512_loadu_si512, _mm512_or_si512,
+    _mm512_reduce_add_epi64, _mm512_set1_epi32, _mm512_set1_epi64, _mm512_setzero_si512,
+    _mm512_slli_epi32, _mm512_storeu_si512,
 };
 
 use super::MAX_POS_K;
@@ -56,17 +57,20 @@ pub(crate) struct ClassList {
     pub(crate) at: Vec<u32>,
     pub(crate) sign: Vec<u8>,
     pub(crate) n: usize,
-    /// Escapes: entry rank and `|step| − 2`.
-    pub(crate) esc: Vec<(u32, u16)>,
+    /// Escapes (`esc_n` of them): entry rank, and `|step| − 2`.
+    pub(crate) esc_at: Vec<u32>,
+    pub(crate) esc_mag: Vec<u16>,
+    pub(crate) esc_n: usize,
 }
 
 impl ClassList {
     fn clear(&mut self) {
         self.n = 0;
-        self.esc.clear();
+        self.esc_n = 0;
     }
 
-    /// Room for `more` entries past `n` (the class loop writes in place).
+    /// Room for `more` entries and escapes past `n` and `esc_n` (the class
+    /// loop writes in place).
     fn room(&mut self, more: usize) {
         let want = self.n + more;
         if self.at.len() < want {
@@ -74,6 +78,17 @@ impl ClassList {
             self.at.resize(len, 0);
             self.sign.resize(len, 0);
         }
+        let want = self.esc_n + more;
+        if self.esc_at.len() < want {
+            let len = want.max(2 * self.esc_at.len());
+            self.esc_at.resize(len, 0);
+            self.esc_mag.resize(len, 0);
+        }
+    }
+
+    /// The escapes: entry ranks and `|step| − 2`.
+    fn escapes(&self) -> (&[u32], &[u16]) {
+        (&self.esc_at[..self.esc_n], &self.esc_mag[..self.esc_n])
     }
 }
 
@@ -93,14 +108,62 @@ pub(crate) struct MaskScratch {
 }
 
 /// The context's members of one region: bit masks per 32 words (class 1,
-/// class 2, the last step's sign) and each class's rank at each 32 words'
-/// first.
+/// class 2, the last step's sign).
 struct Tables {
     m1: [u32; WORDS32],
     m2: [u32; WORDS32],
     p: [u32; WORDS32],
-    r1: [u32; WORDS32],
-    r2: [u32; WORDS32],
+}
+
+/// Cache lines of the next region fetched right after a region's scan, and
+/// per sixteen of its changes classified (tuned on the bench's 2.8%
+/// density; 16–64 and 2–16 measure alike).
+#[cfg(target_arch = "x86_64")]
+const AHEAD_BURST: usize = 24;
+#[cfg(target_arch = "x86_64")]
+const AHEAD_PER_16: usize = 8;
+
+/// Prefetches the next region's words, a cache line at a time, while the
+/// current one's changes are worked on. A region is a 4 KiB page of each
+/// buffer, where the hardware's prefetcher stops: without this, each
+/// region's scan waits on memory while the changes' work leaves it idle.
+#[cfg(target_arch = "x86_64")]
+struct Ahead<'a> {
+    base: &'a [u8],
+    new: &'a [u8],
+    /// Twice the byte offset of the next line to fetch; bit 6 picks `new`.
+    at: usize,
+    end: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Ahead<'_> {
+    /// Starts on the region whose first word is `word`.
+    fn start(&mut self, word: usize) {
+        self.at = 4 * word;
+        self.end = 2 * (2 * word + 2 * REGION).min(self.base.len());
+    }
+
+    /// Prefetches the next line, if any.
+    #[inline(always)]
+    fn pump(&mut self) {
+        if self.at < self.end {
+            let src = if self.at & 64 == 0 {
+                self.base
+            } else {
+                self.new
+            };
+            let off = (self.at / 2) & !63;
+            // SAFETY: `off` < `src.len()` (`at < end`); a prefetch neither
+            // faults nor changes memory.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    src.as_ptr().add(off).cast(),
+                )
+            };
+            self.at += 64;
+        }
+    }
 }
 
 /// 32-word groups of a region: its masks' words.
@@ -169,13 +232,18 @@ fn scan_block_w2(
         m1: [0; WORDS32],
         m2: [0; WORDS32],
         p: [0; WORDS32],
-        r1: [0; WORDS32],
-        r2: [0; WORDS32],
     });
     let mut digest = _mm512_setzero_si512();
     let mut p = 0usize;
     let mut changes = 0u64;
-    let (mut rank1, mut rank2) = (0u32, 0u32);
+    // Each class's members before the region.
+    let mut ranks = [0u32; 2];
+    let mut ahead = Ahead {
+        base,
+        new,
+        at: 0,
+        end: 0,
+    };
     for (r, (pa, pb)) in base
         .chunks(2 * REGION)
         .zip(new.chunks(2 * REGION))
@@ -183,7 +251,7 @@ fn scan_block_w2(
     {
         let first = r * REGION;
         let len = pa.len() / 2;
-        // The context's masks of the region, and the ranks at each chunk.
+        // The context's masks of the region.
         tab.m1 = [0; WORDS32];
         tab.m2 = [0; WORDS32];
         tab.p = [0; WORDS32];
@@ -206,184 +274,111 @@ fn scan_block_w2(
             tab.p[w] = ap;
             cur = w;
             p += 1;
-        }
-        for w in 0..WORDS32 {
-            tab.r1[w] = rank1;
-            tab.r2[w] = rank2;
-            rank1 += tab.m1[w].count_ones();
-            rank2 += tab.m2[w].count_ones();
+            ahead.pump();
         }
         let n = super::vector::scan_region(pa, pb, first as u32, &mut rec, 0);
+        // The next region's words start coming in while this one's
+        // changes are worked on: a burst now, then a line per member of
+        // the next region's context and eight per sixteen changes here.
+        ahead.start(first + len);
+        for _ in 0..AHEAD_BURST {
+            ahead.pump();
+        }
         changes += n as u64;
         digest = _mm512_add_epi64(
             digest,
-            drain_region(proof, (sm, ctx.seed.0), ctx.first, n, &rec, s),
+            classify(
+                proof,
+                (sm, ctx.seed.0, ctx.first),
+                (first as u32, n),
+                (&rec, &tab),
+                &mut ranks,
+                s,
+                &mut ahead,
+            ),
         );
-        classify(sm, first as u32, n, (&rec, &tab), &mut s.class);
     }
     (_mm512_reduce_add_epi64(digest) as u64, changes)
 }
 
-/// The ordered keys of 32 words.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw")]
-fn keys(sm: bool, x: __m512i) -> __m512i {
-    if sm {
-        // (x ^ flip) | (0x8000 & !flip), flip = all ones for a negative word.
-        let flip = _mm512_srai_epi16::<15>(x);
-        _mm512_ternarylogic_epi32::<0x3E>(x, flip, _mm512_set1_epi16(i16::MIN))
-    } else {
-        x
-    }
-}
-
-/// The digest change (returned, eight lanes) and the next context's members
-/// (appended to `s.next`) of a region's `n` records (block indices), 32 at a
-/// time. `block_first` is the block's first word in the tensor.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(
-    enable = "avx512f,avx512bw,avx512dq,avx512cd,avx512vbmi2,avx2,bmi1,bmi2,lzcnt,popcnt"
-)]
-fn drain_region(
-    proof: crate::platform::HasAvx512,
-    (sm, seed): (bool, u64),
-    block_first: u64,
-    n: usize,
-    rec: &Records,
-    s: &mut MaskScratch,
-) -> __m512i {
-    use std::arch::x86_64::{_mm512_cvtepu32_epi64, _mm512_extracti32x4_epi32};
-    if s.next.len() < s.next_n + REGION + SLACK {
-        let len = (s.next_n + REGION + SLACK).max(2 * s.next.len());
-        s.next.resize(len, 0);
-    }
-    let one = _mm512_set1_epi16(1);
-    let minus = _mm512_set1_epi16(-1);
-    let bf = _mm512_set1_epi64(block_first as i64);
-    let mut digest = _mm512_setzero_si512();
-    let mut at = 0usize;
-    while at < n {
-        let valid: u32 = if n - at >= 32 {
-            u32::MAX
-        } else {
-            (1u32 << (n - at)) - 1
-        };
-        // SAFETY: the record arrays hold `REGION + 40` entries and `at < n ≤
-        // REGION`: the 32 entries at `at` are in bounds. Lanes past `n` are
-        // scratch and masked off below.
-        let (lo_idx, hi_idx, a, b) = unsafe {
-            (
-                _mm512_loadu_si512(rec.index[at..at + 16].as_ptr().cast()),
-                _mm512_loadu_si512(rec.index[at + 16..at + 32].as_ptr().cast()),
-                _mm512_maskz_loadu_epi16(valid, rec.old[at..at + 32].as_ptr().cast()),
-                _mm512_maskz_loadu_epi16(valid, rec.new[at..at + 32].as_ptr().cast()),
-            )
-        };
-        let step = _mm512_sub_epi16(keys(sm, b), keys(sm, a));
-        let big = _mm512_mask_cmpneq_epi16_mask(
-            _mm512_mask_cmpneq_epi16_mask(valid, step, one),
-            step,
-            minus,
-        );
-        // member = index << 2 | neg << 1 | big
-        let tag = _mm512_or_si512(
-            _mm512_slli_epi16::<1>(_mm512_srli_epi16::<15>(step)),
-            _mm512_maskz_mov_epi16(big, one),
-        );
-        let m_lo = _mm512_or_si512(
-            _mm512_slli_epi32::<2>(lo_idx),
-            _mm512_cvtepu16_epi32(_mm512_castsi512_si256(tag)),
-        );
-        let m_hi = _mm512_or_si512(
-            _mm512_slli_epi32::<2>(hi_idx),
-            _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64::<1>(tag)),
-        );
-        let k = s.next_n + at;
-        // SAFETY: `s.next` has `REGION + SLACK` entries past `next_n`, and
-        // `at + 32 ≤ REGION + 32`.
-        unsafe {
-            _mm512_storeu_si512(s.next[k..k + 16].as_mut_ptr().cast(), m_lo);
-            _mm512_storeu_si512(s.next[k + 16..k + 32].as_mut_ptr().cast(), m_hi);
-        }
-        // The digest, eight lanes at a time (unused lanes: old = new = 0).
-        macro_rules! eight {
-            ($idx:expr, $h:literal, $j:literal) => {{
-                let w = |x: __m512i| _mm512_cvtepu16_epi64(_mm512_extracti32x4_epi32::<$j>(x));
-                let idx = _mm512_add_epi64(
-                    _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64::<$h>($idx)),
-                    bf,
-                );
-                digest = _mm512_add_epi64(
-                    digest,
-                    crate::digest::change_x8(proof, seed, idx, w(a), w(b)),
-                );
-            }};
-        }
-        eight!(lo_idx, 0, 0);
-        if valid >> 8 != 0 {
-            eight!(lo_idx, 1, 1);
-            if valid >> 16 != 0 {
-                eight!(hi_idx, 0, 2);
-                if valid >> 24 != 0 {
-                    eight!(hi_idx, 1, 3);
-                }
-            }
-        }
-        at += 32;
-    }
-    s.next_n += n;
-    digest
-}
-
 /// Puts each of a region's `n` records in its class's lists (block index
-/// of the region's first word: `first`), sixteen at a time: each change's
-/// class, rank and last sign come from the region's masks (looked up by
-/// permutes of the tables held in registers), and each class's positions or
-/// ranks and signs are compressed into its lists.
+/// of the region's first word: `first`), sixteen at a time, and returns
+/// their digest change (eight lanes); appends their members to the next
+/// context (`s.next`).
+///
+/// Each change's class, rank and last sign come from the region's masks,
+/// looked up by permutes of the tables held in registers; the ranks at each
+/// 32 words' first are prefix sums of the masks' popcounts from `ranks`
+/// (each class's members before the region, advanced past it on return).
+/// Each class's positions or ranks and signs are compressed into its
+/// lists.
 #[cfg(target_arch = "x86_64")]
-#[inline]
+#[inline(never)]
 #[target_feature(
     enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512cd,avx512vbmi2,avx512vpopcntdq,avx2,bmi1,bmi2,lzcnt,popcnt"
 )]
 fn classify(
-    sm: bool,
-    first: u32,
-    n: usize,
+    proof: crate::platform::HasAvx512,
+    (sm, seed, block_first): (bool, u64, u64),
+    (first, n): (u32, usize),
     (rec, tab): (&Records, &Tables),
-    class: &mut [ClassList; CLASSES],
-) {
+    ranks: &mut [u32; 2],
+    s: &mut MaskScratch,
+    ahead: &mut Ahead,
+) -> __m512i {
     use std::arch::x86_64::{
-        _mm_maskz_compress_epi8, _mm_storeu_si128, _mm256_loadu_si256, _mm512_and_si512,
-        _mm512_andnot_si512, _mm512_cmpeq_epi32_mask, _mm512_cmpneq_epi32_mask,
-        _mm512_cvtepi32_epi8, _mm512_mask_blend_epi32, _mm512_mask_mov_epi32,
-        _mm512_maskz_compress_epi32, _mm512_maskz_mov_epi32, _mm512_permutex2var_epi32,
-        _mm512_popcnt_epi32, _mm512_sllv_epi32, _mm512_srli_epi32, _mm512_srlv_epi32,
-        _mm512_sub_epi32, _mm512_test_epi32_mask, _mm512_xor_si512,
+        _mm_maskz_compress_epi8, _mm_storeu_si128, _mm256_castsi256_si128,
+        _mm256_extracti128_si256, _mm256_maskz_loadu_epi16, _mm256_storeu_si256, _mm512_abs_epi32,
+        _mm512_alignr_epi32, _mm512_and_si512, _mm512_andnot_si512, _mm512_cmpeq_epi32_mask,
+        _mm512_cmpneq_epi32_mask, _mm512_cvtepi32_epi8, _mm512_cvtepi32_epi16,
+        _mm512_cvtepu32_epi64, _mm512_cvtsi512_si32, _mm512_mask_blend_epi32,
+        _mm512_mask_mov_epi32, _mm512_maskz_compress_epi32, _mm512_maskz_expand_epi32,
+        _mm512_maskz_mov_epi32, _mm512_permutex2var_epi32, _mm512_permutexvar_epi32,
+        _mm512_popcnt_epi32, _mm512_set_epi32, _mm512_sllv_epi32, _mm512_srai_epi32,
+        _mm512_srli_epi32, _mm512_srlv_epi32, _mm512_sub_epi32, _mm512_test_epi32_mask,
+        _mm512_xor_si512,
     };
+    let class = &mut s.class;
     for c in class.iter_mut() {
         c.room(n + 16);
     }
+    if s.next.len() < s.next_n + n + SLACK {
+        let len = (s.next_n + n + SLACK).max(2 * s.next.len());
+        s.next.resize(len, 0);
+    }
+    let set1 = _mm512_set1_epi32;
+    let zero = _mm512_setzero_si512();
     let table = |a: &[u32; WORDS32]| -> [__m512i; 4] {
         // SAFETY: `a` holds 64 words: each load reads 16 of them in bounds.
         std::array::from_fn(|q| unsafe {
             _mm512_loadu_si512(a[16 * q..16 * q + 16].as_ptr().cast())
         })
     };
-    let (t1, t2, tp, tr1, tr2) = (
-        table(&tab.m1),
-        table(&tab.m2),
-        table(&tab.p),
-        table(&tab.r1),
-        table(&tab.r2),
-    );
-    let set1 = _mm512_set1_epi32;
+    // Each class's rank at each 32 words' first: the exclusive prefix sums
+    // of the masks' popcounts, from the members before the region.
+    let prefix = |t: &[__m512i; 4], rank: &mut u32| -> [__m512i; 4] {
+        let mut carry = set1(*rank as i32);
+        let r = std::array::from_fn(|q| {
+            let c = _mm512_popcnt_epi32(t[q]);
+            let mut x = _mm512_add_epi32(c, _mm512_alignr_epi32::<15>(c, zero));
+            x = _mm512_add_epi32(x, _mm512_alignr_epi32::<14>(x, zero));
+            x = _mm512_add_epi32(x, _mm512_alignr_epi32::<12>(x, zero));
+            x = _mm512_add_epi32(x, _mm512_alignr_epi32::<8>(x, zero));
+            let at = _mm512_add_epi32(carry, _mm512_sub_epi32(x, c));
+            carry = _mm512_add_epi32(carry, _mm512_permutexvar_epi32(set1(15), x));
+            at
+        });
+        *rank = _mm512_cvtsi512_si32(carry) as u32;
+        r
+    };
+    let (t1, t2, tp) = (table(&tab.m1), table(&tab.m2), table(&tab.p));
+    let [rank1, rank2] = ranks;
+    let (tr1, tr2) = (prefix(&t1, rank1), prefix(&t2, rank2));
     let (one, ones, low) = (set1(1), set1(-1), set1(0xffff));
     let key32 = |x: __m512i| -> __m512i {
         if sm {
             // x ^ (0x8000 | (0x7fff if negative)).
-            let neg = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_srli_epi32::<15>(x));
+            let neg = _mm512_sub_epi32(zero, _mm512_srli_epi32::<15>(x));
             _mm512_xor_si512(
                 x,
                 _mm512_or_si512(set1(0x8000), _mm512_and_si512(neg, set1(0x7fff))),
@@ -392,6 +387,9 @@ fn classify(
             x
         }
     };
+    let bf = _mm512_set1_epi64(block_first as i64);
+    let mut digest = zero;
+    let iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     let [c0, c1, c2] = class;
     let mut j = 0usize;
     while j < n {
@@ -400,17 +398,53 @@ fn classify(
         } else {
             (1u16 << (n - j)) - 1
         };
-        // SAFETY: the arrays hold `REGION + SLACK` words and `j < n ≤
-        // REGION`: the 32 bytes at `j` are in bounds. Lanes past `n` are
-        // scratch, masked off by `valid`.
-        let (i, a, b) = unsafe {
+        // SAFETY: the arrays hold `REGION + 40` words and `j < n ≤
+        // REGION`: the 16 entries at `j` are in bounds. Index lanes past `n`
+        // are scratch, masked off by `valid`; the old and new words there
+        // load as 0 (no digest change).
+        let (i, a16, b16) = unsafe {
             (
                 _mm512_loadu_si512(rec.index[j..j + 16].as_ptr().cast()),
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256(rec.old[j..j + 16].as_ptr().cast())),
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256(rec.new[j..j + 16].as_ptr().cast())),
+                _mm256_maskz_loadu_epi16(valid, rec.old[j..j + 16].as_ptr().cast()),
+                _mm256_maskz_loadu_epi16(valid, rec.new[j..j + 16].as_ptr().cast()),
             )
         };
+        let (a, b) = (_mm512_cvtepu16_epi32(a16), _mm512_cvtepu16_epi32(b16));
+        // The digest, eight lanes at a time.
+        let idx =
+            |h: __m512i| _mm512_add_epi64(_mm512_cvtepu32_epi64(_mm512_castsi512_si256(h)), bf);
+        let w64 = |x: __m256i| {
+            (
+                _mm512_cvtepu16_epi64(_mm256_castsi256_si128(x)),
+                _mm512_cvtepu16_epi64(_mm256_extracti128_si256::<1>(x)),
+            )
+        };
+        let ((a_lo, a_hi), (b_lo, b_hi)) = (w64(a16), w64(b16));
+        digest = _mm512_add_epi64(
+            digest,
+            crate::digest::change_x8(proof, seed, idx(i), a_lo, b_lo),
+        );
+        if valid >> 8 != 0 {
+            let i_hi = _mm512_alignr_epi32::<8>(zero, i);
+            digest = _mm512_add_epi64(
+                digest,
+                crate::digest::change_x8(proof, seed, idx(i_hi), a_hi, b_hi),
+            );
+        }
         let step = _mm512_and_si512(_mm512_sub_epi32(key32(b), key32(a)), low);
+        let big = _mm512_cmpneq_epi32_mask(step, one) & _mm512_cmpneq_epi32_mask(step, low) & valid;
+        // The next context's members: index << 2 | neg << 1 | big.
+        let member = _mm512_or_si512(
+            _mm512_or_si512(
+                _mm512_slli_epi32::<2>(i),
+                _mm512_slli_epi32::<1>(_mm512_srli_epi32::<15>(step)),
+            ),
+            _mm512_maskz_mov_epi32(big, one),
+        );
+        let k = s.next_n + j;
+        // SAFETY: `s.next` has `n + SLACK` entries past `next_n`, and `j <
+        // n`: the 16 at `k` are in bounds.
+        unsafe { _mm512_storeu_si512(s.next[k..k + 16].as_mut_ptr().cast(), member) };
         let off = _mm512_sub_epi32(i, set1(first as i32));
         let w = _mm512_srli_epi32::<5>(off);
         let bit = _mm512_and_si512(off, set1(31));
@@ -427,15 +461,15 @@ fn classify(
         let is2 = valid & _mm512_test_epi32_mask(_mm512_srlv_epi32(m2, bit), one);
         let last = _mm512_and_si512(_mm512_srlv_epi32(look(&tp), bit), one);
         let below = _mm512_sllv_epi32(ones, bit);
-        let rank1 = _mm512_add_epi32(
+        let r1 = _mm512_add_epi32(
             look(&tr1),
             _mm512_popcnt_epi32(_mm512_andnot_si512(below, m1)),
         );
-        let rank2 = _mm512_add_epi32(
+        let r2 = _mm512_add_epi32(
             look(&tr2),
             _mm512_popcnt_epi32(_mm512_andnot_si512(below, m2)),
         );
-        let at = _mm512_mask_mov_epi32(_mm512_mask_mov_epi32(i, is1, rank1), is2, rank2);
+        let at = _mm512_mask_mov_epi32(_mm512_mask_mov_epi32(i, is1, r1), is2, r2);
         // A class-1 or 2 entry's sign is whether the step goes the other way
         // than the member's last; a step of 2^15 is its own negation, and
         // the staged encoder writes the top bit of the step negated: 1.
@@ -446,45 +480,42 @@ fn classify(
         );
         let sign8 = _mm512_cvtepi32_epi8(sign);
         let k0 = valid & !is1 & !is2;
-        let big = _mm512_cmpneq_epi32_mask(step, one) & _mm512_cmpneq_epi32_mask(step, low) & valid;
-        let before = [c0.n, c1.n, c2.n];
+        // An escape's `|step| − 2` (a step of 2^15 is 2^15 from either side).
+        let mag = _mm512_sub_epi32(
+            _mm512_abs_epi32(_mm512_srai_epi32::<16>(_mm512_slli_epi32::<16>(step))),
+            set1(2),
+        );
         for (c, k) in [(&mut *c0, k0), (&mut *c1, is1), (&mut *c2, is2)] {
             let at_c = _mm512_maskz_compress_epi32(k, at);
             let sign_c = _mm_maskz_compress_epi8(k, sign8);
-            // SAFETY: `room(n + 16)` left 16 entries past any count this
-            // region reaches; each store writes 64 or 16 bytes there.
+            // Each lane's entry rank in its class: its order among the
+            // class's lanes, after the class's entries so far.
+            let rank = _mm512_add_epi32(_mm512_maskz_expand_epi32(k, iota), set1(c.n as i32));
+            let e = k & big;
+            let esc_at = _mm512_maskz_compress_epi32(e, rank);
+            let esc_mag = _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(e, mag));
+            // SAFETY: `room(n + 16)` left 16 entries and escapes past any
+            // count this region reaches; each store writes 16 of them
+            // there (64, 16 or 32 bytes).
             unsafe {
                 _mm512_storeu_si512(c.at[c.n..c.n + 16].as_mut_ptr().cast(), at_c);
                 _mm_storeu_si128(c.sign[c.n..c.n + 16].as_mut_ptr().cast(), sign_c);
+                _mm512_storeu_si512(c.esc_at[c.esc_n..c.esc_n + 16].as_mut_ptr().cast(), esc_at);
+                _mm256_storeu_si256(
+                    c.esc_mag[c.esc_n..c.esc_n + 16].as_mut_ptr().cast(),
+                    esc_mag,
+                );
             }
             c.n += k.count_ones() as usize;
+            c.esc_n += e.count_ones() as usize;
         }
-        if big != 0 {
-            let mut steps = [0u32; 16];
-            // SAFETY: writes the 64 bytes of `steps`.
-            unsafe { _mm512_storeu_si512(steps.as_mut_ptr().cast(), step) };
-            let mut x = big;
-            while x != 0 {
-                let l = x.trailing_zeros();
-                let below = (1u16 << l) - 1;
-                let s = steps[l as usize];
-                let mag = if s >> 15 == 1 { 0x10000 - s } else { s };
-                let e = (mag - 2) as u16;
-                if is1 >> l & 1 == 1 {
-                    c1.esc
-                        .push(((before[1] + (is1 & below).count_ones() as usize) as u32, e));
-                } else if is2 >> l & 1 == 1 {
-                    c2.esc
-                        .push(((before[2] + (is2 & below).count_ones() as usize) as u32, e));
-                } else {
-                    c0.esc
-                        .push(((before[0] + (k0 & below).count_ones() as usize) as u32, e));
-                }
-                x &= x - 1;
-            }
+        for _ in 0..AHEAD_PER_16 {
+            ahead.pump();
         }
         j += 16;
     }
+    s.next_n += n;
+    digest
 }
 
 /// Bits of the Rice codes of the gaps of the ascending `at` with
@@ -535,10 +566,11 @@ fn choose(c: &ClassList, _: Scanned) -> (ClassHead, u64, u64) {
         .expect("three")
         .0;
     let mut esc = Escapes::default();
-    if let Some(&(last, _)) = c.esc.last() {
-        esc.n = c.esc.len() as u64;
+    let (esc_at, esc_mag) = c.escapes();
+    if let Some(&last) = esc_at.last() {
+        esc.n = esc_at.len() as u64;
         esc.gap_sum = last as u64 + 1 - esc.n;
-        for &(_, x) in &c.esc {
+        for &x in esc_mag {
             esc.add(x as u64);
         }
     }
@@ -553,13 +585,34 @@ fn choose(c: &ClassList, _: Scanned) -> (ClassHead, u64, u64) {
 }
 
 /// Writes the entries' gaps with Rice parameter `k` (each followed by its
-/// sign bit with `signs`). The writer's state stays in registers (the
-/// codes are `put_rice`'s, appended as `FastWriter::put56` does).
-#[cfg_attr(
-    target_arch = "x86_64",
-    target_feature(enable = "bmi1,bmi2,lzcnt,popcnt")
-)]
+/// sign bit with `signs`): the codes are `put_rice`'s. Eight entries at a
+/// time are coded in a vector and merged into fewer appends. A code is
+/// about `k + 2` bits (plus the sign): the merging is fixed for the class
+/// (pairs, fours or eights: `entries_by`), and a group with a longer code
+/// takes `vector::merge8`'s choice, or the general path past 56 bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2,bmi1,bmi2,lzcnt,popcnt")]
 fn entries(w: &mut FastWriter, c: &ClassList, k: u32, signs: bool) {
+    // Room for a quotient up to 2 in each merged code.
+    match k + u32::from(signs) + 3 {
+        0..=7 => entries_by::<8>(w, c, k, signs),
+        8..=14 => entries_by::<4>(w, c, k, signs),
+        15..=28 => entries_by::<2>(w, c, k, signs),
+        _ => entries_by::<1>(w, c, k, signs),
+    }
+}
+
+/// [`entries`], merging `STEP` entries per append where each code has at
+/// most 56 / `STEP` bits (`STEP` = 1: `vector::merge8`'s choice).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2,bmi1,bmi2,lzcnt,popcnt")]
+fn entries_by<const STEP: usize>(w: &mut FastWriter, c: &ClassList, k: u32, signs: bool) {
+    use std::arch::x86_64::{
+        _mm_cvtsi64_si128, _mm_loadl_epi64, _mm256_loadu_si256, _mm512_alignr_epi64,
+        _mm512_and_si512, _mm512_cmpgt_epu64_mask, _mm512_cvtepu8_epi64, _mm512_cvtepu32_epi64,
+        _mm512_sllv_epi64, _mm512_srl_epi64, _mm512_sub_epi64,
+    };
     let extra = u32::from(signs);
     let low = (1u64 << k) - 1;
     let (buf, wpos, wacc, wn) = w.parts();
@@ -581,68 +634,158 @@ fn entries(w: &mut FastWriter, c: &ClassList, k: u32, signs: bool) {
             n &= 7;
         }};
     }
-    let mut next = 0u64;
-    for (&at, &s) in c.at[..c.n].iter().zip(&c.sign[..c.n]) {
-        let g = at as u64 - next;
-        let tail = (s as u64) & extra as u64;
-        let q = g >> k;
-        if q + 1 + k as u64 + extra as u64 <= 56 {
-            let len = q as u32 + 1 + k;
-            put!(
-                (1u64 << q) | ((g & low) << (q + 1)) | (tail << len),
-                len + extra
-            );
-        } else {
-            // A long gap (rare): the unary part 48 zeros at a time, room
-            // made for each append.
-            let mut z = q;
-            while z >= 48 {
-                if buf.len() < pos + 16 {
-                    buf.resize(pos + 16 + buf.len(), 0);
+    // One entry, position `at` and sign `s`, gaps counted from `next`.
+    macro_rules! one {
+        ($at:expr, $s:expr, $next:expr) => {{
+            let g = $at as u64 - $next;
+            let tail = ($s as u64) & extra as u64;
+            let q = g >> k;
+            if q + 1 + k as u64 + extra as u64 <= 56 {
+                let len = q as u32 + 1 + k;
+                put!(
+                    (1u64 << q) | ((g & low) << (q + 1)) | (tail << len),
+                    len + extra
+                );
+            } else {
+                // A long gap (rare): the unary part 48 zeros at a time, room
+                // made for each append.
+                let mut z = q;
+                while z >= 48 {
+                    if buf.len() < pos + 16 {
+                        buf.resize(pos + 16 + buf.len(), 0);
+                    }
+                    put!(0u64, 48);
+                    z -= 48;
                 }
-                put!(0u64, 48);
-                z -= 48;
+                if buf.len() < pos + 32 {
+                    buf.resize(pos + 32 + buf.len(), 0);
+                }
+                put!(1u64 << z, z as u32 + 1);
+                if k > 0 {
+                    put!(g & low, k);
+                }
+                put!(tail, extra);
+                // The budget above counted 7 bytes per entry: restore it for
+                // the rest.
+                let need = pos + 8 * c.n + 16;
+                if buf.len() < need {
+                    buf.resize(need, 0);
+                }
             }
-            if buf.len() < pos + 32 {
-                buf.resize(pos + 32 + buf.len(), 0);
+        }};
+    }
+    let set1 = |x: u64| _mm512_set1_epi64(x as i64);
+    let (ones, low_v, k1, extra_v) = (set1(1), set1(low), set1(k as u64 + 1), set1(extra as u64));
+    let kx = _mm_cvtsi64_si128(k as i64);
+    let (at, sign) = (&c.at[..c.n], &c.sign[..c.n]);
+    let mut next = 0u64;
+    let mut j = 0usize;
+    while j + 8 <= c.n {
+        let (a8, s8) = (&at[j..j + 8], &sign[j..j + 8]);
+        // SAFETY: `a8` holds 8 u32 (32 bytes) and `s8` 8 bytes: each load
+        // reads exactly them.
+        let (a, s) = unsafe {
+            (
+                _mm512_cvtepu32_epi64(_mm256_loadu_si256(a8.as_ptr().cast())),
+                _mm512_cvtepu8_epi64(_mm_loadl_epi64(s8.as_ptr().cast())),
+            )
+        };
+        // Gap: at − (previous at + 1), the first lane's counted from `next`.
+        let prev = _mm512_alignr_epi64::<7>(_mm512_add_epi64(a, ones), set1(next));
+        let g = _mm512_sub_epi64(a, prev);
+        let q = _mm512_srl_epi64(g, kx);
+        let len = _mm512_add_epi64(q, k1);
+        let code = _mm512_or_si512(
+            _mm512_or_si512(
+                _mm512_sllv_epi64(ones, q),
+                _mm512_sllv_epi64(_mm512_and_si512(g, low_v), _mm512_add_epi64(q, ones)),
+            ),
+            _mm512_sllv_epi64(_mm512_and_si512(s, extra_v), len),
+        );
+        let total = _mm512_add_epi64(len, extra_v);
+        // A lane with q ≥ 64, whose shifts gave 0, is longer than 56 too.
+        if STEP > 1 && _mm512_cmpgt_epu64_mask(total, set1((56 / STEP) as u64)) == 0 {
+            let (cs, ls) = super::vector::merge_by::<STEP>(code, total);
+            for l in (0..8).step_by(STEP) {
+                put!(cs[l], ls[l] as u32);
             }
-            put!(1u64 << z, z as u32 + 1);
-            if k > 0 {
-                put!(g & low, k);
+        } else if _mm512_cmpgt_epu64_mask(total, set1(56)) == 0 {
+            let (cs, ls, step) = super::vector::merge8(code, total);
+            for l in (0..8).step_by(step) {
+                put!(cs[l], ls[l] as u32);
             }
-            put!(tail, extra);
-            // The budget above counted 7 bytes per entry: restore it for the
-            // rest.
-            let need = pos + 8 * c.n + 16;
-            if buf.len() < need {
-                buf.resize(need, 0);
+        } else {
+            for l in 0..8 {
+                let prev = if l == 0 { next } else { a8[l - 1] as u64 + 1 };
+                one!(a8[l], s8[l], prev);
             }
         }
-        next = at as u64 + 1;
+        next = a8[7] as u64 + 1;
+        j += 8;
+    }
+    for (&a, &s) in at[j..].iter().zip(&sign[j..]) {
+        one!(a, s, next);
+        next = a as u64 + 1;
     }
     (*wpos, *wacc, *wn) = (pos, acc, n);
 }
 
 /// Writes a step-coded class region.
-#[cfg_attr(
-    target_arch = "x86_64",
-    target_feature(enable = "bmi1,bmi2,lzcnt,popcnt")
-)]
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2,bmi1,bmi2,lzcnt,popcnt")]
 fn write_region(c: &ClassList, h: &ClassHead) -> Vec<u8> {
     let mut w = FastWriter::default();
     w.reserve(c.n * 2 + 64);
+    // Each escape's two codes (`put_rice`'s and `put_eg`'s) as one append
+    // where they fit in 56 bits.
+    let (esc_at, esc_mag) = c.escapes();
+    w.reserve(8 * esc_at.len());
+    let (ke, ve) = (h.ke, h.ve);
     let mut next = 0u64;
-    for &(r, x) in &c.esc {
-        put_rice(&mut w, r as u64 - next, h.ke, (0, 0));
-        put_eg(&mut w, x as u64, h.ve);
+    for (e, (&r, &x)) in esc_at.iter().zip(esc_mag).enumerate() {
+        let g = r as u64 - next;
+        let q = g >> ke;
+        // `ve` ≤ 20 (`best_eg`) and `x` < 2^16: `y` fits in 21 bits (the
+        // check below keeps other orders on the general path).
+        let y = x as u64 + (1u64 << ve);
+        let nb = 64 - y.leading_zeros();
+        let z = nb - 1 - ve;
+        let rlen = q + 1 + ke as u64;
+        if ve <= 20 && rlen + (z + nb) as u64 <= 56 {
+            let rice = (1u64 << q) | ((g & ((1u64 << ke) - 1)) << (q + 1));
+            let eg = (1u64 << z) | ((y ^ (1u64 << (nb - 1))) << (z + 1));
+            w.put56(rice | (eg << rlen), rlen as u32 + z + nb);
+        } else {
+            put_rice(&mut w, g, ke, (0, 0));
+            put_eg(&mut w, x as u64, ve);
+            w.reserve(8 * (esc_at.len() - e));
+        }
         next = r as u64 + 1;
     }
     if h.list.is_some() {
+        // The set signs' entry ranks, found 64 at a time.
+        use std::arch::x86_64::{_mm512_maskz_loadu_epi8, _mm512_test_epi8_mask};
+        let (ko, low) = (h.ko, (1u64 << h.ko) - 1);
         let mut next = 0u64;
-        for (j, &s) in c.sign[..c.n].iter().enumerate() {
-            if s != 0 {
-                put_rice(&mut w, j as u64 - next, h.ko, (0, 0));
-                next = j as u64 + 1;
+        for at in (0..c.n).step_by(64) {
+            let valid = u64::MAX >> (64 - (c.n - at).min(64));
+            // SAFETY: the lanes of `valid` are entries below `c.n`, in
+            // bounds; the others are not read.
+            let x = unsafe { _mm512_maskz_loadu_epi8(valid, c.sign[at..].as_ptr().cast()) };
+            let mut set = _mm512_test_epi8_mask(x, x);
+            w.reserve(8 * set.count_ones() as usize);
+            while set != 0 {
+                let j = (at + set.trailing_zeros() as usize) as u64;
+                let g = j - next;
+                let q = g >> ko;
+                if q + 1 + ko as u64 <= 56 {
+                    w.put56((1u64 << q) | ((g & low) << (q + 1)), q as u32 + 1 + ko);
+                } else {
+                    put_rice(&mut w, g, ko, (0, 0));
+                    w.reserve(8 * set.count_ones() as usize);
+                }
+                next = j + 1;
+                set &= set - 1;
             }
         }
     }
@@ -653,6 +796,7 @@ fn write_region(c: &ClassList, h: &ClassHead) -> Vec<u8> {
 /// Encodes a block [`scan_block`] scanned from `s`: its entry and stream,
 /// or `None` when its values cost less raw (the staged encoder writes
 /// those).
+#[cfg(target_arch = "x86_64")]
 pub(crate) fn encode_scanned(s: &MaskScratch, proof: Scanned) -> Option<(BlockEntry, Vec<u8>)> {
     let chosen = [0, 1, 2].map(|c| choose(&s.class[c], proof));
     let step: u64 = chosen.iter().map(|c| c.1).sum();
@@ -670,9 +814,10 @@ pub(crate) fn encode_scanned(s: &MaskScratch, proof: Scanned) -> Option<(BlockEn
                     Vec::new()
                 } else {
                     // SAFETY: a `Scanned` exists only where `scan_block` found
-                    // BMI1, BMI2, LZCNT and POPCNT (the AVX2 level and up),
-                    // every feature `write_region` is compiled with; it is
-                    // otherwise safe code.
+                    // the VBMI2 level (AVX-512 F, BW, DQ over AVX2, BMI1,
+                    // BMI2, LZCNT and POPCNT), every feature `write_region`
+                    // is compiled with; it is otherwise safe code whose loads
+                    // are justified where they are made.
                     unsafe { write_region(&s.class[c], &heads[c]) }
                 }
             })
@@ -687,6 +832,12 @@ pub(crate) fn encode_scanned(s: &MaskScratch, proof: Scanned) -> Option<(BlockEn
         bytes: out.len() as u64,
     };
     Some((e, out))
+}
+
+/// [`scan_block`] never scans on other CPUs.
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) fn encode_scanned(_: &MaskScratch, _: Scanned) -> Option<(BlockEntry, Vec<u8>)> {
+    None
 }
 
 thread_local! {
@@ -785,7 +936,7 @@ mod tests {
     /// Three versions where the third changes many of the words the second
     /// changed, by steps of 1, 3..203 and 2^15; with `neg`, a third of the
     /// words negative.
-    fn chain(words: usize, seed: u64, neg: bool) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
+    fn chain(words: usize, seed: u64, neg: bool, down: u64) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
         let spec = super::super::testutil::Chain {
             first: 37,
             again: 2,
@@ -795,6 +946,7 @@ mod tests {
                 1..=3 => 3 + (h2 % 200) as u16,
                 _ => 1,
             },
+            down,
             neg,
         };
         super::super::testutil::chain(words, seed, &spec)
@@ -812,8 +964,11 @@ mod tests {
         }
         let mut taken = 0;
         for words in [3 * 2048 + 37, 2048, 64, 63, 1, 5000] {
-            for (seed, neg) in [(1u64, false), (2, true), (3, true)] {
-                let (a, b, c) = chain(words, seed, neg);
+            // Steps up and down alike, and (one in 16 down) mostly up: the
+            // signs then cost less as a list of the set ones.
+            for (seed, neg, down) in [(1u64, false, 2), (2, true, 2), (3, true, 2), (4, false, 16)]
+            {
+                let (a, b, c) = chain(words, seed, neg, down);
                 for kind in [KeyKind::SignMagnitude, KeyKind::Identity] {
                     let ctx = members_of(kind, &a, &b);
                     let case = format!("{words} words, seed {seed}, {kind:?}");
@@ -860,17 +1015,84 @@ mod tests {
         assert!(taken > 100, "the mask encoder took {taken} cases");
     }
 
+    /// The entry writer against `put_rice` one entry at a time: Rice
+    /// parameters 0–20, with and without sign bits, gaps whose codes straddle each
+    /// merge's bound (56 / 8, 56 / 4, 56 / 2 bits) and pass 56 bits, lists
+    /// of every length around a group of eight.
+    #[test]
+    fn entries_match_put_rice() {
+        if !require(Level::Avx512Vbmi2, "entries_match_put_rice") {
+            return;
+        }
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let mut checked = 0;
+        for k in 0..=20u32 {
+            for signs in [false, true] {
+                for n in [0usize, 1, 7, 8, 9, 31, 64, 203] {
+                    let mut c = ClassList::default();
+                    c.room(n + 16);
+                    let mut next = 0u64;
+                    for j in 0..n {
+                        let r = rnd();
+                        // Quotients 0–6 mostly, now and then past 56 bits
+                        // (positions stay below 2^31).
+                        let q = if r % 61 == 0 && k <= 12 {
+                            40 + r % 30
+                        } else {
+                            (r >> 8) % 7
+                        };
+                        let g = (q << k) | ((r >> 16) & ((1 << k) - 1));
+                        c.at[j] = (next + g) as u32;
+                        c.sign[j] = (r >> 40) as u8 & 1;
+                        next += g + 1;
+                    }
+                    c.n = n;
+                    // Three bits first, so the codes start mid-byte.
+                    let (mut want, mut got) = (FastWriter::default(), FastWriter::default());
+                    for w in [&mut want, &mut got] {
+                        w.reserve(8);
+                        w.put56(5, 3);
+                    }
+                    let mut prev = 0u64;
+                    for j in 0..n {
+                        let extra = u32::from(signs);
+                        let tail = c.sign[j] as u64 * extra as u64;
+                        put_rice(&mut want, c.at[j] as u64 - prev, k, (tail, extra));
+                        prev = c.at[j] as u64 + 1;
+                    }
+                    // SAFETY: `require` found the VBMI2 level, every feature
+                    // `entries` is compiled with.
+                    unsafe { entries(&mut got, &c, k, signs) };
+                    assert!(
+                        got.finish() == want.finish(),
+                        "k {k}, signs {signs}, {n} entries"
+                    );
+                    checked += 1;
+                }
+            }
+        }
+        assert_eq!(checked, 21 * 2 * 8);
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]
 
         /// Random blocks, changes and contexts (any members, any classes
-        /// and signs) encode as the staged encoder does.
+        /// and signs, steps skewed up or down) encode as the staged encoder
+        /// does.
         #[test]
         fn random_blocks_agree(
             words in 1usize..5000,
             seed in any::<u64>(),
             density in 1u64..60,
             mdensity in 1u64..60,
+            up in 0u64..=100,
             identity in any::<bool>(),
         ) {
             if !Platform::cpu().has(Level::Avx512Vbmi2) {
@@ -899,7 +1121,8 @@ mod tests {
                         _ => 1,
                     };
                     let w = u16::from_le_bytes([base[2 * i], base[2 * i + 1]]);
-                    let w = if r & 16 == 0 { w.wrapping_add(step) } else { w.wrapping_sub(step) };
+                    // `up` in 100 go up: skewed, the signs cost less as a list.
+                    let w = if (r >> 40) % 100 < up { w.wrapping_add(step) } else { w.wrapping_sub(step) };
                     new[2 * i..2 * i + 2].copy_from_slice(&w.to_le_bytes());
                 }
             }

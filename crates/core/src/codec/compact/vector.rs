@@ -10,8 +10,8 @@
 //! Exp-Golomb code, digest change). Changes left over at the end of a region
 //! (fewer than eight) are carried into the next one, so every group but the
 //! block's last is full. Eight finished entries are merged in the vector into
-//! two codes of at most 56 bits where they fit (four, or eight, where they do
-//! not), which shortens the serial chain of appends to the bit stream. An
+//! as few codes of at most 56 bits as they fit in (one, two, four or eight:
+//! `merge8`), which shortens the serial chain of appends to the bit stream. An
 //! entry longer than 56 bits is written by the caller's scalar code, so both
 //! paths write the same bits; `compact`'s tests compare them on every kind of
 //! block.
@@ -460,29 +460,7 @@ impl Kernel {
         let fifty_six = set1(56);
         let long = _mm512_cmpgt_epu64_mask(total, fifty_six) & used;
         if count == 8 && long == 0 {
-            // Merge neighbours: lane 2j takes lane 2j+1 above its bits, then
-            // lane 4j takes lane 4j+2; written as 2 codes where each merged
-            // four fits in 56 bits, else as 4 pairs, else one by one.
-            let shift1 = _mm512_alignr_epi64::<7>(total, zero);
-            let pair = _mm512_or_si512(
-                entry,
-                _mm512_alignr_epi64::<1>(zero, _mm512_sllv_epi64(entry, shift1)),
-            );
-            let pair_len = _mm512_add_epi64(total, _mm512_alignr_epi64::<1>(zero, total));
-            let shift2 = _mm512_alignr_epi64::<6>(pair_len, zero);
-            let quad = _mm512_or_si512(
-                pair,
-                _mm512_alignr_epi64::<2>(zero, _mm512_sllv_epi64(pair, shift2)),
-            );
-            let quad_len = _mm512_add_epi64(pair_len, _mm512_alignr_epi64::<2>(zero, pair_len));
-            let (codes, lens, step) = if _mm512_cmpgt_epu64_mask(quad_len, fifty_six) & 0x11 == 0 {
-                (quad, quad_len, 4)
-            } else if _mm512_cmpgt_epu64_mask(pair_len, fifty_six) & 0x55 == 0 {
-                (pair, pair_len, 2)
-            } else {
-                (entry, total, 1)
-            };
-            let (c, l) = spill(codes, lens);
+            let (c, l, step) = merge8(entry, total);
             for j in (0..8).step_by(step) {
                 w.put56(c[j], l[j] as u32);
             }
@@ -513,6 +491,76 @@ fn sign_flip(negative: __m512i) -> __m512i {
         _mm512_set1_epi64(0xffff),
     );
     _mm512_or_si512(all, _mm512_set1_epi64(0x8000))
+}
+
+/// One level of [`merge8`]: lane `j·2S` takes lane `j·2S + S` above its
+/// bits (`codes`, lengths `lens`), for `S` = 1, 2, 4.
+macro_rules! merge_level {
+    ($name:ident, $s:literal, $up:literal) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx512f")]
+        #[inline]
+        fn $name(codes: __m512i, lens: __m512i) -> (__m512i, __m512i) {
+            let zero = _mm512_setzero_si512();
+            // Each lane's length moved up by S lanes: the shift of the lane
+            // S above.
+            let shift = _mm512_alignr_epi64::<$up>(lens, zero);
+            (
+                _mm512_or_si512(
+                    codes,
+                    _mm512_alignr_epi64::<$s>(zero, _mm512_sllv_epi64(codes, shift)),
+                ),
+                _mm512_add_epi64(lens, _mm512_alignr_epi64::<$s>(zero, lens)),
+            )
+        }
+    };
+}
+merge_level!(merge_pairs, 1, 7);
+merge_level!(merge_quads, 2, 6);
+merge_level!(merge_eights, 4, 4);
+
+/// Eight codes (`entry`, lengths `total`, each at most 56 bits) merged
+/// into fewer codes of at most 56 bits, for fewer appends to the bit stream:
+/// lane 2j takes lane 2j+1 above its bits, then lane 4j lane 4j+2, then lane
+/// 0 lane 4. Returns the codes, their lengths and the stride of the ones to
+/// write (lanes 0, `step`, 2·`step`…): 8 where all eight fit in one code, 4
+/// where each merged four does, 2 where each pair does, else 1.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(super) fn merge8(entry: __m512i, total: __m512i) -> ([u64; 8], [u64; 8], usize) {
+    let fifty_six = _mm512_set1_epi64(56);
+    let (pair, pair_len) = merge_pairs(entry, total);
+    let (quad, quad_len) = merge_quads(pair, pair_len);
+    let (oct, oct_len) = merge_eights(quad, quad_len);
+    let (codes, lens, step) = if _mm512_cmpgt_epu64_mask(oct_len, fifty_six) & 0x01 == 0 {
+        (oct, oct_len, 8)
+    } else if _mm512_cmpgt_epu64_mask(quad_len, fifty_six) & 0x11 == 0 {
+        (quad, quad_len, 4)
+    } else if _mm512_cmpgt_epu64_mask(pair_len, fifty_six) & 0x55 == 0 {
+        (pair, pair_len, 2)
+    } else {
+        (entry, total, 1)
+    };
+    let (c, l) = spill(codes, lens);
+    (c, l, step)
+}
+
+/// Eight codes merged as [`merge8`] merges them, into codes of `STEP`
+/// (2, 4 or 8) entries: the caller knows each lane's length is at most
+/// 56 / `STEP`, so every merged code fits in 56 bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(super) fn merge_by<const STEP: usize>(entry: __m512i, total: __m512i) -> ([u64; 8], [u64; 8]) {
+    let (mut codes, mut lens) = merge_pairs(entry, total);
+    if STEP >= 4 {
+        (codes, lens) = merge_quads(codes, lens);
+    }
+    if STEP >= 8 {
+        (codes, lens) = merge_eights(codes, lens);
+    }
+    spill(codes, lens)
 }
 
 /// Two vectors' lanes as arrays.
