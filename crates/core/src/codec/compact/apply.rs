@@ -237,7 +237,8 @@ pub(crate) fn verify_block(
 }
 
 /// A `compact2` block through `sink`, a group of [`BATCH`] entries at a
-/// time, class after class (see `v2`): each group's lines are prefetched as
+/// time, the classes interleaved by stretches of the block
+/// (`v2::Interleave`): each group's lines are prefetched as
 /// it is decoded and it is resolved `SLOTS − 1` groups later, as for
 /// `compact` blocks. Then the check that no word changed twice and (with
 /// `record`) the block's members for the next context.
@@ -324,36 +325,35 @@ fn run_v2_w<const W: usize, S: Sink>(
     let mut dig = 0u64;
     let mut n = 0usize; // groups decoded
     let mut result: std::result::Result<(), &'static str> = Ok(());
-    'classes: for c in 0..v2::CLASSES {
-        if plan.count(c) == 0 {
-            continue;
-        }
-        let mut rd = match plan.reader(c, block, members, scratch) {
-            Ok(rd) => rd,
-            Err(what) => {
-                result = Err(what);
-                break;
+    match plan.readers(block, members, scratch) {
+        Err(what) => result = Err(what),
+        Ok(mut rd) => {
+            let mut order = v2::Interleave::new();
+            while let Some(c) = order.next(rd.each_ref().map(|r| r.remaining())) {
+                let g = &mut slots[n % SLOTS];
+                g.count = rd[c].remaining().min(BATCH as u64) as usize;
+                if let Err(what) = rd[c].fill::<W>(g, blk, rec) {
+                    result = Err(what);
+                    break;
+                }
+                order.took(c, g.index[g.count - 1]);
+                if n >= SLOTS - 1 {
+                    // Resolves the group decoded SLOTS − 1 groups before this one.
+                    let g = &slots[(n + 1) % SLOTS];
+                    let d = resolve_v2::<W, S>(
+                        (platform, block, ctx),
+                        raw,
+                        blk,
+                        g,
+                        (&mut batch, sink),
+                    )?;
+                    dig = dig.wrapping_add(d);
+                }
+                n += 1;
             }
-        };
-        while rd.remaining() > 0 {
-            let g = &mut slots[n % SLOTS];
-            g.count = rd.remaining().min(BATCH as u64) as usize;
-            if let Err(what) = rd.fill::<W>(g, blk, rec) {
-                result = Err(what);
-                break 'classes;
+            if result.is_ok() {
+                result = rd.iter().try_for_each(|r| r.end());
             }
-            if n >= SLOTS - 1 {
-                // Resolves the group decoded SLOTS − 1 groups before this one.
-                let g = &slots[(n + 1) % SLOTS];
-                let d =
-                    resolve_v2::<W, S>((platform, block, ctx), raw, blk, g, (&mut batch, sink))?;
-                dig = dig.wrapping_add(d);
-            }
-            n += 1;
-        }
-        if let Err(what) = rd.end() {
-            result = Err(what);
-            break;
         }
     }
     if let Err(what) = result {
