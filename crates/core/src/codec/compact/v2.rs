@@ -299,6 +299,66 @@ fn read_ranks(
     Ok(())
 }
 
+/// Reads a class's `count` escapes: strictly ascending entry ranks below
+/// `limit` (Rice-coded gaps, parameter `ke`), each followed by its step's
+/// magnitude less 2 (Exp-Golomb, order `ve`), the magnitude at most
+/// 2^`top`. Both codes of an escape come from one window where they fit
+/// (the usual case); otherwise [`Cursor::rice`] and [`Cursor::eg`] read
+/// them. Either way the same checks, in the same order.
+fn read_escapes(
+    cur: &mut Cursor<'_>,
+    (count, ke, ve, limit, top): (u64, u32, u32, u64, u32),
+    (ranks, mags): (&mut Vec<u64>, &mut Vec<u64>),
+) -> std::result::Result<(), &'static str> {
+    ranks.clear();
+    mags.clear();
+    ranks.reserve(count as usize);
+    mags.reserve(count as usize);
+    let q_limit = limit >> ke;
+    let low = (1u64 << ke) - 1;
+    let mut next = 0u64;
+    for _ in 0..count {
+        let fast = cur.window().and_then(|w| {
+            // `tz` zeros, a one and `ke` bits; then `z` zeros, a one and
+            // `z + ve` bits, all within the window's 57 valid bits.
+            let tz = w.trailing_zeros();
+            let rice = tz + 1 + ke;
+            if tz as u64 > q_limit || rice > 55 {
+                return None;
+            }
+            let rest = w >> rice;
+            let z = rest.trailing_zeros();
+            let width = z + ve;
+            if rice + z + 1 + width > 57 {
+                return None;
+            }
+            let g = ((tz as u64) << ke) | ((w >> (tz + 1)) & low);
+            let x = ((1u64 << width) | ((rest >> (z + 1)) & ((1u64 << width) - 1))) - (1u64 << ve);
+            cur.at += (rice + z + 1 + width) as u64;
+            Some((g, x))
+        });
+        let (r, x) = match fast {
+            Some((g, x)) => (next + g, Some(x)),
+            None => (next + cur.rice(ke, q_limit)?, None),
+        };
+        if r >= limit {
+            return Err("listed entry beyond the class");
+        }
+        let x = match x {
+            Some(x) => x,
+            None => cur.eg(ve)?,
+        };
+        let m = x.checked_add(2).ok_or("step larger than the word")?;
+        if m > 1u64 << top {
+            return Err("step larger than the word");
+        }
+        ranks.push(r);
+        mags.push(m);
+        next = r + 1;
+    }
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------
 // Decoding
 
@@ -520,17 +580,11 @@ impl Plan {
         };
         let top = block.wb as u32 * 8 - 1;
         if h.n > 0 && !self.raw {
-            let (ranks, mags) = (&mut s.esc_rank, &mut s.esc_mag);
-            mags.clear();
-            read_ranks(&mut cur, (h.esc, h.ke, h.n), ranks, |cur| {
-                let x = cur.eg(h.ve)?;
-                let m = x.checked_add(2).ok_or("step larger than the word")?;
-                if m > 1u64 << top {
-                    return Err("step larger than the word");
-                }
-                mags.push(m);
-                Ok(())
-            })?;
+            read_escapes(
+                &mut cur,
+                (h.esc, h.ke, h.ve, h.n, top),
+                (&mut s.esc_rank, &mut s.esc_mag),
+            )?;
             s.list_rank.clear();
             if let Some(t) = h.list {
                 read_ranks(&mut cur, (t, h.ko, h.n), &mut s.list_rank, |_| Ok(()))?;
