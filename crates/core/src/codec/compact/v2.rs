@@ -20,8 +20,10 @@
 //! A block's stream is a prologue (counts, parameters and region lengths, in
 //! bytes) and one byte-aligned region per non-empty class. Decoding fills a
 //! [`Decoded`] with the block's changes in ascending index order (the three
-//! classes merged, any index named twice refused); the apply then resolves
-//! and writes them like any other block's (see `apply`).
+//! classes merged, any index named twice refused). The apply reads the
+//! classes' entries directly, interleaved by stretches of the block
+//! (`Interleave`), and resolves and writes them like any other block's
+//! (see `apply`).
 
 use super::context::{BIG, Member, NEG, index, member};
 use super::{BATCH, Block, Group, MAX_POS_K, MAX_VAL_K};
@@ -971,7 +973,7 @@ fn finish_reference(
 /// Decodes a `compact2` block into `out`, in ascending index order, given
 /// the block's context members (`members`, ascending; empty without
 /// context). Every malformed case is an error naming the block. (The apply
-/// decodes the classes one after the other instead, see `apply`.)
+/// reads the classes interleaved instead, see [`Interleave`].)
 pub(crate) fn decode(
     block: &Block<'_>,
     members: &[Member],
