@@ -181,17 +181,28 @@ pub(crate) fn rice_guess(n: u64, sum: u64, max_k: u32) -> u32 {
         .expect("non-empty range")
 }
 
+/// The Rice code of `g` with parameter `k` (from the lowest bit: `g >> k`
+/// zeros, a one, the low `k` bits of `g`) and its
+/// length, when that length is at most `room` bits (`room` ≤ 56).
+#[inline(always)]
+pub(crate) fn rice_code(g: u64, k: u32, room: u32) -> Option<(u64, u32)> {
+    let q = g >> k;
+    if q + 1 + k as u64 > room as u64 {
+        return None;
+    }
+    let code = (1u64 << q) | ((g & ((1u64 << k) - 1)) << (q + 1));
+    Some((code, q as u32 + 1 + k))
+}
+
 /// Writes `g` in Rice code with parameter `k`, then the low `extra` bits of
 /// `tail` (`extra` ≤ 8); one append when it fits.
 #[inline(always)]
 pub(crate) fn put_rice(w: &mut FastWriter, g: u64, k: u32, (tail, extra): (u64, u32)) {
-    let q = g >> k;
-    if q + 1 + k as u64 + extra as u64 <= 56 {
-        let len = q as u32 + 1 + k;
-        let code = (1u64 << q) | ((g & ((1u64 << k) - 1)) << (q + 1)) | (tail << len);
+    if let Some((code, len)) = rice_code(g, k, 56 - extra) {
         w.reserve(8);
-        w.put56(code, len + extra);
+        w.put56(code | (tail << len), len + extra);
     } else {
+        let q = g >> k;
         w.put_unary(q);
         w.put(g & ((1u64 << k) - 1), k);
         w.put(tail, extra);

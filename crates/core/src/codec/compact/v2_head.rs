@@ -107,8 +107,30 @@ fn best_eg(small: &[u64; 64], large: &[u64; 65]) -> (u32, u64) {
         .expect("non-empty range")
 }
 
+/// The order-`k` Exp-Golomb code of `x` (from the lowest bit: `z` zeros, a
+/// one, the `z + k` bits of `x + 2^k` below its top bit) and its length,
+/// when that length is at most `room` bits (`room` ≤ 56).
+#[inline(always)]
+pub(super) fn eg_code(x: u64, k: u32, room: u32) -> Option<(u64, u32)> {
+    if k > 40 || x >> 40 != 0 {
+        return None;
+    }
+    let y = x + (1u64 << k);
+    let nb = 64 - y.leading_zeros();
+    let z = nb - 1 - k;
+    if z + nb > room {
+        return None;
+    }
+    Some(((1u64 << z) | ((y ^ (1u64 << (nb - 1))) << (z + 1)), z + nb))
+}
+
 /// Writes `x` in order-`k` Exp-Golomb code.
 pub(super) fn put_eg(w: &mut FastWriter, x: u64, k: u32) {
+    if let Some((code, len)) = eg_code(x, k, 56) {
+        w.reserve(8);
+        w.put56(code, len);
+        return;
+    }
     let y = x as u128 + (1u128 << k);
     let nb = 128 - y.leading_zeros();
     w.put_unary((nb - 1 - k) as u64);

@@ -40,8 +40,10 @@ use std::arch::x86_64::{
 };
 
 use super::MAX_POS_K;
-use super::v2_head::{CLASSES, ClassHead, Escapes, assemble, choose_values, put_eg, rice_guess_k};
-use crate::codec::bits::{FastWriter, put_rice};
+use super::v2_head::{
+    CLASSES, ClassHead, Escapes, assemble, choose_values, eg_code, put_eg, rice_guess_k,
+};
+use crate::codec::bits::{FastWriter, put_rice, rice_code};
 use crate::format::{BlockEntry, ValueCoding};
 
 // Regions of the fused scan (2,048 words): a region's records and the
@@ -313,7 +315,7 @@ fn scan_block_w2(
 /// Each class's positions or ranks and signs are compressed into its
 /// lists.
 #[cfg(target_arch = "x86_64")]
-#[inline(never)]
+#[inline]
 #[target_feature(
     enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512cd,avx512vbmi2,avx512vpopcntdq,avx2,bmi1,bmi2,lzcnt,popcnt"
 )]
@@ -639,17 +641,12 @@ fn entries_by<const STEP: usize>(w: &mut FastWriter, c: &ClassList, k: u32, sign
         ($at:expr, $s:expr, $next:expr) => {{
             let g = $at as u64 - $next;
             let tail = ($s as u64) & extra as u64;
-            let q = g >> k;
-            if q + 1 + k as u64 + extra as u64 <= 56 {
-                let len = q as u32 + 1 + k;
-                put!(
-                    (1u64 << q) | ((g & low) << (q + 1)) | (tail << len),
-                    len + extra
-                );
+            if let Some((code, len)) = rice_code(g, k, 56 - extra) {
+                put!(code | (tail << len), len + extra);
             } else {
                 // A long gap (rare): the unary part 48 zeros at a time, room
                 // made for each append.
-                let mut z = q;
+                let mut z = g >> k;
                 while z >= 48 {
                     if buf.len() < pos + 16 {
                         buf.resize(pos + 16 + buf.len(), 0);
@@ -744,17 +741,10 @@ fn write_region(c: &ClassList, h: &ClassHead) -> Vec<u8> {
     let mut next = 0u64;
     for (e, (&r, &x)) in esc_at.iter().zip(esc_mag).enumerate() {
         let g = r as u64 - next;
-        let q = g >> ke;
-        // `ve` ≤ 20 (`best_eg`) and `x` < 2^16: `y` fits in 21 bits (the
-        // check below keeps other orders on the general path).
-        let y = x as u64 + (1u64 << ve);
-        let nb = 64 - y.leading_zeros();
-        let z = nb - 1 - ve;
-        let rlen = q + 1 + ke as u64;
-        if ve <= 20 && rlen + (z + nb) as u64 <= 56 {
-            let rice = (1u64 << q) | ((g & ((1u64 << ke) - 1)) << (q + 1));
-            let eg = (1u64 << z) | ((y ^ (1u64 << (nb - 1))) << (z + 1));
-            w.put56(rice | (eg << rlen), rlen as u32 + z + nb);
+        if let Some((eg, elen)) = eg_code(x as u64, ve, 56)
+            && let Some((rice, rlen)) = rice_code(g, ke, 56 - elen)
+        {
+            w.put56(rice | (eg << rlen), rlen + elen);
         } else {
             put_rice(&mut w, g, ke, (0, 0));
             put_eg(&mut w, x as u64, ve);
@@ -765,7 +755,7 @@ fn write_region(c: &ClassList, h: &ClassHead) -> Vec<u8> {
     if h.list.is_some() {
         // The set signs' entry ranks, found 64 at a time.
         use std::arch::x86_64::{_mm512_maskz_loadu_epi8, _mm512_test_epi8_mask};
-        let (ko, low) = (h.ko, (1u64 << h.ko) - 1);
+        let ko = h.ko;
         let mut next = 0u64;
         for at in (0..c.n).step_by(64) {
             let valid = u64::MAX >> (64 - (c.n - at).min(64));
@@ -776,12 +766,10 @@ fn write_region(c: &ClassList, h: &ClassHead) -> Vec<u8> {
             w.reserve(8 * set.count_ones() as usize);
             while set != 0 {
                 let j = (at + set.trailing_zeros() as usize) as u64;
-                let g = j - next;
-                let q = g >> ko;
-                if q + 1 + ko as u64 <= 56 {
-                    w.put56((1u64 << q) | ((g & low) << (q + 1)), q as u32 + 1 + ko);
+                if let Some((code, len)) = rice_code(j - next, ko, 56) {
+                    w.put56(code, len);
                 } else {
-                    put_rice(&mut w, g, ko, (0, 0));
+                    put_rice(&mut w, j - next, ko, (0, 0));
                     w.reserve(8 * set.count_ones() as usize);
                 }
                 next = j + 1;
