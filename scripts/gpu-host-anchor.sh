@@ -18,7 +18,8 @@
 #
 # Writes $OUT/anchor-loopback.json, $OUT/anchor-link.json (each with a .txt
 # log) and $OUT/steps.txt. Every step is bounded (ANCHOR_TIMEOUT seconds
-# each); LINK=0 skips the shaped run.
+# each); LINK=0 skips the shaped run, RUNS names the runs to make (default
+# "loopback link").
 set -u
 OUT=${OUT:-/tmp/anchor-out}
 PY=${PYTHON:-python3}
@@ -55,11 +56,13 @@ run() {  # name, link MB/s
     echo "rc=$?" >> "$OUT/anchor-$1.txt"
     rm -rf /dev/shm/wcanchor
 }
-run loopback 0
-if [ "${LINK:-100}" != 0 ] && ip netns add wc-probe 2>/dev/null; then
-    ip netns del wc-probe
-    run link "${LINK:-100}"
-else
-    step "no network namespaces here (or LINK=0): the shaped run is skipped"
-fi
+case " ${RUNS:-loopback link} " in *" loopback "*) run loopback 0 ;; esac
+case " ${RUNS:-loopback link} " in *" link "*)
+    if [ "${LINK:-100}" != 0 ] && ip netns add wc-probe 2>/dev/null; then
+        ip netns del wc-probe
+        run link "${LINK:-100}"
+    else
+        step "no network namespaces here (or LINK=0): the shaped run is skipped"
+    fi ;;
+esac
 step end
