@@ -209,6 +209,15 @@ pub(crate) fn put_rice(w: &mut FastWriter, g: u64, k: u32, (tail, extra): (u64, 
     }
 }
 
+/// The 64 bits of `stream` from bit `at` on (at least 57 of them from the
+/// stream), when the 8 bytes holding bit `at` are all in it.
+#[inline(always)]
+pub(crate) fn window(stream: &[u8], at: u64) -> Option<u64> {
+    let byte = (at >> 3) as usize;
+    let chunk = stream.get(byte..byte + 8)?;
+    Some(u64::from_le_bytes(chunk.try_into().expect("8 bytes")) >> (at & 7))
+}
+
 /// Reads bits from a byte slice; every read is checked against the end.
 pub struct BitReader<'a> {
     data: &'a [u8],

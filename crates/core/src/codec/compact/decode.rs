@@ -12,7 +12,7 @@
 //! checks the fast paths against `entry_slow` on arbitrary streams.
 
 use super::{Block, MAX_POS_K, MAX_VAL_K, Value};
-use crate::codec::bits::BitReader;
+use crate::codec::bits::{BitReader, window};
 use crate::dtype::word_mask;
 use crate::error::{Error, Result};
 use crate::format::{BlockEntry, ValueCoding};
@@ -107,15 +107,6 @@ impl Coding {
             fast_q: q_limit.min(53 - k as u64) as u32,
         })
     }
-}
-
-/// The 64 bits of `stream` from bit `at` on (at least 57 of them from the
-/// stream), when the 8 bytes holding bit `at` are all in it.
-#[inline(always)]
-fn window(stream: &[u8], at: u64) -> Option<u64> {
-    let byte = (at >> 3) as usize;
-    let chunk = stream.get(byte..byte + 8)?;
-    Some(u64::from_le_bytes(chunk.try_into().expect("8 bytes")) >> (at & 7))
 }
 
 /// The gap a window starts with and the length of its code, when the fast

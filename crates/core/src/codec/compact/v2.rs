@@ -27,7 +27,7 @@
 
 use super::context::{BIG, Member, NEG, index, member};
 use super::{BATCH, Block, Group, MAX_POS_K, MAX_VAL_K};
-use crate::codec::bits::{BitReader, FastWriter, put_rice};
+use crate::codec::bits::{BitReader, FastWriter, put_rice, window};
 use crate::dtype::{to_key, word_mask};
 use crate::error::Result;
 use crate::format::{BlockEntry, ValueCoding};
@@ -184,13 +184,10 @@ struct Cursor<'a> {
 }
 
 impl<'a> Cursor<'a> {
-    /// The 64 bits from the cursor on (at least 57 valid), when the 8 bytes
-    /// holding the cursor's bit are all in the region.
+    /// The 64 bits from the cursor on (see [`window`]).
     #[inline(always)]
     fn window(&self) -> Option<u64> {
-        let byte = (self.at >> 3) as usize;
-        let chunk = self.s.get(byte..byte + 8)?;
-        Some(u64::from_le_bytes(chunk.try_into().expect("8 bytes")) >> (self.at & 7))
+        window(self.s, self.at)
     }
 
     /// A reader positioned at the cursor (the slow path).
@@ -781,6 +778,13 @@ impl ClassReader<'_> {
     /// class of members, one sign bit per entry (`BIT`) or a list. The
     /// same reading as [`ClassReader::next_entry`], with the reader's state
     /// in locals.
+    ///
+    /// The bit position is a plain local, put in a [`Cursor`] only on the
+    /// slow path: a cursor borrowed by the (not inlined) slow path lived on
+    /// the stack, and the loop's critical path, position to window to
+    /// position, went through a store and a load per entry.
+    // `j` indexes the group's arrays and class 0's members alike.
+    #[allow(clippy::needless_range_loop)]
     #[inline(always)]
     fn fill_steps<const W: usize, const C0: bool, const BIT: bool>(
         &mut self,
@@ -789,54 +793,61 @@ impl ClassReader<'_> {
         rec: &mut Record,
     ) -> std::result::Result<(), &'static str> {
         let (k, q_limit, space, mask) = (self.h.k, self.q_limit, self.space, self.mask);
-        let (class_members, members) = (self.class_members, self.members);
+        let (order, members) = (self.class_members.order, self.members);
         let (esc_rank, esc_mag, listed) = (self.esc_rank, self.esc_mag, self.listed);
-        let mut cur = Cursor {
-            s: self.cur.s,
-            at: self.cur.at,
-        };
+        let s = self.cur.s;
+        let mut at = self.cur.at;
         let (mut next, mut r, mut e, mut l) = (self.next, self.r, self.e, self.l);
         let (mut next_esc, mut next_list) = (self.next_esc, self.next_list);
         let sign = u64::from(BIT);
+        let low = (1u64 << k) - 1;
+        let count = g.count.min(BATCH);
         let again = &mut rec.again[..];
         // Class 0's members are written in place (the group's room made
         // first, the unused part cut after): no capacity check and length
         // update per entry.
-        let c0 = &mut rec.c0;
-        let mut c0_n = c0.len();
+        let c0_n = rec.c0.len();
         if C0 {
-            c0.resize(c0_n + g.count.min(BATCH), 0);
+            rec.c0.resize(c0_n + count, 0);
         }
+        let c0 = &mut rec.c0[c0_n..];
         let mut result = Ok(());
-        for j in 0..g.count.min(BATCH) {
+        let mut done = count;
+        for j in 0..count {
             // Gap and sign bit from one window where they fit.
-            let fast = cur.window().filter(|w| {
+            let fast = window(s, at).filter(|w| {
                 let tz = w.trailing_zeros();
                 (tz as u64) <= q_limit && tz + k <= 54
             });
             let (gap, mut neg) = match fast {
                 Some(w) => {
                     let tz = w.trailing_zeros();
-                    let g = ((tz as u64) << k) | ((w >> (tz + 1)) & ((1u64 << k) - 1));
                     let used = tz + 1 + k;
-                    cur.at += used as u64 + sign;
-                    (g, (w >> used) & sign)
+                    at += used as u64 + sign;
+                    (
+                        ((tz as u64) << k) | ((w >> (tz + 1)) & low),
+                        (w >> used) & sign,
+                    )
                 }
-                None => match cur
-                    .rice(k, q_limit)
-                    .and_then(|g| Ok((g, if BIT { cur.bits(1)? } else { 0 })))
-                {
-                    Ok(x) => x,
-                    Err(what) => {
-                        g.count = j;
-                        result = Err(what);
-                        break;
+                None => {
+                    let mut cur = Cursor { s, at };
+                    let x = cur
+                        .rice(k, q_limit)
+                        .and_then(|g| Ok((g, if BIT { cur.bits(1)? } else { 0 })));
+                    at = cur.at;
+                    match x {
+                        Ok(x) => x,
+                        Err(what) => {
+                            done = j;
+                            result = Err(what);
+                            break;
+                        }
                     }
-                },
+                }
             };
             let p = next + gap;
             if p >= space {
-                g.count = j;
+                done = j;
                 result = Err(if C0 {
                     "position beyond the block"
                 } else {
@@ -848,7 +859,7 @@ impl ClassReader<'_> {
             let (i, jm, last_neg) = if C0 {
                 (p as u32, 0, 0)
             } else {
-                let jm = class_members.get(p);
+                let jm = order[p as usize];
                 let m = members[jm as usize];
                 (index(m), jm, ((m & NEG) >> 1) as u64)
             };
@@ -870,16 +881,16 @@ impl ClassReader<'_> {
             (g.index[j], g.step[j]) = (i as u64, v);
             let code = member(0, v, W);
             if C0 {
-                c0[c0_n] = (i << 2) | code;
-                c0_n += 1;
+                c0[j] = (i << 2) | code;
             } else {
                 again[jm as usize] = (code | 4) as u8;
             }
         }
         if C0 {
-            c0.truncate(c0_n);
+            rec.c0.truncate(c0_n + done);
         }
-        self.cur.at = cur.at;
+        g.count = g.count.min(done);
+        self.cur.at = at;
         (self.next, self.r, self.e, self.l) = (next, r, e, l);
         (self.next_esc, self.next_list) = (next_esc, next_list);
         result
