@@ -445,10 +445,9 @@ fn in_place(
                     blocks: std::mem::take(&mut v.members),
                 },
             );
+            // Summed block by block as the members were written.
+            c.id.checksum = c.id.checksum.wrapping_add(v.checksum);
         }
-    }
-    for c in next.iter_mut().flatten() {
-        c.id.checksum = c.recompute_checksum();
     }
     if then == Then::Write {
         return Ok((reports, Vec::new(), next));
@@ -506,8 +505,10 @@ struct Verified {
     tally: Tally,
     /// Compact: per block, its changes when they were kept.
     kept: Vec<Option<Kept>>,
-    /// `compact2`: per block, its members for the next context.
+    /// `compact2`: per block, its members for the next context, and their
+    /// checksum (see [`compact::context::block_checksum`]).
     members: Vec<Vec<compact::context::Member>>,
+    checksum: u64,
 }
 
 /// Takes room for a block's changes from the shared budget: the claimed count,
@@ -536,19 +537,24 @@ fn verify_job(w: &mut Work<'_, '_, '_>, budget: &AtomicUsize) -> Verified {
             out
         }
         Payload::Compact { blocks, .. } => {
-            let per_block = w.blocks(|_, block, ctx, blk| {
+            let seed = compact::context::tensor_seed(&w.job.name);
+            let per_block = w.blocks(|b, block, ctx, blk| {
                 let mut kept = keep_room(block, budget);
                 let mut m = Vec::new();
                 let record = block.context.is_some().then_some(&mut m);
                 let r = compact::verify_block(block, ctx, blk, kept.as_mut(), record);
-                (r, (kept, m))
+                // While the members just written are in cache.
+                let ck = compact::context::block_checksum(seed, b as u64, &m);
+                (r, (kept, (m, ck)))
             });
             let (tally, rest) = Tally::blocks(per_block, blocks);
-            let (kept, members) = rest.into_iter().unzip();
+            let (kept, members): (Vec<_>, Vec<_>) = rest.into_iter().unzip();
+            let (members, sums): (Vec<_>, Vec<u64>) = members.into_iter().unzip();
             Verified {
                 tally,
                 kept,
                 members,
+                checksum: sums.into_iter().fold(0, u64::wrapping_add),
             }
         }
     }

@@ -153,13 +153,15 @@ fn apply_delta_with(
     let encoding = header.as_ref().map_or(Encoding::Trl, |h| h.encoding);
     let next = match (&header, want_context) {
         (Some(h), true) => {
+            let mut checksum = 0u64;
             let tensors = jobs
                 .iter()
                 .zip(members)
-                .filter_map(|(j, m)| {
+                .filter_map(|(j, (m, sum))| {
                     let Payload::Compact { block_words, .. } = &j.payload else {
                         return None;
                     };
+                    checksum = checksum.wrapping_add(sum);
                     Some((
                         j.name.clone(),
                         TensorContext {
@@ -169,10 +171,13 @@ fn apply_delta_with(
                     ))
                 })
                 .collect();
-            Some(Context::new(
+            // The checksum was summed block by block as the members were
+            // written (`apply_job`), not in a second pass over them.
+            Some(Context::with_checksum(
                 h.model_version,
                 (before, state.digest()),
                 tensors,
+                checksum,
             ))
         }
         _ => None,
@@ -203,6 +208,9 @@ pub fn carried_metadata(json: &str) -> Result<BTreeMap<String, String>> {
         .collect())
 }
 
+/// A job's blocks' members for the next context, and their checksum.
+type JobMembers = (Vec<Vec<compact::context::Member>>, u64);
+
 /// What applying one tensor in one pass did: enough to verify it or to undo it.
 #[derive(Default)]
 struct Outcome {
@@ -211,8 +219,10 @@ struct Outcome {
     undo: Vec<u8>,
     /// Compact: what each block wrote.
     block_undo: Vec<BlockUndo>,
-    /// Compact, when asked: each block's members for the next context.
+    /// Compact, when asked: each block's members for the next context, and
+    /// their checksum (see [`compact::context::block_checksum`]).
     members: Vec<Vec<compact::context::Member>>,
+    checksum: u64,
 }
 
 /// Applies `jobs` to `state` in one pass, checks every count and digest
@@ -226,7 +236,7 @@ fn apply_jobs(
     jobs: &[Job<'_>],
     want_file: Option<Digest>,
     members: bool,
-) -> Result<(u64, Vec<Digest>, Vec<Vec<Vec<compact::context::Member>>>)> {
+) -> Result<(u64, Vec<Digest>, Vec<JobMembers>)> {
     let info: Vec<(Dtype, TensorSeed, Digest)> = jobs
         .iter()
         .map(|j| {
@@ -291,7 +301,10 @@ fn apply_jobs(
             .for_each(|(w, o)| undo_job(w, o));
         return Err(e);
     }
-    let members = outcomes.into_iter().map(|o| o.members).collect();
+    let members = outcomes
+        .into_iter()
+        .map(|o| (o.members, o.checksum))
+        .collect();
     Ok((changed, new_digests, members))
 }
 
@@ -306,23 +319,28 @@ fn apply_job(w: &mut Work<'_, '_, '_>, members: bool) -> Outcome {
             out
         }
         Payload::Compact { blocks, .. } => {
-            let per_block = w.blocks(|_, block, ctx, blk| {
+            let seed = compact::context::tensor_seed(&w.job.name);
+            let per_block = w.blocks(|b, block, ctx, blk| {
                 let mut undo = BlockUndo::default();
                 let mut m = Vec::new();
-                let r = if members {
-                    compact::apply_block_members(block, ctx, blk, &mut undo, &mut m)
+                let (r, ck) = if members {
+                    let r = compact::apply_block_members(block, ctx, blk, &mut undo, &mut m);
+                    // While the members just written are in cache.
+                    (r, compact::context::block_checksum(seed, b as u64, &m))
                 } else {
-                    compact::apply_block(block, ctx, blk, &mut undo)
+                    (compact::apply_block(block, ctx, blk, &mut undo), 0)
                 };
-                (r, (undo, m))
+                (r, (undo, (m, ck)))
             });
             let (tally, rest) = Tally::blocks(per_block, blocks);
-            let (block_undo, members) = rest.into_iter().unzip();
+            let (block_undo, members): (Vec<_>, Vec<_>) = rest.into_iter().unzip();
+            let (members, sums): (Vec<_>, Vec<u64>) = members.into_iter().unzip();
             Outcome {
                 tally,
                 undo: Vec::new(),
                 block_undo,
                 members,
+                checksum: sums.into_iter().fold(0, u64::wrapping_add),
             }
         }
     }

@@ -95,8 +95,10 @@ impl TensorContext {
     }
 }
 
-/// The checksum of one block's members (see [`member_hash`]).
-fn block_checksum(seed: u64, block: u64, members: &[Member]) -> u64 {
+/// The checksum of one block's members (see [`member_hash`]): what the
+/// apply computes for each block as it writes the block's members, while
+/// they are in cache, and sums with [`Context::with_checksum`].
+pub fn block_checksum(seed: u64, block: u64, members: &[Member]) -> u64 {
     block_checksum_on(crate::platform::Platform::detect(), seed, block, members)
 }
 
@@ -200,6 +202,18 @@ impl Context {
         tensors: std::collections::BTreeMap<String, TensorContext>,
     ) -> Context {
         let checksum = checksum_of(&tensors);
+        Context::with_checksum(version, (from, to), tensors, checksum)
+    }
+
+    /// A context from its tensors and their checksum, computed already (the
+    /// sum of their blocks' [`block_checksum`]s, each block's with its
+    /// tensor's [`tensor_seed`]).
+    pub fn with_checksum(
+        version: u64,
+        (from, to): (Digest, Digest),
+        tensors: std::collections::BTreeMap<String, TensorContext>,
+        checksum: u64,
+    ) -> Context {
         Context {
             id: ContextId {
                 version,
