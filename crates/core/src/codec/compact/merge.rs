@@ -84,13 +84,12 @@ fn survivors_portable(members: &[Member], again: &[u8], kept: &mut [Member]) -> 
 /// word named twice).
 pub(crate) fn merge(platform: Platform, a: &[Member], b: &[Member], out: &mut Vec<Member>) -> bool {
     out.clear();
-    out.resize(a.len() + b.len(), 0);
     #[cfg(target_arch = "x86_64")]
     if let Some(proof) = platform.avx512() {
-        merge_avx512(proof, a, b, out);
-        return shares_an_index(out);
+        return merge_avx512(proof, a, b, out);
     }
     let _ = platform;
+    out.resize(a.len() + b.len(), 0);
     merge_portable(a, b, out);
     shares_an_index(out)
 }
@@ -224,7 +223,7 @@ fn survivors_avx512_body(
 }
 
 #[cfg(target_arch = "x86_64")]
-fn merge_avx512(proof: HasAvx512, a: &[Member], b: &[Member], out: &mut [Member]) {
+fn merge_avx512(proof: HasAvx512, a: &[Member], b: &[Member], out: &mut Vec<Member>) -> bool {
     // SAFETY: as for `split_avx512`.
     unsafe { merge_avx512_body(proof, a, b, out) }
 }
@@ -277,29 +276,46 @@ fn merge16(a: __m512i, b: __m512i) -> (__m512i, __m512i) {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn merge_avx512_body(_: HasAvx512, a: &[Member], b: &[Member], out: &mut [Member]) {
-    debug_assert_eq!(out.len(), a.len() + b.len());
+/// [`merge`]'s AVX-512 form: appends to `out` (empty) and returns whether two
+/// members share an index. The merged vectors are appended as they come
+/// (the output is fresh memory: no zeroing pass before it), and each is
+/// checked against its lower neighbours in the same step, so that no second
+/// pass reads the output back.
+fn merge_avx512_body(_: HasAvx512, a: &[Member], b: &[Member], out: &mut Vec<Member>) -> bool {
+    debug_assert!(out.is_empty());
     if a.len() < 16 || b.len() < 16 {
-        return merge_portable(a, b, out);
+        out.resize(a.len() + b.len(), 0);
+        merge_portable(a, b, out);
+        return shares_an_index(out);
     }
+    out.reserve(a.len() + b.len());
     let load = |s: &[u32], at: usize| {
         let chunk: &[u32; 16] = s[at..at + 16].try_into().expect("16 members");
         // SAFETY: 16 initialized u32s (64 bytes); the unaligned load reads
         // exactly those.
         unsafe { _mm512_loadu_si512(chunk.as_ptr().cast()) }
     };
-    let store = |out: &mut [u32], at: usize, v: __m512i| {
-        let dst: &mut [u32; 16] = (&mut out[at..at + 16]).try_into().expect("16 slots");
+    let lanes = |v: __m512i| {
+        let mut l = [0u32; 16];
         // SAFETY: 16 writable u32s (64 bytes).
-        unsafe { _mm512_storeu_si512(dst.as_mut_ptr().cast(), v) };
+        unsafe { _mm512_storeu_si512(l.as_mut_ptr().cast(), v) };
+        l
+    };
+    // Lanes whose index equals the lane below's (`prev`'s last for lane 0).
+    let same = |v: __m512i, prev: __m512i| {
+        let below = _mm512_alignr_epi32::<15>(v, prev);
+        _mm512_cmpeq_epi32_mask(_mm512_srli_epi32::<2>(v), _mm512_srli_epi32::<2>(below))
     };
     // Invariant: `hi` holds 16 members not yet written, none below any
     // written one; everything else not written is `a[i..]` and `b[j..]`.
     // The next vector comes from the list with the smaller head, so the 16
     // smallest of `hi` and it are below every member still in the lists.
     let (lo, mut hi) = merge16(load(a, 0), load(b, 0));
-    store(out, 0, lo);
-    let (mut i, mut j, mut o) = (16usize, 16usize, 16usize);
+    out.extend_from_slice(&lanes(lo));
+    // Lane 0 of the first vector has no lower neighbour.
+    let mut dup = same(lo, lo) & 0xfffe;
+    let mut prev = lo;
+    let (mut i, mut j) = (16usize, 16usize);
     while i + 16 <= a.len() && j + 16 <= b.len() {
         let next = if a[i] <= b[j] {
             i += 16;
@@ -310,15 +326,15 @@ fn merge_avx512_body(_: HasAvx512, a: &[Member], b: &[Member], out: &mut [Member
         };
         let (lo, h) = merge16(hi, next);
         hi = h;
-        store(out, o, lo);
-        o += 16;
+        out.extend_from_slice(&lanes(lo));
+        dup |= same(lo, prev);
+        prev = lo;
     }
     // The rest: `hi` and what is left of both lists, merged one member at
     // a time. The loop ended because one of them has fewer than 16 left: it
     // joins `hi` on the stack, and that goes with the other straight into
     // `out` (no copy of the long rest but the final one).
-    let mut held = [0u32; 16];
-    store(&mut held, 0, hi);
+    let held = lanes(hi);
     let (short, long) = if a.len() - i < 16 {
         (&a[i..], &b[j..])
     } else {
@@ -327,7 +343,11 @@ fn merge_avx512_body(_: HasAvx512, a: &[Member], b: &[Member], out: &mut [Member
     let mut both = [0u32; 32];
     let both = &mut both[..16 + short.len()];
     merge_portable(&held, short, both);
+    let o = out.len();
+    out.resize(o + both.len() + long.len(), 0);
     merge_portable(both, long, &mut out[o..]);
+    // The rest, with the last member before it.
+    dup != 0 || shares_an_index(&out[o - 1..])
 }
 
 #[cfg(test)]
@@ -380,6 +400,25 @@ mod tests {
                 .map(|(&m, &f)| (m & !3) | (f as u32 & 3))
                 .collect();
             assert_eq!(&kept[..k], &want_kept[..], "{p:?}");
+        }
+    }
+
+    /// Two long interleaved lists with one index shared, at every position
+    /// in turn: the first merged vector, the vector loop and the rest.
+    #[test]
+    fn a_shared_index_anywhere_is_found() {
+        let a: Vec<Member> = (0..100u32).map(|k| (2 * k) << 2).collect();
+        let b: Vec<Member> = (0..100u32).map(|k| ((2 * k + 1) << 2) | 1).collect();
+        for p in platforms("merge", &[Level::Portable, Level::Avx512]) {
+            let mut out = Vec::new();
+            assert!(!merge(p, &a, &b, &mut out), "{p:?}");
+            for k in 0..b.len() {
+                let mut d = b.clone();
+                // b's k-th member onto a's index just below it.
+                d[k] = (a[k] & !3) | 3;
+                assert!(merge(p, &a, &d, &mut out), "{p:?}: shared at {k}");
+                assert!(merge(p, &d, &a, &mut out), "{p:?}: shared at {k}");
+            }
         }
     }
 
