@@ -220,6 +220,12 @@ fn main() {
         // CPU time, not wall time: on a shared machine the steadier figure;
         // the least of the repetitions is the least disturbed. (An apply
         // repetition applies twice: forth and back.)
+        // And the median of each repetition's own ratio: the two phases run
+        // back to back, so a slow stretch of a shared machine slows both.
+        let paired = (cpu.len() >= 2).then(|| {
+            let r: Vec<f64> = cpu[0].iter().zip(&cpu[1]).map(|(a, b)| a / b).collect();
+            median(r).0
+        });
         let mut least = Vec::new();
         for (n, c) in names.iter().zip(cpu) {
             if c.is_empty() {
@@ -238,6 +244,9 @@ fn main() {
                 "compact2 / compact throughput (least CPU): {:.3}",
                 one / two
             );
+        }
+        if let Some(p) = paired {
+            println!("compact2 / compact throughput (median of paired repetitions): {p:.3}");
         }
         return;
     }
