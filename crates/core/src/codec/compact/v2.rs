@@ -276,24 +276,90 @@ impl<'a> Cursor<'a> {
 /// Reads a list of `count` strictly ascending ranks below `limit`
 /// (Rice-coded gaps, parameter `k`), with `f(cursor)` reading what follows
 /// each rank.
+#[inline(always)]
 fn read_ranks(
     cur: &mut Cursor<'_>,
     (count, k, limit): (u64, u32, u64),
     ranks: &mut Vec<u64>,
     mut f: impl FnMut(&mut Cursor<'_>) -> std::result::Result<(), &'static str>,
 ) -> std::result::Result<(), &'static str> {
-    ranks.clear();
-    ranks.reserve(count as usize);
+    // A local list: its length stays in a register (see `read_escapes`).
+    let mut out = std::mem::take(ranks);
+    out.clear();
+    out.reserve(count as usize);
     let mut next = 0u64;
+    let mut r = Ok(());
     for _ in 0..count {
-        let g = cur.rice(k, limit >> k)?;
-        let r = next + g;
-        if r >= limit {
-            return Err("listed entry beyond the class");
+        let g = match cur.rice(k, limit >> k) {
+            Ok(g) => g,
+            Err(what) => {
+                r = Err(what);
+                break;
+            }
+        };
+        let p = next + g;
+        if p >= limit {
+            r = Err("listed entry beyond the class");
+            break;
         }
-        ranks.push(r);
-        next = r + 1;
-        f(cur)?;
+        out.push(p);
+        next = p + 1;
+        if let Err(what) = f(cur) {
+            r = Err(what);
+            break;
+        }
+    }
+    *ranks = out;
+    r
+}
+
+/// Reads class head `h`'s escapes and listed signs from `cur` into `s`,
+/// compiled with BMI where the CPU has it (the lists are read one code
+/// after another: counting zeros and shifting by a register are on their
+/// critical path).
+fn read_lists(
+    cur: &mut Cursor<'_>,
+    h: &ClassHead,
+    top: u32,
+    s: &mut ClassBufs,
+) -> std::result::Result<(), &'static str> {
+    #[cfg(target_arch = "x86_64")]
+    if Platform::detect().has(crate::platform::Level::Avx2) {
+        // SAFETY: `Platform::detect()` found every feature `read_lists_bmi`
+        // is compiled with (AVX2 implies BMI1, BMI2 and LZCNT here, as for
+        // the apply's `run_v2_avx2`); the function is otherwise safe code.
+        return unsafe { read_lists_bmi(cur, h, top, s) };
+    }
+    read_lists_on(cur, h, top, s)
+}
+
+/// [`read_lists`] compiled with BMI.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "bmi1,bmi2,lzcnt")]
+fn read_lists_bmi(
+    cur: &mut Cursor<'_>,
+    h: &ClassHead,
+    top: u32,
+    s: &mut ClassBufs,
+) -> std::result::Result<(), &'static str> {
+    read_lists_on(cur, h, top, s)
+}
+
+#[inline(always)]
+fn read_lists_on(
+    cur: &mut Cursor<'_>,
+    h: &ClassHead,
+    top: u32,
+    s: &mut ClassBufs,
+) -> std::result::Result<(), &'static str> {
+    read_escapes(
+        cur,
+        (h.esc, h.ke, h.ve, h.n, top),
+        (&mut s.esc_rank, &mut s.esc_mag),
+    )?;
+    s.list_rank.clear();
+    if let Some(t) = h.list {
+        read_ranks(cur, (t, h.ko, h.n), &mut s.list_rank, |_| Ok(()))?;
     }
     Ok(())
 }
@@ -301,10 +367,27 @@ fn read_ranks(
 /// Reads a class's `count` escapes: strictly ascending entry ranks below
 /// `limit` (Rice-coded gaps, parameter `ke`), each followed by its step's
 /// magnitude less 2 (Exp-Golomb, order `ve`), the magnitude at most
-/// 2^`top`. Both codes of an escape come from one window where they fit
-/// (the usual case); otherwise [`Cursor::rice`] and [`Cursor::eg`] read
-/// them. Either way the same checks, in the same order.
+/// 2^`top`. As many escapes as fit whole in one window's 57 valid bits are
+/// read from it (usually two or three): the loop's critical path is then
+/// shift, count, shift, count per escape, with no load. An escape that
+/// does not fit at the start of a window is read by [`Cursor::rice`] and
+/// [`Cursor::eg`]. Either way the same checks, in the same order.
+#[inline(always)]
 fn read_escapes(
+    cur: &mut Cursor<'_>,
+    (count, ke, ve, limit, top): (u64, u32, u32, u64, u32),
+    (ranks_out, mags_out): (&mut Vec<u64>, &mut Vec<u64>),
+) -> std::result::Result<(), &'static str> {
+    // Local lists, put back at the end: pushing through the `&mut`s stored
+    // each length to memory per escape.
+    let (mut ranks, mut mags) = (std::mem::take(ranks_out), std::mem::take(mags_out));
+    let r = read_escapes_into(cur, (count, ke, ve, limit, top), (&mut ranks, &mut mags));
+    (*ranks_out, *mags_out) = (ranks, mags);
+    r
+}
+
+#[inline(always)]
+fn read_escapes_into(
     cur: &mut Cursor<'_>,
     (count, ke, ve, limit, top): (u64, u32, u32, u64, u32),
     (ranks, mags): (&mut Vec<u64>, &mut Vec<u64>),
@@ -316,44 +399,65 @@ fn read_escapes(
     let q_limit = limit >> ke;
     let low = (1u64 << ke) - 1;
     let mut next = 0u64;
-    for _ in 0..count {
-        let fast = cur.window().and_then(|w| {
-            // `tz` zeros, a one and `ke` bits; then `z` zeros, a one and
-            // `z + ve` bits, all within the window's 57 valid bits.
-            let tz = w.trailing_zeros();
-            let rice = tz + 1 + ke;
-            if tz as u64 > q_limit || rice > 55 {
-                return None;
-            }
-            let rest = w >> rice;
-            let z = rest.trailing_zeros();
-            let width = z + ve;
-            if rice + z + 1 + width > 57 {
-                return None;
-            }
-            let g = ((tz as u64) << ke) | ((w >> (tz + 1)) & low);
-            let x = ((1u64 << width) | ((rest >> (z + 1)) & ((1u64 << width) - 1))) - (1u64 << ve);
-            cur.at += (rice + z + 1 + width) as u64;
-            Some((g, x))
-        });
-        let (r, x) = match fast {
-            Some((g, x)) => (next + g, Some(x)),
-            None => (next + cur.rice(ke, q_limit)?, None),
-        };
+    let mut read = 0u64;
+    let check = |r: u64, x: u64| -> std::result::Result<u64, &'static str> {
         if r >= limit {
             return Err("listed entry beyond the class");
         }
-        let x = match x {
-            Some(x) => x,
-            None => cur.eg(ve)?,
-        };
         let m = x.checked_add(2).ok_or("step larger than the word")?;
         if m > 1u64 << top {
             return Err("step larger than the word");
         }
-        ranks.push(r);
-        mags.push(m);
-        next = r + 1;
+        Ok(m)
+    };
+    while read < count {
+        let mut used = 0u32;
+        if let Some(w0) = cur.window() {
+            while read < count {
+                // From bit `used` of the window: `tz` zeros, a one and `ke`
+                // bits; then `z` zeros, a one and `z + ve` bits, all within
+                // the window's 57 valid bits.
+                let w = w0 >> used;
+                let tz = w.trailing_zeros();
+                let rice = tz + 1 + ke;
+                if tz as u64 > q_limit || used + rice > 55 {
+                    break;
+                }
+                let rest = w >> rice;
+                let z = rest.trailing_zeros();
+                let width = z + ve;
+                let total = rice + z + 1 + width;
+                if used + total > 57 {
+                    break;
+                }
+                let g = ((tz as u64) << ke) | ((w >> (tz + 1)) & low);
+                let x =
+                    ((1u64 << width) | ((rest >> (z + 1)) & ((1u64 << width) - 1))) - (1u64 << ve);
+                let r = next + g;
+                if r >= limit {
+                    // Refused below, after the same reading.
+                    break;
+                }
+                let m = check(r, x)?;
+                ranks.push(r);
+                mags.push(m);
+                next = r + 1;
+                used += total;
+                read += 1;
+            }
+            cur.at += used as u64;
+        }
+        if used == 0 && read < count {
+            let r = next + cur.rice(ke, q_limit)?;
+            if r >= limit {
+                return Err("listed entry beyond the class");
+            }
+            let m = check(r, cur.eg(ve)?)?;
+            ranks.push(r);
+            mags.push(m);
+            next = r + 1;
+            read += 1;
+        }
     }
     Ok(())
 }
@@ -579,15 +683,7 @@ impl Plan {
         };
         let top = block.wb as u32 * 8 - 1;
         if h.n > 0 && !self.raw {
-            read_escapes(
-                &mut cur,
-                (h.esc, h.ke, h.ve, h.n, top),
-                (&mut s.esc_rank, &mut s.esc_mag),
-            )?;
-            s.list_rank.clear();
-            if let Some(t) = h.list {
-                read_ranks(&mut cur, (t, h.ko, h.n), &mut s.list_rank, |_| Ok(()))?;
-            }
+            read_lists(&mut cur, &h, top, s)?;
         } else {
             s.esc_rank.clear();
             s.esc_mag.clear();
@@ -792,8 +888,13 @@ impl ClassReader<'_> {
         blk: &[u8],
         rec: &mut Record,
     ) -> std::result::Result<(), &'static str> {
-        let (k, q_limit, space, mask) = (self.h.k, self.q_limit, self.space, self.mask);
+        let (k, q_limit, mask) = (self.h.k, self.q_limit, self.mask);
         let (order, members) = (self.class_members.order, self.members);
+        // A class of members ranks `order`'s entries: its space is that
+        // list's length, stated so, so that the check `p < space` is the
+        // only bounds check on `order[p]`.
+        let space = if C0 { self.space } else { order.len() as u64 };
+        debug_assert_eq!(space, self.space);
         let (esc_rank, esc_mag, listed) = (self.esc_rank, self.esc_mag, self.listed);
         let s = self.cur.s;
         let mut at = self.cur.at;
@@ -802,15 +903,14 @@ impl ClassReader<'_> {
         let sign = u64::from(BIT);
         let low = (1u64 << k) - 1;
         let count = g.count.min(BATCH);
-        let again = &mut rec.again[..];
-        // Class 0's members are written in place (the group's room made
-        // first, the unused part cut after): no capacity check and length
-        // update per entry.
+        // As long as `members` (`Record::reset`), stated so, so that the
+        // check on `members[jm]` covers `again[jm]`.
+        let again = &mut rec.again[..if C0 { 0 } else { members.len() }];
+        // Class 0's members are gathered in a group-sized array and appended
+        // whole (a fixed-size copy, the unused part cut after): no capacity
+        // check and length update per entry, and no call to zero the room.
         let c0_n = rec.c0.len();
-        if C0 {
-            rec.c0.resize(c0_n + count, 0);
-        }
-        let c0 = &mut rec.c0[c0_n..];
+        let mut c0 = [0 as Member; BATCH];
         let mut result = Ok(());
         let mut done = count;
         for j in 0..count {
@@ -879,7 +979,9 @@ impl ClassReader<'_> {
             let v = ((m ^ neg.wrapping_neg()).wrapping_add(neg)) & mask;
             prefetch_l2(blk, i as usize * W);
             (g.index[j], g.step[j]) = (i as u64, v);
-            let code = member(0, v, W);
+            // `member(0, v, W)`: the step is ±1 exactly when `m` is 1.
+            let code = ((((v >> (8 * W - 1)) & 1) as u32) << 1) | u32::from(m != 1);
+            debug_assert_eq!(code, member(0, v, W));
             if C0 {
                 c0[j] = (i << 2) | code;
             } else {
@@ -887,6 +989,7 @@ impl ClassReader<'_> {
             }
         }
         if C0 {
+            rec.c0.extend_from_slice(&c0);
             rec.c0.truncate(c0_n + done);
         }
         g.count = g.count.min(done);
