@@ -511,14 +511,33 @@ impl DirSink {
         let _ = std::fs::remove_dir_all(&work.dir);
         std::fs::create_dir_all(&work.dir).map_err(|e| io_err("creating", &work.dir, e))?;
         let rec = self.state.slots[&cur].clone();
-        for name in rec.names() {
-            let (from, to) = (src.join(&name), work.dir.join(&name));
+        let pairs: Vec<(PathBuf, PathBuf)> = rec
+            .names()
+            .into_iter()
+            .map(|name| (src.join(&name), work.dir.join(&name)))
+            .collect();
+        for (_, to) in &pairs {
             if let Some(parent) = to.parent() {
                 std::fs::create_dir_all(parent).map_err(|e| io_err("creating", parent, e))?;
             }
-            let copied = reflink_copy::reflink_or_copy(&from, &to)
-                .map_err(|e| io_err("cloning", &from, e))?;
-            let copied = copied.unwrap_or(0);
+        }
+        // The files are copied side by side on the rayon pool: a copy
+        // without reflinks is one kernel copy per file, on one core (a 2 GB
+        // slot's four files took 1.25 s one after another on a 16-core host).
+        let copied: Vec<Result<u64>> = {
+            use rayon::prelude::*;
+            pairs
+                .par_iter()
+                .with_max_len(1)
+                .map(|(from, to)| {
+                    reflink_copy::reflink_or_copy(from, to)
+                        .map(|c| c.unwrap_or(0))
+                        .map_err(|e| io_err("cloning", from, e))
+                })
+                .collect()
+        };
+        for ((_, to), copied) in pairs.into_iter().zip(copied) {
+            let copied = copied?;
             work.produced.cloned_bytes += copied;
             work.produced.written_bytes += copied;
             work.to_sync.insert(to);
