@@ -283,34 +283,20 @@ fn read_ranks(
     ranks: &mut Vec<u64>,
     mut f: impl FnMut(&mut Cursor<'_>) -> std::result::Result<(), &'static str>,
 ) -> std::result::Result<(), &'static str> {
-    // A local list: its length stays in a register (see `read_escapes`).
-    let mut out = std::mem::take(ranks);
-    out.clear();
-    out.reserve(count as usize);
+    ranks.clear();
+    ranks.reserve(count as usize);
     let mut next = 0u64;
-    let mut r = Ok(());
     for _ in 0..count {
-        let g = match cur.rice(k, limit >> k) {
-            Ok(g) => g,
-            Err(what) => {
-                r = Err(what);
-                break;
-            }
-        };
-        let p = next + g;
-        if p >= limit {
-            r = Err("listed entry beyond the class");
-            break;
+        let g = cur.rice(k, limit >> k)?;
+        let r = next + g;
+        if r >= limit {
+            return Err("listed entry beyond the class");
         }
-        out.push(p);
-        next = p + 1;
-        if let Err(what) = f(cur) {
-            r = Err(what);
-            break;
-        }
+        ranks.push(r);
+        next = r + 1;
+        f(cur)?;
     }
-    *ranks = out;
-    r
+    Ok(())
 }
 
 /// Reads class head `h`'s escapes and listed signs from `cur` into `s`,
@@ -352,16 +338,24 @@ fn read_lists_on(
     top: u32,
     s: &mut ClassBufs,
 ) -> std::result::Result<(), &'static str> {
-    read_escapes(
-        cur,
-        (h.esc, h.ke, h.ve, h.n, top),
-        (&mut s.esc_rank, &mut s.esc_mag),
-    )?;
-    s.list_rank.clear();
-    if let Some(t) = h.list {
-        read_ranks(cur, (t, h.ko, h.n), &mut s.list_rank, |_| Ok(()))?;
-    }
-    Ok(())
+    // The lists are read into locals and put back at the end: pushing
+    // through `s` stored each list's length to memory per code.
+    let take = std::mem::take::<Vec<u64>>;
+    let (mut esc_rank, mut esc_mag, mut list_rank) = (
+        take(&mut s.esc_rank),
+        take(&mut s.esc_mag),
+        take(&mut s.list_rank),
+    );
+    let escapes = (h.esc, h.ke, h.ve, h.n, top);
+    let r = read_escapes(cur, escapes, (&mut esc_rank, &mut esc_mag)).and_then(|()| {
+        list_rank.clear();
+        match h.list {
+            Some(t) => read_ranks(cur, (t, h.ko, h.n), &mut list_rank, |_| Ok(())),
+            None => Ok(()),
+        }
+    });
+    (s.esc_rank, s.esc_mag, s.list_rank) = (esc_rank, esc_mag, list_rank);
+    r
 }
 
 /// Reads a class's `count` escapes: strictly ascending entry ranks below
@@ -376,20 +370,6 @@ fn read_lists_on(
 fn read_escapes(
     cur: &mut Cursor<'_>,
     (count, ke, ve, limit, top): (u64, u32, u32, u64, u32),
-    (ranks_out, mags_out): (&mut Vec<u64>, &mut Vec<u64>),
-) -> std::result::Result<(), &'static str> {
-    // Local lists, put back at the end: pushing through the `&mut`s stored
-    // each length to memory per escape.
-    let (mut ranks, mut mags) = (std::mem::take(ranks_out), std::mem::take(mags_out));
-    let r = read_escapes_into(cur, (count, ke, ve, limit, top), (&mut ranks, &mut mags));
-    (*ranks_out, *mags_out) = (ranks, mags);
-    r
-}
-
-#[inline(always)]
-fn read_escapes_into(
-    cur: &mut Cursor<'_>,
-    (count, ke, ve, limit, top): (u64, u32, u32, u64, u32),
     (ranks, mags): (&mut Vec<u64>, &mut Vec<u64>),
 ) -> std::result::Result<(), &'static str> {
     ranks.clear();
@@ -400,10 +380,8 @@ fn read_escapes_into(
     let low = (1u64 << ke) - 1;
     let mut next = 0u64;
     let mut read = 0u64;
-    let check = |r: u64, x: u64| -> std::result::Result<u64, &'static str> {
-        if r >= limit {
-            return Err("listed entry beyond the class");
-        }
+    // The magnitude from its code, after the rank's own check.
+    let magnitude = |x: u64| -> std::result::Result<u64, &'static str> {
         let m = x.checked_add(2).ok_or("step larger than the word")?;
         if m > 1u64 << top {
             return Err("step larger than the word");
@@ -438,7 +416,7 @@ fn read_escapes_into(
                     // Refused below, after the same reading.
                     break;
                 }
-                let m = check(r, x)?;
+                let m = magnitude(x)?;
                 ranks.push(r);
                 mags.push(m);
                 next = r + 1;
@@ -452,7 +430,7 @@ fn read_escapes_into(
             if r >= limit {
                 return Err("listed entry beyond the class");
             }
-            let m = check(r, cur.eg(ve)?)?;
+            let m = magnitude(cur.eg(ve)?)?;
             ranks.push(r);
             mags.push(m);
             next = r + 1;
