@@ -259,7 +259,6 @@ fn run_v2<S: Sink>(
     v2::with_scratch(|scratch, _| {
         let plan = v2::Plan::new(block, members, scratch)?;
         let mut rec = std::mem::take(&mut scratch.record);
-        rec.reset(members.len(), block.entry.changes);
         #[cfg(target_arch = "x86_64")]
         let r = if run.platform.has(Level::Avx2) {
             dispatched!(Apply, Level::Avx2);

@@ -16,19 +16,23 @@ use crate::platform::Platform;
 /// Splits `members` by their `big` bit: the positions `j` (in `members`) of
 /// those without it into `small`, of those with it into `big`, each
 /// ascending. Both hold at least `members.len() + 16` entries; returns how
-/// many each got.
+/// many each got. Also zeroes `again` (one flag per member, see
+/// `v2::Record`) on the way: the split streams through the members once per
+/// block anyway, and a separate `memset` was a pass of its own.
 pub(crate) fn split(
     platform: Platform,
     members: &[Member],
-    small: &mut [u32],
-    big: &mut [u32],
+    (small, big): (&mut [u32], &mut [u32]),
+    again: &mut [u8],
 ) -> (usize, usize) {
     debug_assert!(small.len() >= members.len() + 16 && big.len() >= members.len() + 16);
+    debug_assert_eq!(again.len(), members.len());
     #[cfg(target_arch = "x86_64")]
     if let Some(proof) = platform.avx512() {
-        return split_avx512(proof, members, small, big);
+        return split_avx512(proof, members, (small, big), again);
     }
     let _ = platform;
+    again.fill(0);
     split_portable(members, 0, small, big)
 }
 
@@ -124,13 +128,13 @@ use std::arch::x86_64::*;
 fn split_avx512(
     proof: HasAvx512,
     members: &[Member],
-    small: &mut [u32],
-    big: &mut [u32],
+    (small, big): (&mut [u32], &mut [u32]),
+    again: &mut [u8],
 ) -> (usize, usize) {
     // SAFETY: `proof` exists only where detection found AVX-512 F (and DQ),
     // every feature `split_avx512_body` is compiled with; the body's own
     // memory accesses are bounds-checked (see there).
-    unsafe { split_avx512_body(proof, members, small, big) }
+    unsafe { split_avx512_body(proof, members, (small, big), again) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -138,8 +142,8 @@ fn split_avx512(
 fn split_avx512_body(
     _: HasAvx512,
     members: &[Member],
-    small: &mut [u32],
-    big: &mut [u32],
+    (small, big): (&mut [u32], &mut [u32]),
+    again: &mut [u8],
 ) -> (usize, usize) {
     let (mut a, mut b) = (0usize, 0usize);
     let full = members.len() / 16 * 16;
@@ -160,10 +164,13 @@ fn split_avx512_body(
         // next store or left as scratch.
         let dst_small: &mut [u32; 16] = (&mut small[a..a + 16]).try_into().expect("16 slots");
         let dst_big: &mut [u32; 16] = (&mut big[b..b + 16]).try_into().expect("16 slots");
-        // SAFETY: each destination is 16 writable u32s (64 bytes).
+        let flags: &mut [u8; 16] = (&mut again[at..at + 16]).try_into().expect("16 flags");
+        // SAFETY: each destination is 16 writable u32s (64 bytes), and
+        // `flags` 16 writable bytes.
         unsafe {
             _mm512_storeu_si512(dst_small.as_mut_ptr().cast(), to_small);
             _mm512_storeu_si512(dst_big.as_mut_ptr().cast(), to_big);
+            _mm_storeu_si128(flags.as_mut_ptr().cast(), _mm_setzero_si128());
         }
         let nb = is_big.count_ones() as usize;
         a += 16 - nb;
@@ -171,6 +178,7 @@ fn split_avx512_body(
         iota = _mm512_add_epi32(iota, sixteen);
     }
     // The last few, one at a time.
+    again[full..].fill(0);
     let (c, d) = split_portable(&members[full..], full, &mut small[a..], &mut big[b..]);
     (a + c, b + d)
 }
@@ -382,7 +390,9 @@ mod tests {
             // Split and survivors against the definitions.
             let n = a.len();
             let (mut small, mut big) = (vec![7u32; n + 16], vec![7u32; n + 16]);
-            let (s, g) = split(p, a, &mut small, &mut big);
+            let mut zeroed = vec![9u8; n];
+            let (s, g) = split(p, a, (&mut small, &mut big), &mut zeroed);
+            assert!(zeroed.iter().all(|&f| f == 0), "{p:?}");
             let want_small: Vec<u32> = (0..n as u32)
                 .filter(|&j| a[j as usize] & BIG == 0)
                 .collect();

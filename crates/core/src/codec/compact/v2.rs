@@ -561,7 +561,8 @@ pub(crate) fn with_scratch<T>(f: impl FnOnce(&mut Scratch, &mut Decoded) -> T) -
 
 impl Plan {
     /// Checks `block`'s prologue against the block and `members` (its
-    /// context), and sorts the members of classes 1 and 2 into `s`.
+    /// context), sorts the members of classes 1 and 2 into `s`, and readies
+    /// `s.record` for the block (see [`Record::reset`]).
     pub(crate) fn new(block: &Block<'_>, members: &[Member], s: &mut Scratch) -> Result<Plan> {
         Self::new_raw(block, members, s).map_err(|what| block.error(what))
     }
@@ -578,6 +579,7 @@ impl Plan {
         // lists keep their length (what they hold past the members is
         // stale), so that only growing them writes zeros.
         s.class_len = [0, 0];
+        s.record.reset(members.len(), block.entry.changes);
         if block.entry.changes > 0 && !members.is_empty() {
             let [small, big] = &mut s.class_order;
             for order in [&mut *small, &mut *big] {
@@ -585,8 +587,11 @@ impl Plan {
                     order.resize(members.len() + 16, 0);
                 }
             }
-            let (a, b) = super::merge::split(Platform::detect(), members, small, big);
+            let again = &mut s.record.again;
+            let (a, b) = super::merge::split(Platform::detect(), members, (small, big), again);
             s.class_len = [a, b];
+        } else {
+            s.record.again.fill(0);
         }
         let space = [block.words, s.class_len[0] as u64, s.class_len[1] as u64];
         let p = Prologue::parse_raw(block.stream, block.entry, block.wb, space)?;
@@ -995,12 +1000,17 @@ pub(crate) fn code(value: u64, raw: bool, wb: usize) -> u32 {
 }
 
 impl Record {
-    /// Ready for a block against `members` members.
-    pub(crate) fn reset(&mut self, members: usize, changes: u64) {
+    /// Sized for a block against `members` members: `again` holds one flag
+    /// per member, left as they were. [`Plan::new`] zeroes them, in the
+    /// class split where there is one (no pass of its own).
+    fn reset(&mut self, members: usize, changes: u64) {
         self.c0.clear();
         self.c0.reserve(changes.min(1 << 24) as usize);
-        self.again.clear();
-        self.again.resize(members, 0);
+        if self.again.len() < members {
+            self.again.resize(members, 0);
+        } else {
+            self.again.truncate(members);
+        }
     }
 
     /// Notes entry `(i, value, j)` of class `c`.
@@ -1087,7 +1097,6 @@ fn decode_raw(
     let mut idx = std::mem::take(&mut s.class_index);
     let mut val = std::mem::take(&mut s.class_value);
     let mut rec = std::mem::take(&mut s.record);
-    rec.reset(members.len(), block.entry.changes);
     let mut result = Ok(());
     for c in 0..CLASSES {
         idx[c].clear();
