@@ -32,9 +32,9 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use weightcast::codec::compact::context::Member;
+use weightcast::codec::compact::context::{Member, block_checksum};
 use weightcast::codec::compact::{
-    Block, BlockUndo, Ctx, Value, apply_block_members, decode_block, undo_block,
+    Block, BlockUndo, Ctx, NextMembers, Value, apply_block_members, decode_block, undo_block,
 };
 use weightcast::digest::TensorSeed;
 use weightcast::dtype::KeyKind;
@@ -229,17 +229,19 @@ fuzz_target!(|data: &[u8]| {
     });
     let mut blk = base.clone();
     let mut undo = BlockUndo::default();
-    let mut out = Vec::new();
+    let mut out = NextMembers::new(0x5eed);
     let applied = apply_block_members(&block, ctx, &mut blk, &mut undo, &mut out);
     match (&applied, &expected) {
         (Ok(dig), Some((want_blk, want_dig, want_members))) => {
             assert!(blk == *want_blk, "applied words differ from the reference");
             assert_eq!(*dig, *want_dig, "digest change differs");
-            assert_eq!(&out, want_members, "next-context members differ");
+            assert_eq!(&out.members, want_members, "next-context members differ");
+            let want_sum = block_checksum(0x5eed, block.index as u64, want_members);
+            assert_eq!(out.checksum, want_sum, "next-context checksum differs");
             assert_eq!(undo.applied, changes);
         }
         (Err(_), None) => {
-            assert!(out.is_empty(), "members left after a failed apply");
+            assert!(out.members.is_empty(), "members left after a failed apply");
         }
         _ => panic!(
             "apply result {:?} but the reference {}",

@@ -263,15 +263,15 @@ impl Platform {
 #[derive(Clone, Copy, Debug)]
 pub struct HasAvx512(());
 
-/// Hints the CPU to bring the cache line holding `data[at]` into L1 soon
-/// (PREFETCHT0).
+/// Hints the CPU to bring the cache line holding `data[at]` (element `at`,
+/// of any type) into L1 soon (PREFETCHT0).
 ///
 /// A hint only: it never faults, never changes memory, and does nothing when
 /// `at` is out of range or on targets without a prefetch instruction.
 #[inline(always)]
-pub fn prefetch(data: &[u8], at: usize) {
+pub fn prefetch<T>(data: &[T], at: usize) {
     #[cfg(target_arch = "x86_64")]
-    hint::<{ std::arch::x86_64::_MM_HINT_T0 }>(data, at);
+    hint::<{ std::arch::x86_64::_MM_HINT_T0 }, T>(data, at);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (data, at);
 }
@@ -287,21 +287,21 @@ pub fn prefetch(data: &[u8], at: usize) {
 #[inline(always)]
 pub fn prefetch_l2(data: &[u8], at: usize) {
     #[cfg(target_arch = "x86_64")]
-    hint::<{ std::arch::x86_64::_MM_HINT_T1 }>(data, at);
+    hint::<{ std::arch::x86_64::_MM_HINT_T1 }, u8>(data, at);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (data, at);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn hint<const H: i32>(data: &[u8], at: usize) {
+fn hint<const H: i32, T>(data: &[T], at: usize) {
     if let Some(b) = data.get(at) {
         // SAFETY: `_mm_prefetch` needs SSE, which every x86-64 CPU has (it is
         // in the target's baseline feature set), and the pointer comes from a
         // live reference. A prefetch is a hint: it reads nothing
         // architecturally and cannot fault. Exercised by every codec test
         // that applies a step-coded block (and `prefetch_is_only_a_hint`).
-        unsafe { std::arch::x86_64::_mm_prefetch::<H>((b as *const u8).cast()) };
+        unsafe { std::arch::x86_64::_mm_prefetch::<H>((b as *const T).cast()) };
     }
 }
 
@@ -459,7 +459,9 @@ mod tests {
             prefetch(&data, at);
             prefetch_l2(&data, at);
         }
-        prefetch(&[], 0);
+        prefetch::<u8>(&[], 0);
+        prefetch(&[1u32, 2], 1);
+        prefetch(&[1u32, 2], 2);
         prefetch_l2(&[], 0);
         assert!(data.iter().copied().eq(0..200u8));
     }

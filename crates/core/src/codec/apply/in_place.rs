@@ -7,7 +7,7 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use super::work::{Tally, Work, check_change};
-use crate::codec::compact::{self, Block, BlockUndo, Context, Kept, TensorContext};
+use crate::codec::compact::{self, Block, BlockUndo, Context, Kept, NextMembers, TensorContext};
 use crate::codec::parse::{Local, Payload, open, weightcast_jobs};
 use crate::digest::{Digest, TensorSeed};
 use crate::dtype::{Dtype, byte_len, word_bytes};
@@ -539,13 +539,13 @@ fn verify_job(w: &mut Work<'_, '_, '_>, budget: &AtomicUsize) -> Verified {
         Payload::Compact { blocks, .. } => {
             let seed = compact::context::tensor_seed(&w.job.name);
             let per_block = w.blocks(|b, block, ctx, blk| {
+                debug_assert_eq!(b, block.index);
                 let mut kept = keep_room(block, budget);
-                let mut m = Vec::new();
+                let mut m = NextMembers::new(seed);
                 let record = block.context.is_some().then_some(&mut m);
+                // The checksum is summed as the members are written.
                 let r = compact::verify_block(block, ctx, blk, kept.as_mut(), record);
-                // While the members just written are in cache.
-                let ck = compact::context::block_checksum(seed, b as u64, &m);
-                (r, (kept, (m, ck)))
+                (r, (kept, (m.members, m.checksum)))
             });
             let (tally, rest) = Tally::blocks(per_block, blocks);
             let (kept, members): (Vec<_>, Vec<_>) = rest.into_iter().unzip();

@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use super::trl::trl_undo;
 use super::work::{Tally, Work, count_error};
-use crate::codec::compact::{self, BlockUndo, Context, TensorContext};
+use crate::codec::compact::{self, BlockUndo, Context, NextMembers, TensorContext};
 use crate::codec::header::metadata_map;
 use crate::codec::parse::{Job, Local, Payload, check_payload, foreign_trl_jobs, weightcast_jobs};
 use crate::digest::{Digest, TensorSeed};
@@ -321,16 +321,16 @@ fn apply_job(w: &mut Work<'_, '_, '_>, members: bool) -> Outcome {
         Payload::Compact { blocks, .. } => {
             let seed = compact::context::tensor_seed(&w.job.name);
             let per_block = w.blocks(|b, block, ctx, blk| {
+                debug_assert_eq!(b, block.index);
                 let mut undo = BlockUndo::default();
-                let mut m = Vec::new();
-                let (r, ck) = if members {
-                    let r = compact::apply_block_members(block, ctx, blk, &mut undo, &mut m);
-                    // While the members just written are in cache.
-                    (r, compact::context::block_checksum(seed, b as u64, &m))
+                let mut m = NextMembers::new(seed);
+                let r = if members {
+                    // The checksum is summed as the members are written.
+                    compact::apply_block_members(block, ctx, blk, &mut undo, &mut m)
                 } else {
-                    (compact::apply_block(block, ctx, blk, &mut undo), 0)
+                    compact::apply_block(block, ctx, blk, &mut undo)
                 };
-                (r, (undo, (m, ck)))
+                (r, (undo, (m.members, m.checksum)))
             });
             let (tally, rest) = Tally::blocks(per_block, blocks);
             let (block_undo, members): (Vec<_>, Vec<_>) = rest.into_iter().unzip();

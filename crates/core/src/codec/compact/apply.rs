@@ -5,7 +5,7 @@
 //! the first pass of `codec::apply_in_place`, which may keep the resolved
 //! changes for [`write_kept`]).
 
-use super::context::Member;
+use super::context::{Member, NextMembers, block_checksum};
 use super::decode::{Coding, clean_end, step_entry};
 use super::v2;
 use super::vector;
@@ -135,27 +135,31 @@ pub fn apply_block(
     apply_block_on(Platform::detect(), block, ctx, blk, undo, None)
 }
 
-/// [`apply_block`], also filling `members` with the block's members for the
-/// next delta's context (see [`super::context`]): one per change, ascending.
-/// Left empty when the apply fails.
+/// [`apply_block`], also filling `next` with the block's members for the
+/// next delta's context (see [`super::context`]): one per change, ascending,
+/// and their checksum as block `block.index` under `next.seed`. The members
+/// are left empty when the apply fails.
 pub fn apply_block_members(
     block: &Block<'_>,
     ctx: Ctx,
     blk: &mut [u8],
     undo: &mut BlockUndo,
-    members: &mut Vec<Member>,
+    next: &mut NextMembers,
 ) -> Result<u64> {
-    members.clear();
-    let r = apply_block_on(Platform::detect(), block, ctx, blk, undo, Some(members));
+    next.members.clear();
+    next.checksum = 0;
+    let r = apply_block_on(Platform::detect(), block, ctx, blk, undo, Some(&mut *next));
     if r.is_ok() && block.context.is_none() {
         // A `compact` block: its entries again.
         decode_block(block, None, |i, v| {
-            members.push(entry_member(i, v, block.wb));
+            next.members.push(entry_member(i, v, block.wb));
             Ok(())
         })?;
+        next.checksum = block_checksum(next.seed, block.index as u64, &next.members);
     }
     if r.is_err() {
-        members.clear();
+        next.members.clear();
+        next.checksum = 0;
     }
     r
 }
@@ -178,7 +182,7 @@ fn apply_block_on(
     ctx: Ctx,
     blk: &mut [u8],
     undo: &mut BlockUndo,
-    record: Option<&mut Vec<Member>>,
+    record: Option<&mut NextMembers>,
 ) -> Result<u64> {
     if let Some(members) = block.context {
         let run = Run {
@@ -222,7 +226,7 @@ pub(crate) fn verify_block(
     ctx: Ctx,
     blk: &mut [u8],
     kept: Option<&mut Kept>,
-    record: Option<&mut Vec<Member>>,
+    record: Option<&mut NextMembers>,
 ) -> Result<u64> {
     debug_assert!(kept.is_none() || block.words <= 1 << 32);
     let run = Run {
@@ -244,7 +248,7 @@ pub(crate) fn verify_block(
 /// `record`) the block's members for the next context.
 fn run_v2<S: Sink>(
     run: Run<'_, '_>,
-    (members, record): (&[Member], Option<&mut Vec<Member>>),
+    (members, record): (&[Member], Option<&mut NextMembers>),
     blk: &mut [u8],
     sink: &mut S,
 ) -> Result<u64> {
@@ -277,9 +281,14 @@ fn run_v2<S: Sink>(
             run_v2_w::<W, S>(run, (&plan, members, scratch, &mut rec), blk, sink)
         });
         let r = r.and_then(|dig| {
-            v2::finish(members, &mut rec, record)
-                .map(|()| dig)
-                .map_err(|what| block.error(what))
+            let at = block.index as u64;
+            match record {
+                Some(n) => v2::finish(members, &mut rec, Some((&mut n.members, (n.seed, at))))
+                    .map(|sum| n.checksum = sum),
+                None => v2::finish(members, &mut rec, None).map(|_| ()),
+            }
+            .map(|()| dig)
+            .map_err(|what| block.error(what))
         });
         scratch.record = rec;
         r

@@ -56,6 +56,31 @@ pub fn member_hash(seed: u64, block: u64, m: Member) -> u64 {
     h ^ (h >> 29)
 }
 
+/// Where an apply writes one block's members for the next context
+/// ([`crate::codec::compact::apply_block_members`]): the tensor's context
+/// seed, given; the members, ascending, and their checksum as that block
+/// ([`block_checksum`]), written. A `compact2` apply sums the checksum as it
+/// writes the members, while they are in registers.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NextMembers {
+    /// The tensor's context seed ([`tensor_seed`]).
+    pub seed: u64,
+    /// The block's members, ascending.
+    pub members: Vec<Member>,
+    /// Their [`block_checksum`] under `seed`, as the block they belong to.
+    pub checksum: u64,
+}
+
+impl NextMembers {
+    /// Room for the members of blocks of the tensor with context seed `seed`.
+    pub fn new(seed: u64) -> NextMembers {
+        NextMembers {
+            seed,
+            ..NextMembers::default()
+        }
+    }
+}
+
 /// One tensor's context: its block length and, per block, its members
 /// (ascending index).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -121,7 +146,7 @@ fn block_checksum_on(
     block_checksum_portable(seed, block, members)
 }
 
-fn block_checksum_portable(seed: u64, block: u64, members: &[Member]) -> u64 {
+pub(crate) fn block_checksum_portable(seed: u64, block: u64, members: &[Member]) -> u64 {
     members
         .iter()
         .fold(0u64, |a, &m| a.wrapping_add(member_hash(seed, block, m)))
@@ -138,23 +163,39 @@ fn checksum_avx512(
     use std::arch::x86_64::*;
     let full = members.len() / 8 * 8;
     let base = _mm512_set1_epi64((seed ^ (block << 32)) as i64);
-    let k = _mm512_set1_epi64(0x9E37_79B9_7F4A_7C15u64 as i64);
     let mut acc = _mm512_setzero_si512();
     for at in (0..full).step_by(8) {
         let chunk: &[u32; 8] = members[at..at + 8].try_into().expect("8 members");
         // SAFETY: 8 initialized u32s (32 bytes); the unaligned load reads
         // exactly those.
         let m = unsafe { _mm256_loadu_si256(chunk.as_ptr().cast()) };
-        let h = _mm512_mullo_epi64(_mm512_xor_si512(base, _mm512_cvtepu32_epi64(m)), k);
-        acc = _mm512_add_epi64(acc, _mm512_xor_si512(h, _mm512_srli_epi64::<29>(h)));
+        acc = _mm512_add_epi64(acc, hash8(base, m));
     }
+    fold8(acc).wrapping_add(block_checksum_portable(seed, block, &members[full..]))
+}
+
+/// [`member_hash`] of 8 members at once: `base` is `seed ^ (block << 32)` in
+/// every lane; lane `l` of the result is the hash of member `l`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq")]
+pub(crate) fn hash8(
+    base: std::arch::x86_64::__m512i,
+    m: std::arch::x86_64::__m256i,
+) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    let k = _mm512_set1_epi64(0x9E37_79B9_7F4A_7C15u64 as i64);
+    let h = _mm512_mullo_epi64(_mm512_xor_si512(base, _mm512_cvtepu32_epi64(m)), k);
+    _mm512_xor_si512(h, _mm512_srli_epi64::<29>(h))
+}
+
+/// The wrapping sum of 8 u64 lanes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(crate) fn fold8(acc: std::arch::x86_64::__m512i) -> u64 {
     let mut lanes = [0u64; 8];
     // SAFETY: `lanes` is 8 writable u64s (64 bytes).
-    unsafe { _mm512_storeu_si512(lanes.as_mut_ptr().cast(), acc) };
-    lanes.iter().fold(
-        block_checksum_portable(seed, block, &members[full..]),
-        |a, &x| a.wrapping_add(x),
-    )
+    unsafe { std::arch::x86_64::_mm512_storeu_si512(lanes.as_mut_ptr().cast(), acc) };
+    lanes.iter().fold(0u64, |a, &x| a.wrapping_add(x))
 }
 
 /// Where a context stands in the version chain: the changes from the state

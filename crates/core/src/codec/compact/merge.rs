@@ -8,10 +8,14 @@
 //! Every function has a portable form that defines it; the AVX-512 forms
 //! are tested against them on random and edge-case lists.
 
-use super::context::{BIG, Member};
+use super::context::{BIG, Member, block_checksum_portable};
+#[cfg(target_arch = "x86_64")]
+use super::context::{fold8, hash8};
 #[cfg(target_arch = "x86_64")]
 use crate::platform::HasAvx512;
 use crate::platform::Platform;
+#[cfg(target_arch = "x86_64")]
+use crate::platform::prefetch;
 
 /// Splits `members` by their `big` bit: the positions `j` (in `members`) of
 /// those without it into `small`, of those with it into `big`, each
@@ -85,17 +89,28 @@ fn survivors_portable(members: &[Member], again: &[u8], kept: &mut [Member]) -> 
 
 /// Merges the ascending lists `a` and `b` into `out` (cleared first): all
 /// their members, ascending. Returns whether two of them share an index (a
-/// word named twice).
-pub(crate) fn merge(platform: Platform, a: &[Member], b: &[Member], out: &mut Vec<Member>) -> bool {
+/// word named twice), and `out`'s checksum as block `block` of the tensor
+/// with context seed `seed` ([`block_checksum`]), summed as the members are
+/// written rather than by a pass of its own.
+pub(crate) fn merge(
+    platform: Platform,
+    a: &[Member],
+    b: &[Member],
+    out: &mut Vec<Member>,
+    (seed, block): (u64, u64),
+) -> (bool, u64) {
     out.clear();
     #[cfg(target_arch = "x86_64")]
     if let Some(proof) = platform.avx512() {
-        return merge_avx512(proof, a, b, out);
+        return merge_avx512(proof, a, b, out, (seed, block));
     }
     let _ = platform;
     out.resize(a.len() + b.len(), 0);
     merge_portable(a, b, out);
-    shares_an_index(out)
+    (
+        shares_an_index(out),
+        block_checksum_portable(seed, block, out),
+    )
 }
 
 /// Whether two neighbours of an ascending member list share an index.
@@ -124,6 +139,13 @@ fn merge_portable(a: &[Member], b: &[Member], out: &mut [Member]) {
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+/// How far ahead (in members) the vector loops that stream through a block's
+/// context members prefetch them. The members of a block come from memory
+/// (the previous version wrote them), and the hardware's stream prefetcher
+/// stops at each 4 KiB page: 2 KiB ahead keeps the misses overlapped.
+#[cfg(target_arch = "x86_64")]
+const AHEAD: usize = 512;
+
 #[cfg(target_arch = "x86_64")]
 fn split_avx512(
     proof: HasAvx512,
@@ -151,6 +173,7 @@ fn split_avx512_body(
     let sixteen = _mm512_set1_epi32(16);
     let one = _mm512_set1_epi32(BIG as i32);
     for at in (0..full).step_by(16) {
+        prefetch(members, at + AHEAD);
         let chunk: &[u32; 16] = members[at..at + 16].try_into().expect("16 members");
         // SAFETY: `chunk` is 16 initialized u32s (64 bytes); an unaligned
         // load reads exactly those.
@@ -208,6 +231,7 @@ fn survivors_avx512_body(
     let not_code = _mm512_set1_epi32(!3);
     let code = _mm512_set1_epi32(3);
     for at in (0..full).step_by(16) {
+        prefetch(members, at + AHEAD);
         let chunk: &[u32; 16] = members[at..at + 16].try_into().expect("16 members");
         let flags: &[u8; 16] = again[at..at + 16].try_into().expect("16 flags");
         // SAFETY: 16 initialized u32s (64 bytes) and 16 initialized bytes;
@@ -231,9 +255,15 @@ fn survivors_avx512_body(
 }
 
 #[cfg(target_arch = "x86_64")]
-fn merge_avx512(proof: HasAvx512, a: &[Member], b: &[Member], out: &mut Vec<Member>) -> bool {
+fn merge_avx512(
+    proof: HasAvx512,
+    a: &[Member],
+    b: &[Member],
+    out: &mut Vec<Member>,
+    sum: (u64, u64),
+) -> (bool, u64) {
     // SAFETY: as for `split_avx512`.
-    unsafe { merge_avx512_body(proof, a, b, out) }
+    unsafe { merge_avx512_body(proof, a, b, out, sum) }
 }
 
 /// Sorts a bitonic vector of 16 u32s ascending: compare-exchanges at
@@ -283,19 +313,34 @@ fn merge16(a: __m512i, b: __m512i) -> (__m512i, __m512i) {
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512dq")]
 /// [`merge`]'s AVX-512 form: appends to `out` (empty) and returns whether two
-/// members share an index. The merged vectors are appended as they come
-/// (the output is fresh memory: no zeroing pass before it), and each is
-/// checked against its lower neighbours in the same step, so that no second
-/// pass reads the output back.
-fn merge_avx512_body(_: HasAvx512, a: &[Member], b: &[Member], out: &mut Vec<Member>) -> bool {
+/// members share an index, and their checksum. The merged vectors are
+/// appended as they come (the output is fresh memory: no zeroing pass before
+/// it), and each is checked against its lower neighbours and hashed in the
+/// same step, so that no second pass reads the output back.
+fn merge_avx512_body(
+    _: HasAvx512,
+    a: &[Member],
+    b: &[Member],
+    out: &mut Vec<Member>,
+    (seed, block): (u64, u64),
+) -> (bool, u64) {
     debug_assert!(out.is_empty());
     if a.len() < 16 || b.len() < 16 {
         out.resize(a.len() + b.len(), 0);
         merge_portable(a, b, out);
-        return shares_an_index(out);
+        return (
+            shares_an_index(out),
+            block_checksum_portable(seed, block, out),
+        );
     }
+    let base = _mm512_set1_epi64((seed ^ (block << 32)) as i64);
+    // The hashes of a vector's 16 members, added into 8 lanes.
+    let hashes = |v: __m512i| {
+        let low = hash8(base, _mm512_castsi512_si256(v));
+        _mm512_add_epi64(low, hash8(base, _mm512_extracti64x4_epi64::<1>(v)))
+    };
     out.reserve(a.len() + b.len());
     let load = |s: &[u32], at: usize| {
         let chunk: &[u32; 16] = s[at..at + 16].try_into().expect("16 members");
@@ -320,6 +365,7 @@ fn merge_avx512_body(_: HasAvx512, a: &[Member], b: &[Member], out: &mut Vec<Mem
     // smallest of `hi` and it are below every member still in the lists.
     let (lo, mut hi) = merge16(load(a, 0), load(b, 0));
     out.extend_from_slice(&lanes(lo));
+    let mut acc = hashes(lo);
     // Lane 0 of the first vector has no lower neighbour.
     let mut dup = same(lo, lo) & 0xfffe;
     let mut prev = lo;
@@ -335,6 +381,7 @@ fn merge_avx512_body(_: HasAvx512, a: &[Member], b: &[Member], out: &mut Vec<Mem
         let (lo, h) = merge16(hi, next);
         hi = h;
         out.extend_from_slice(&lanes(lo));
+        acc = _mm512_add_epi64(acc, hashes(lo));
         dup |= same(lo, prev);
         prev = lo;
     }
@@ -351,11 +398,18 @@ fn merge_avx512_body(_: HasAvx512, a: &[Member], b: &[Member], out: &mut Vec<Mem
     let mut both = [0u32; 32];
     let both = &mut both[..16 + short.len()];
     merge_portable(&held, short, both);
+    // What of `long` lies below `both`'s last member is merged with it; the
+    // rest follows it, copied (zeroing room for it first was a `memset` of
+    // up to a block's members where one list ends early).
     let o = out.len();
-    out.resize(o + both.len() + long.len(), 0);
-    merge_portable(both, long, &mut out[o..]);
+    let last = both[both.len() - 1];
+    let cut = long.partition_point(|&m| m < last);
+    out.resize(o + both.len() + cut, 0);
+    merge_portable(both, &long[..cut], &mut out[o..]);
+    out.extend_from_slice(&long[cut..]);
     // The rest, with the last member before it.
-    dup != 0 || shares_an_index(&out[o - 1..])
+    let sum = fold8(acc).wrapping_add(block_checksum_portable(seed, block, &out[o..]));
+    (dup != 0 || shares_an_index(&out[o - 1..]), sum)
 }
 
 #[cfg(test)]
@@ -364,6 +418,9 @@ mod tests {
     use crate::platform::Level;
     use crate::platform::expect::platforms;
     use proptest::prelude::*;
+
+    /// A context seed for the checksums.
+    const SEED: u64 = 0x0123_4567_89ab_cdef;
 
     /// Ascending members with distinct indices, from `gaps` (index gaps) and
     /// codes.
@@ -383,9 +440,18 @@ mod tests {
         let want_dup = want.windows(2).any(|w| w[0] >> 2 == w[1] >> 2);
         for p in platforms("merge", &[Level::Portable, Level::Avx512]) {
             let mut out = Vec::new();
-            assert_eq!(merge(p, a, b, &mut out), want_dup, "{p:?}");
+            let want_sum = block_checksum_portable(SEED, 3, &want);
+            assert_eq!(
+                merge(p, a, b, &mut out, (SEED, 3)),
+                (want_dup, want_sum),
+                "{p:?}"
+            );
             assert_eq!(out, want, "{p:?}");
-            assert_eq!(merge(p, b, a, &mut out), want_dup, "{p:?}");
+            assert_eq!(
+                merge(p, b, a, &mut out, (SEED, 3)),
+                (want_dup, want_sum),
+                "{p:?}"
+            );
             assert_eq!(out, want, "{p:?}");
             // Split and survivors against the definitions.
             let n = a.len();
@@ -421,13 +487,19 @@ mod tests {
         let b: Vec<Member> = (0..100u32).map(|k| ((2 * k + 1) << 2) | 1).collect();
         for p in platforms("merge", &[Level::Portable, Level::Avx512]) {
             let mut out = Vec::new();
-            assert!(!merge(p, &a, &b, &mut out), "{p:?}");
+            assert!(!merge(p, &a, &b, &mut out, (SEED, 0)).0, "{p:?}");
             for k in 0..b.len() {
                 let mut d = b.clone();
                 // b's k-th member onto a's index just below it.
                 d[k] = (a[k] & !3) | 3;
-                assert!(merge(p, &a, &d, &mut out), "{p:?}: shared at {k}");
-                assert!(merge(p, &d, &a, &mut out), "{p:?}: shared at {k}");
+                assert!(
+                    merge(p, &a, &d, &mut out, (SEED, 0)).0,
+                    "{p:?}: shared at {k}"
+                );
+                assert!(
+                    merge(p, &d, &a, &mut out, (SEED, 0)).0,
+                    "{p:?}: shared at {k}"
+                );
             }
         }
     }

@@ -57,7 +57,7 @@ pub mod vector;
 pub use apply::{BlockUndo, apply_block, apply_block_members, undo_block};
 pub(crate) use apply::{Kept, entry_member, verify_block, write_kept};
 pub use changes::{PositionSlice, encode_tensor_changes};
-pub use context::{Context, ContextId, TensorContext};
+pub use context::{Context, ContextId, NextMembers, TensorContext};
 pub use decode::{decode_block, split_blocks};
 pub use encode::encode_tensor;
 pub use v2_masks::set_enabled as set_mask_encoder;

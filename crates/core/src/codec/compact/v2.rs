@@ -531,7 +531,7 @@ impl Interleave {
 /// What a block's entries did, as far as the next context and the check of
 /// [`finish`] need: class 0's changes as members (ascending), and per
 /// context member, whether it changed again (`0`: no; else its new code
-/// `| 4`).
+/// `| 4`): `again`'s first entries, one per member (past them it is stale).
 #[derive(Default)]
 pub(crate) struct Record {
     pub(crate) c0: Vec<Member>,
@@ -587,11 +587,11 @@ impl Plan {
                     order.resize(members.len() + 16, 0);
                 }
             }
-            let again = &mut s.record.again;
+            let again = &mut s.record.again[..members.len()];
             let (a, b) = super::merge::split(Platform::detect(), members, (small, big), again);
             s.class_len = [a, b];
         } else {
-            s.record.again.fill(0);
+            s.record.again[..members.len()].fill(0);
         }
         let space = [block.words, s.class_len[0] as u64, s.class_len[1] as u64];
         let p = Prologue::parse_raw(block.stream, block.entry, block.wb, space)?;
@@ -1000,16 +1000,17 @@ pub(crate) fn code(value: u64, raw: bool, wb: usize) -> u32 {
 }
 
 impl Record {
-    /// Sized for a block against `members` members: `again` holds one flag
-    /// per member, left as they were. [`Plan::new`] zeroes them, in the
-    /// class split where there is one (no pass of its own).
+    /// Sized for a block against `members` members: `again` holds at least
+    /// one flag per member, left as they were. [`Plan::new`] zeroes the
+    /// first `members`, in the class split where there is one (no pass of
+    /// its own). `again` keeps its greatest length, so that only growing it
+    /// writes zeros (cutting it to a small block's members and growing it
+    /// back for the next large one zeroed the difference each time).
     fn reset(&mut self, members: usize, changes: u64) {
         self.c0.clear();
         self.c0.reserve(changes.min(1 << 24) as usize);
         if self.again.len() < members {
             self.again.resize(members, 0);
-        } else {
-            self.again.truncate(members);
         }
     }
 
@@ -1029,24 +1030,29 @@ impl Record {
 /// a member that changed again (a word changed twice), and with `out`,
 /// writes the block's members for the next context (class 0's changes and
 /// the members that changed again, ascending).
+///
+/// With `out`, also returns the members' checksum as block `block` of the
+/// tensor with context seed `seed` (`out`'s `(seed, block)`), summed as they
+/// are written.
 pub(crate) fn finish(
     members: &[Member],
     rec: &mut Record,
-    out: Option<&mut Vec<Member>>,
-) -> std::result::Result<(), &'static str> {
-    debug_assert_eq!(rec.again.len(), members.len());
+    out: Option<(&mut Vec<Member>, (u64, u64))>,
+) -> std::result::Result<u64, &'static str> {
+    let again = &rec.again[..members.len()];
     let platform = Platform::detect();
     if rec.kept.len() < members.len() + 16 {
         rec.kept.resize(members.len() + 16, 0);
     }
-    let s = super::merge::survivors(platform, members, &rec.again, &mut rec.kept);
+    let s = super::merge::survivors(platform, members, again, &mut rec.kept);
     let mut scratch = Vec::new();
-    let out = out.unwrap_or(&mut scratch);
-    if super::merge::merge(platform, &rec.c0, &rec.kept[..s], out) {
+    let (out, at) = out.unwrap_or((&mut scratch, (0, 0)));
+    let (dup, sum) = super::merge::merge(platform, &rec.c0, &rec.kept[..s], out, at);
+    if dup {
         out.clear();
         return Err("a word changed twice (a class-0 position is a member that changed again)");
     }
-    Ok(())
+    Ok(sum)
 }
 
 /// The straightforward merge [`finish`] must agree with.
@@ -1131,7 +1137,7 @@ fn decode_raw(
         }
     }
     if result.is_ok() {
-        result = finish(members, &mut rec, None);
+        result = finish(members, &mut rec, None).map(|_| ());
     }
     if result.is_ok() {
         merge(&idx, &val, out);
@@ -2000,10 +2006,11 @@ mod tests {
                 ..Record::default()
             };
             let (mut got, mut want) = (Vec::new(), Vec::new());
-            let r = finish(&b, &mut rec, Some(&mut got));
-            prop_assert_eq!(r, finish_reference(&b, &rec, Some(&mut want)));
-            prop_assert_eq!(finish(&b, &mut rec, None), r);
-            if r.is_ok() {
+            let r = finish(&b, &mut rec, Some((&mut got, (77, 5))));
+            prop_assert_eq!(r.map(|_| ()), finish_reference(&b, &rec, Some(&mut want)));
+            prop_assert_eq!(finish(&b, &mut rec, None).is_ok(), r.is_ok());
+            if let Ok(sum) = r {
+                prop_assert_eq!(sum, super::super::context::block_checksum(77, 5, &want));
                 prop_assert_eq!(got, want);
             }
         }
@@ -2084,7 +2091,7 @@ mod tests {
                         };
                         let twice = flags >> shared & 1 == 1;
                         let (mut out, mut want) = (Vec::new(), Vec::new());
-                        let r = finish(&b, &mut rec, Some(&mut out));
+                        let r = finish(&b, &mut rec, Some((&mut out, (1, 2))));
                         assert_eq!(r.is_err(), twice, "{members} {flags} {shared} {around}");
                         assert_eq!(finish(&b, &mut rec, None).is_err(), twice);
                         if !twice {
@@ -2092,9 +2099,10 @@ mod tests {
                             assert_eq!(out, want);
                         }
                         let (mut got, mut want) = (Vec::new(), Vec::new());
-                        finish(&b, &mut clean, Some(&mut got)).unwrap();
+                        let sum = finish(&b, &mut clean, Some((&mut got, (1, 2)))).unwrap();
                         finish_reference(&b, &clean, Some(&mut want)).unwrap();
                         assert_eq!(got, want);
+                        assert_eq!(sum, super::super::context::block_checksum(1, 2, &want));
                     }
                 }
             }
