@@ -137,10 +137,7 @@ fn block_checksum_on(
 ) -> u64 {
     #[cfg(target_arch = "x86_64")]
     if let Some(proof) = platform.avx512() {
-        // SAFETY: the proof exists only where detection found AVX-512 F and
-        // DQ, every feature `checksum_avx512` is compiled with; its memory
-        // accesses are bounds-checked (see there).
-        return unsafe { checksum_avx512(proof, seed, block, members) };
+        return block_checksum_avx512(proof, seed, block, members);
     }
     let _ = platform;
     block_checksum_portable(seed, block, members)
@@ -150,6 +147,21 @@ pub(crate) fn block_checksum_portable(seed: u64, block: u64, members: &[Member])
     members
         .iter()
         .fold(0u64, |a, &m| a.wrapping_add(member_hash(seed, block, m)))
+}
+
+/// [`block_checksum`] where the CPU has AVX-512 (F and DQ), as `proof`
+/// shows.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn block_checksum_avx512(
+    proof: crate::platform::HasAvx512,
+    seed: u64,
+    block: u64,
+    members: &[Member],
+) -> u64 {
+    // SAFETY: the proof exists only where detection found AVX-512 F and DQ,
+    // every feature `checksum_avx512` is compiled with; its memory accesses
+    // are bounds-checked (see there).
+    unsafe { checksum_avx512(proof, seed, block, members) }
 }
 
 #[cfg(target_arch = "x86_64")]

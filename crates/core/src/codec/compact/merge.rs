@@ -10,7 +10,7 @@
 
 use super::context::{BIG, Member, block_checksum_portable};
 #[cfg(target_arch = "x86_64")]
-use super::context::{fold8, hash8};
+use super::context::{block_checksum_avx512, fold8, hash8};
 #[cfg(target_arch = "x86_64")]
 use crate::platform::HasAvx512;
 use crate::platform::Platform;
@@ -320,7 +320,7 @@ fn merge16(a: __m512i, b: __m512i) -> (__m512i, __m512i) {
 /// it), and each is checked against its lower neighbours and hashed in the
 /// same step, so that no second pass reads the output back.
 fn merge_avx512_body(
-    _: HasAvx512,
+    proof: HasAvx512,
     a: &[Member],
     b: &[Member],
     out: &mut Vec<Member>,
@@ -385,10 +385,13 @@ fn merge_avx512_body(
         dup |= same(lo, prev);
         prev = lo;
     }
-    // The rest: `hi` and what is left of both lists, merged one member at
-    // a time. The loop ended because one of them has fewer than 16 left: it
-    // joins `hi` on the stack, and that goes with the other straight into
-    // `out` (no copy of the long rest but the final one).
+    // The rest: `hi` and what is left of both lists. The loop ended because
+    // one of them has fewer than 16 left: it joins `hi` on the stack
+    // (`both`, at most 32), and each of those goes into `out` after the
+    // members of the other list below it, copied in bulk. (The other list's
+    // rest can be most of a block's members, where one list's last few lie
+    // near the block's end: merged one member at a time, into room zeroed
+    // first, it cost a `memset` and a scalar pass per block.)
     let held = lanes(hi);
     let (short, long) = if a.len() - i < 16 {
         (&a[i..], &b[j..])
@@ -398,18 +401,45 @@ fn merge_avx512_body(
     let mut both = [0u32; 32];
     let both = &mut both[..16 + short.len()];
     merge_portable(&held, short, both);
-    // What of `long` lies below `both`'s last member is merged with it; the
-    // rest follows it, copied (zeroing room for it first was a `memset` of
-    // up to a block's members where one list ends early).
     let o = out.len();
-    let last = both[both.len() - 1];
-    let cut = long.partition_point(|&m| m < last);
-    out.resize(o + both.len() + cut, 0);
-    merge_portable(both, &long[..cut], &mut out[o..]);
-    out.extend_from_slice(&long[cut..]);
+    let mut rest = long;
+    for &x in both.iter() {
+        // As `merge_portable`: a member of `both` before an equal one.
+        let k = rest.partition_point(|&y| y < x);
+        out.extend_from_slice(&rest[..k]);
+        out.push(x);
+        rest = &rest[k..];
+    }
+    out.extend_from_slice(rest);
     // The rest, with the last member before it.
-    let sum = fold8(acc).wrapping_add(block_checksum_portable(seed, block, &out[o..]));
-    (dup != 0 || shares_an_index(&out[o - 1..]), sum)
+    let sum = fold8(acc).wrapping_add(block_checksum_avx512(proof, seed, block, &out[o..]));
+    let tail_dup = shares_an_index_avx512_body(proof, &out[o - 1..]);
+    (dup != 0 || tail_dup, sum)
+}
+
+/// [`shares_an_index`] 16 neighbour pairs at a time.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn shares_an_index_avx512_body(_: HasAvx512, out: &[Member]) -> bool {
+    let n = out.len();
+    let mut hit = 0u16;
+    let mut at = 0usize;
+    // Pairs (at + l, at + l + 1) for lanes l < 16, while both vectors fit.
+    while at + 17 <= n {
+        let x: &[u32; 16] = out[at..at + 16].try_into().expect("16 members");
+        let y: &[u32; 16] = out[at + 1..at + 17].try_into().expect("16 members");
+        // SAFETY: 16 initialized u32s (64 bytes) each; the unaligned loads
+        // read exactly those.
+        let (x, y) = unsafe {
+            (
+                _mm512_loadu_si512(x.as_ptr().cast()),
+                _mm512_loadu_si512(y.as_ptr().cast()),
+            )
+        };
+        hit |= _mm512_cmpeq_epi32_mask(_mm512_srli_epi32::<2>(x), _mm512_srli_epi32::<2>(y));
+        at += 16;
+    }
+    hit != 0 || shares_an_index(&out[at..])
 }
 
 #[cfg(test)]
