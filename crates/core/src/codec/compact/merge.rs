@@ -90,8 +90,8 @@ fn survivors_portable(members: &[Member], again: &[u8], kept: &mut [Member]) -> 
 /// Merges the ascending lists `a` and `b` into `out` (cleared first): all
 /// their members, ascending. Returns whether two of them share an index (a
 /// word named twice), and `out`'s checksum as block `block` of the tensor
-/// with context seed `seed` ([`block_checksum`]), summed as the members are
-/// written rather than by a pass of its own.
+/// with context seed `seed` ([`super::context::block_checksum`]), summed as
+/// the members are written rather than by a pass of its own.
 pub(crate) fn merge(
     platform: Platform,
     a: &[Member],
