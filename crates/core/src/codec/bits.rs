@@ -156,6 +156,25 @@ impl FastWriter {
         self.pos as u64 * 8 + self.n as u64
     }
 
+    /// A writer over `buf`, whose bytes it overwrites from the start (a
+    /// buffer kept between blocks: room already made is not zeroed again).
+    pub(crate) fn over(buf: Vec<u8>) -> FastWriter {
+        FastWriter {
+            buf,
+            ..FastWriter::default()
+        }
+    }
+
+    /// Pads the last byte with zero bits and returns the buffer and the
+    /// length of the stream at its start (the rest is scratch, kept as room
+    /// for [`FastWriter::over`]).
+    pub(crate) fn finish_over(mut self) -> (Vec<u8>, usize) {
+        self.reserve(8);
+        let end = self.pos + self.n.div_ceil(8) as usize;
+        self.buf[self.pos..self.pos + 8].copy_from_slice(&self.acc.to_le_bytes());
+        (self.buf, end)
+    }
+
     /// Pads the last byte with zero bits and returns the bytes.
     pub fn finish(mut self) -> Vec<u8> {
         self.reserve(8);

@@ -140,18 +140,22 @@ pub(super) fn put_eg(w: &mut FastWriter, x: u64, k: u32) {
 
 /// A block's stream: the prologue of `heads` (each class's region length
 /// set from `regions`), then the regions in class order.
-pub(super) fn assemble(mut heads: [ClassHead; CLASSES], regions: &[Vec<u8>], raw: bool) -> Vec<u8> {
+pub(super) fn assemble<R: AsRef<[u8]>>(
+    mut heads: [ClassHead; CLASSES],
+    regions: &[R],
+    raw: bool,
+) -> Vec<u8> {
     for (h, r) in heads.iter_mut().zip(regions) {
-        h.len = r.len();
+        h.len = r.as_ref().len();
     }
     let p = Prologue {
         class: heads,
         body: 0,
     };
-    let mut out = Vec::with_capacity(32 + regions.iter().map(Vec::len).sum::<usize>());
+    let mut out = Vec::with_capacity(32 + regions.iter().map(|r| r.as_ref().len()).sum::<usize>());
     p.write(raw, &mut out);
     for r in regions {
-        out.extend_from_slice(r);
+        out.extend_from_slice(r.as_ref());
     }
     out
 }

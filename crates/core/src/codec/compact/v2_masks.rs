@@ -107,6 +107,9 @@ pub(crate) struct MaskScratch {
     /// vector keeps slack for full-vector stores).
     pub(crate) next: Vec<u32>,
     pub(crate) next_n: usize,
+    /// Each class's region as written (kept between blocks: their room is
+    /// made, and zeroed, once).
+    regions: [Vec<u8>; CLASSES],
 }
 
 /// The context's members of one region: bit masks per 32 words (class 1,
@@ -115,6 +118,10 @@ struct Tables {
     m1: [u32; WORDS32],
     m2: [u32; WORDS32],
     p: [u32; WORDS32],
+    /// Each word's member as a byte (`4 | neg << 1 | big`, 0 where none),
+    /// zero between regions: one store per member, made into the masks 64
+    /// words per vector.
+    codes: [u8; REGION],
 }
 
 /// Cache lines of the next region fetched right after a region's scan, and
@@ -234,6 +241,7 @@ fn scan_block_w2(
         m1: [0; WORDS32],
         m2: [0; WORDS32],
         p: [0; WORDS32],
+        codes: [0; REGION],
     });
     let mut digest = _mm512_setzero_si512();
     let mut p = 0usize;
@@ -253,30 +261,23 @@ fn scan_block_w2(
     {
         let first = r * REGION;
         let len = pa.len() / 2;
-        // The context's masks of the region.
-        tab.m1 = [0; WORDS32];
-        tab.m2 = [0; WORDS32];
-        tab.p = [0; WORDS32];
+        // The context's masks of the region: each member's code byte stored
+        // (no chain through memory from one member to the next), then the
+        // codes made into masks 64 words at a time.
         let end = (first + len) as u32;
-        // Each word's bits gather in registers, and the word is stored
-        // whole after every member (no read-modify-write chain through
-        // memory): the last store of a word holds all its members.
-        let (mut cur, mut a1, mut a2, mut ap) = (usize::MAX, 0u32, 0u32, 0u32);
+        let start = p;
         while p < members.len() && index(members[p]) < end {
             let m = members[p];
-            let i = (index(m) - first as u32) as usize;
-            let (w, b) = (i >> 5, i & 31);
-            let keep = 0u32.wrapping_sub(u32::from(w == cur));
-            let bigm = m & BIG;
-            a1 = (a1 & keep) | ((1 - bigm) << b);
-            a2 = (a2 & keep) | (bigm << b);
-            ap = (ap & keep) | (((m & NEG) >> 1) << b);
-            tab.m1[w] = a1;
-            tab.m2[w] = a2;
-            tab.p[w] = ap;
-            cur = w;
+            tab.codes[(index(m) - first as u32) as usize] = 4 | (m & (BIG | NEG)) as u8;
             p += 1;
             ahead.pump();
+        }
+        if p == start {
+            tab.m1 = [0; WORDS32];
+            tab.m2 = [0; WORDS32];
+            tab.p = [0; WORDS32];
+        } else {
+            masks_of_codes(&mut tab);
         }
         let n = super::vector::scan_region(pa, pb, first as u32, &mut rec, 0);
         // The next region's words start coming in while this one's
@@ -301,6 +302,31 @@ fn scan_block_w2(
         );
     }
     (_mm512_reduce_add_epi64(digest) as u64, changes)
+}
+
+/// Makes the region's code bytes into its masks (class 1: a code without
+/// `big`; class 2: with it; last sign: `neg`), 64 words per vector, and
+/// zeroes the codes for the next region.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn masks_of_codes(tab: &mut Tables) {
+    use super::context::{BIG, NEG};
+    use std::arch::x86_64::{_mm512_set1_epi8, _mm512_test_epi8_mask};
+    let (big, neg) = (_mm512_set1_epi8(BIG as i8), _mm512_set1_epi8(NEG as i8));
+    for q in 0..REGION / 64 {
+        let at = &mut tab.codes[64 * q..64 * q + 64];
+        // SAFETY: `at` is 64 bytes: the load and the store cover exactly it.
+        let v = unsafe { _mm512_loadu_si512(at.as_ptr().cast()) };
+        unsafe { _mm512_storeu_si512(at.as_mut_ptr().cast(), _mm512_setzero_si512()) };
+        let any = _mm512_test_epi8_mask(v, v);
+        let b = _mm512_test_epi8_mask(v, big);
+        let s = _mm512_test_epi8_mask(v, neg);
+        for (t, x) in [(&mut tab.m1, any & !b), (&mut tab.m2, b), (&mut tab.p, s)] {
+            t[2 * q] = x as u32;
+            t[2 * q + 1] = (x >> 32) as u32;
+        }
+    }
 }
 
 /// Puts each of a region's `n` records in its class's lists (block index
@@ -521,37 +547,41 @@ fn classify(
 }
 
 /// Bits of the Rice codes of the gaps of the ascending `at` with
-/// parameters `k − 1`, `k` and `k + 1` (vectorized by the compiler).
+/// parameters `k − 1`, `k` and `k + 1`, in one pass (vectorized by the
+/// compiler). The gaps of an ascending list sum to less than its last
+/// entry, below 2^30 (a block's length): the sums fit 32 bits.
 #[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,bmi1,bmi2"))]
 fn rice_costs(at: &[u32], k: u32) -> [u64; 3] {
     let km = k.saturating_sub(1);
-    let sum = |sh: u32| -> u64 {
-        let first = (at[0] >> sh) as u64;
-        first
-            + at[1..]
-                .iter()
-                .zip(at)
-                .map(|(&a, &b)| ((a - b - 1) >> sh) as u64)
-                .sum::<u64>()
+    let Some(&g0) = at.first() else {
+        return [0; 3];
     };
+    let (mut lo, mut mid, mut hi) = (g0 >> km, g0 >> k, g0 >> (k + 1));
+    for (&a, &b) in at[1..].iter().zip(at) {
+        let g = a.wrapping_sub(b).wrapping_sub(1);
+        lo = lo.wrapping_add(g >> km);
+        mid = mid.wrapping_add(g >> k);
+        hi = hi.wrapping_add(g >> (k + 1));
+    }
     let n = at.len() as u64;
     [
-        sum(km) + n * (km as u64 + 1),
-        sum(k) + n * (k as u64 + 1),
-        sum(k + 1) + n * (k as u64 + 2),
+        lo as u64 + n * (km as u64 + 1),
+        mid as u64 + n * (k as u64 + 1),
+        hi as u64 + n * (k as u64 + 2),
     ]
 }
 
-/// A class's head (without its region's length) and the bits its values
-/// cost beyond the positions: step-coded, and raw.
-fn choose(c: &ClassList, _: Scanned) -> (ClassHead, u64, u64) {
+/// A class's head (without its region's length), the bits its values cost
+/// beyond the positions (step-coded, and raw) and the bits of its
+/// positions' Rice codes.
+fn choose(c: &ClassList, _: Scanned) -> (ClassHead, u64, u64, u64) {
     let n = c.n as u64;
     let mut h = ClassHead {
         n,
         ..ClassHead::default()
     };
     if n == 0 {
-        return (h, 0, 0);
+        return (h, 0, 0, 0);
     }
     let end = c.at[c.n - 1] as u64 + 1;
     let k = rice_guess_k(n, end - n).min(MAX_POS_K as u32 - 1);
@@ -561,12 +591,12 @@ fn choose(c: &ClassList, _: Scanned) -> (ClassHead, u64, u64) {
     // and BMI2 (and more), every feature `rice_costs` is compiled with; it
     // is otherwise safe code.
     let costs = unsafe { rice_costs(&c.at[..c.n], k) };
-    h.k = [k.saturating_sub(1), k, k + 1]
+    let pos_bits;
+    (h.k, pos_bits) = [k.saturating_sub(1), k, k + 1]
         .into_iter()
         .zip(costs)
         .min_by_key(|&(_, b)| b)
-        .expect("three")
-        .0;
+        .expect("three");
     let mut esc = Escapes::default();
     let (esc_at, esc_mag) = c.escapes();
     if let Some(&last) = esc_at.last() {
@@ -583,7 +613,7 @@ fn choose(c: &ClassList, _: Scanned) -> (ClassHead, u64, u64) {
         None => 0,
     };
     let step_bits = choose_values(&mut h, &esc, (t, set_sum));
-    (h, step_bits, n * 16)
+    (h, step_bits, n * 16, pos_bits)
 }
 
 /// Writes the entries' gaps with Rice parameter `k` (each followed by its
@@ -594,13 +624,13 @@ fn choose(c: &ClassList, _: Scanned) -> (ClassHead, u64, u64) {
 /// takes `vector::merge8`'s choice, or the general path past 56 bits.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2,bmi1,bmi2,lzcnt,popcnt")]
-fn entries(w: &mut FastWriter, c: &ClassList, k: u32, signs: bool) {
+fn entries(w: &mut FastWriter, c: &ClassList, (k, bits): (u32, u64), signs: bool) {
     // Room for a quotient up to 2 in each merged code.
     match k + u32::from(signs) + 3 {
-        0..=7 => entries_by::<8>(w, c, k, signs),
-        8..=14 => entries_by::<4>(w, c, k, signs),
-        15..=28 => entries_by::<2>(w, c, k, signs),
-        _ => entries_by::<1>(w, c, k, signs),
+        0..=7 => entries_by::<8>(w, c, (k, bits), signs),
+        8..=14 => entries_by::<4>(w, c, (k, bits), signs),
+        15..=28 => entries_by::<2>(w, c, (k, bits), signs),
+        _ => entries_by::<1>(w, c, (k, bits), signs),
     }
 }
 
@@ -609,7 +639,12 @@ fn entries(w: &mut FastWriter, c: &ClassList, k: u32, signs: bool) {
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2,bmi1,bmi2,lzcnt,popcnt")]
-fn entries_by<const STEP: usize>(w: &mut FastWriter, c: &ClassList, k: u32, signs: bool) {
+fn entries_by<const STEP: usize>(
+    w: &mut FastWriter,
+    c: &ClassList,
+    (k, bits): (u32, u64),
+    signs: bool,
+) {
     use std::arch::x86_64::{
         _mm_cvtsi64_si128, _mm_loadl_epi64, _mm256_loadu_si256, _mm512_alignr_epi64,
         _mm512_and_si512, _mm512_cmpgt_epu64_mask, _mm512_cvtepu8_epi64, _mm512_cvtepu32_epi64,
@@ -619,8 +654,10 @@ fn entries_by<const STEP: usize>(w: &mut FastWriter, c: &ClassList, k: u32, sign
     let low = (1u64 << k) - 1;
     let (buf, wpos, wacc, wn) = w.parts();
     let (mut pos, mut acc, mut n) = (*wpos, *wacc, *wn);
-    // Each code of up to 56 bits advances at most 7 bytes and writes 8.
-    let need = pos + 8 * c.n + 16;
+    // The codes take `bits` (their Rice codes, `rice_costs`'s count for
+    // `k`) and a sign bit each where signed; each append stores 8 bytes at
+    // the position it starts from.
+    let need = pos + (bits + u64::from(extra) * c.n as u64).div_ceil(8) as usize + 16;
     if buf.len() < need {
         buf.resize(need.max(2 * buf.len()), 0);
     }
@@ -644,30 +681,18 @@ fn entries_by<const STEP: usize>(w: &mut FastWriter, c: &ClassList, k: u32, sign
             if let Some((code, len)) = rice_code(g, k, 56 - extra) {
                 put!(code | (tail << len), len + extra);
             } else {
-                // A long gap (rare): the unary part 48 zeros at a time, room
-                // made for each append.
+                // A long gap (rare): the unary part 48 zeros at a time (its
+                // bits are in `bits`, so the room is there).
                 let mut z = g >> k;
                 while z >= 48 {
-                    if buf.len() < pos + 16 {
-                        buf.resize(pos + 16 + buf.len(), 0);
-                    }
                     put!(0u64, 48);
                     z -= 48;
-                }
-                if buf.len() < pos + 32 {
-                    buf.resize(pos + 32 + buf.len(), 0);
                 }
                 put!(1u64 << z, z as u32 + 1);
                 if k > 0 {
                     put!(g & low, k);
                 }
                 put!(tail, extra);
-                // The budget above counted 7 bytes per entry: restore it for
-                // the rest.
-                let need = pos + 8 * c.n + 16;
-                if buf.len() < need {
-                    buf.resize(need, 0);
-                }
             }
         }};
     }
@@ -727,11 +752,12 @@ fn entries_by<const STEP: usize>(w: &mut FastWriter, c: &ClassList, k: u32, sign
     (*wpos, *wacc, *wn) = (pos, acc, n);
 }
 
-/// Writes a step-coded class region.
+/// Writes a step-coded class region (its positions' Rice codes take
+/// `pos_bits`) at the start of `out`, and returns its length.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2,bmi1,bmi2,lzcnt,popcnt")]
-fn write_region(c: &ClassList, h: &ClassHead) -> Vec<u8> {
-    let mut w = FastWriter::default();
+fn write_region(c: &ClassList, (h, pos_bits): (&ClassHead, u64), out: &mut Vec<u8>) -> usize {
+    let mut w = FastWriter::over(std::mem::take(out));
     w.reserve(c.n * 2 + 64);
     // Each escape's two codes (`put_rice`'s and `put_eg`'s) as one append
     // where they fit in 56 bits.
@@ -777,15 +803,17 @@ fn write_region(c: &ClassList, h: &ClassHead) -> Vec<u8> {
             }
         }
     }
-    entries(&mut w, c, h.k, h.list.is_none());
-    w.finish()
+    entries(&mut w, c, (h.k, pos_bits), h.list.is_none());
+    let (buf, len) = w.finish_over();
+    *out = buf;
+    len
 }
 
 /// Encodes a block [`scan_block`] scanned from `s`: its entry and stream,
 /// or `None` when its values cost less raw (the staged encoder writes
 /// those).
 #[cfg(target_arch = "x86_64")]
-pub(crate) fn encode_scanned(s: &MaskScratch, proof: Scanned) -> Option<(BlockEntry, Vec<u8>)> {
+pub(crate) fn encode_scanned(s: &mut MaskScratch, proof: Scanned) -> Option<(BlockEntry, Vec<u8>)> {
     let chosen = [0, 1, 2].map(|c| choose(&s.class[c], proof));
     let step: u64 = chosen.iter().map(|c| c.1).sum();
     let raw: u64 = chosen.iter().map(|c| c.2).sum();
@@ -796,20 +824,20 @@ pub(crate) fn encode_scanned(s: &MaskScratch, proof: Scanned) -> Option<(BlockEn
     let n: u64 = heads.iter().map(|h| h.n).sum();
     let mut out = Vec::new();
     if n > 0 {
-        let regions: Vec<Vec<u8>> = (0..CLASSES)
-            .map(|c| {
-                if heads[c].n == 0 {
-                    Vec::new()
-                } else {
-                    // SAFETY: a `Scanned` exists only where `scan_block` found
-                    // the VBMI2 level (AVX-512 F, BW, DQ over AVX2, BMI1,
-                    // BMI2, LZCNT and POPCNT), every feature `write_region`
-                    // is compiled with; it is otherwise safe code whose loads
-                    // are justified where they are made.
-                    unsafe { write_region(&s.class[c], &heads[c]) }
-                }
-            })
-            .collect();
+        let mut len = [0usize; CLASSES];
+        for c in 0..CLASSES {
+            if heads[c].n > 0 {
+                // SAFETY: a `Scanned` exists only where `scan_block` found
+                // the VBMI2 level (AVX-512 F, BW, DQ over AVX2, BMI1, BMI2,
+                // LZCNT and POPCNT), every feature `write_region` is compiled
+                // with; it is otherwise safe code whose loads are justified
+                // where they are made.
+                len[c] = unsafe {
+                    write_region(&s.class[c], (&heads[c], chosen[c].3), &mut s.regions[c])
+                };
+            }
+        }
+        let regions: [&[u8]; CLASSES] = std::array::from_fn(|c| &s.regions[c][..len[c]]);
         out = assemble(heads, &regions, false);
     }
     let e = BlockEntry {
@@ -824,7 +852,7 @@ pub(crate) fn encode_scanned(s: &MaskScratch, proof: Scanned) -> Option<(BlockEn
 
 /// [`scan_block`] never scans on other CPUs.
 #[cfg(not(target_arch = "x86_64"))]
-pub(crate) fn encode_scanned(_: &MaskScratch, _: Scanned) -> Option<(BlockEntry, Vec<u8>)> {
+pub(crate) fn encode_scanned(_: &mut MaskScratch, _: Scanned) -> Option<(BlockEntry, Vec<u8>)> {
     None
 }
 
@@ -870,7 +898,7 @@ mod tests {
         let (dig, n, proof) = scan_block(Platform::cpu(), ctx, (old, new), members, &mut s)
             .expect("the CPU has the features");
         assert_eq!(n as usize, s.next_n);
-        let (e, bytes) = encode_scanned(&s, proof)?;
+        let (e, bytes) = encode_scanned(&mut s, proof)?;
         Some((e, bytes, dig, s.next[..s.next_n].to_vec()))
     }
 
@@ -1056,7 +1084,15 @@ mod tests {
                     }
                     // SAFETY: `require` found the VBMI2 level, every feature
                     // `entries` is compiled with.
-                    unsafe { entries(&mut got, &c, k, signs) };
+                    // The bits of the codes: `rice_costs`'s count for `k`.
+                    // SAFETY: as for `entries` below (the same features).
+                    let bits = (0..3)
+                        .map(|d| (k + d).saturating_sub(1))
+                        .zip(unsafe { rice_costs(&c.at[..n], k) })
+                        .find(|&(kk, _)| kk == k)
+                        .expect("k among the three")
+                        .1;
+                    unsafe { entries(&mut got, &c, (k, bits), signs) };
                     assert!(
                         got.finish() == want.finish(),
                         "k {k}, signs {signs}, {n} entries"
