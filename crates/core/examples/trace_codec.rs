@@ -149,7 +149,7 @@ fn main() {
                     2,
                     param.seed,
                     (&param.words, &new),
-                    param.ctx.as_ref(),
+                    (param.ctx.as_ref(), 0),
                 );
                 // Bit-identical round trip of every block, with the context.
                 check(&param.words, &new, &e2, param.ctx.as_ref(), param.seed);

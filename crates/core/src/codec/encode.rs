@@ -77,8 +77,9 @@ struct TensorOut {
     digest_change: u64,
     blocks: Option<Vec<BlockEntry>>,
     payload: Vec<(String, Dtype, Vec<usize>, Vec<u8>)>,
-    /// `compact2`: the tensor's context for the next delta.
-    next: Option<TensorContext>,
+    /// `compact2`: the tensor's context for the next delta, and its
+    /// checksum.
+    next: Option<(TensorContext, u64)>,
 }
 
 /// Diffs `new` against `base` and encodes the delta object. Also records `new`'s
@@ -163,8 +164,14 @@ pub fn encode_delta_ctx(
                 )),
                 Encoding::Compact2 => {
                     let tctx = context.and_then(|c| c.tensors.get(&t.name));
-                    let e =
-                        compact::v2::encode_tensor(key_kind(t.dtype), wb, t.seed, (old, nw), tctx);
+                    let ctx_seed = compact::context::tensor_seed(&t.name);
+                    let e = compact::v2::encode_tensor(
+                        key_kind(t.dtype),
+                        wb,
+                        t.seed,
+                        (old, nw),
+                        (tctx, ctx_seed),
+                    );
                     Ok(TensorOut {
                         idx,
                         changed: e.tensor.changed,
@@ -176,7 +183,7 @@ pub fn encode_delta_ctx(
                             e.tensor.payload,
                         )],
                         blocks: Some(e.tensor.blocks),
-                        next: Some(e.next),
+                        next: Some((e.next, e.checksum)),
                     })
                 }
                 _ => {
@@ -314,6 +321,8 @@ fn assemble(
     let mut entries = BTreeMap::new();
     let mut payload = Vec::new();
     let mut next_tensors = BTreeMap::new();
+    // The next context's checksum, as the encoders summed it.
+    let mut checksum = 0u64;
     let (mut changed, mut total) = (0u64, 0u64);
     for mut o in outs {
         let t = &base.tensors()[o.idx];
@@ -324,8 +333,9 @@ fn assemble(
         if o.changed == 0 {
             continue;
         }
-        if let Some(next) = o.next.take() {
+        if let Some((next, sum)) = o.next.take() {
             next_tensors.insert(t.name.clone(), next);
+            checksum = checksum.wrapping_add(sum);
         }
         changed += o.changed;
         entries.insert(
@@ -397,10 +407,11 @@ fn assemble(
         digest: header.digest.to_string(),
     };
     let next = (opts.encoding == Encoding::Compact2).then(|| {
-        Context::new(
+        Context::with_checksum(
             opts.model_version,
             (base.digest(), header.digest),
             next_tensors,
+            checksum,
         )
     });
     Ok((out, summary, next, digests))

@@ -1574,42 +1574,56 @@ pub struct Encoded2 {
     pub tensor: super::EncodedTensor,
     /// The tensor's context for the next delta (its changes).
     pub next: super::context::TensorContext,
+    /// Its checksum (the sum of its blocks' [`super::context::block_checksum`]s
+    /// under the seed given to [`encode_tensor`]).
+    pub checksum: u64,
 }
 
 /// Diffs `base` against `new` (`wb`-byte words) and encodes the changes as
 /// `compact2` blocks against `context` (the tensor's context; `None`: no
-/// context, every change in class 0).
+/// context, every change in class 0). The next context's checksum is summed
+/// under `ctx_seed` (the tensor's [`super::context::tensor_seed`]) as its
+/// members are made.
 pub fn encode_tensor(
     kind: crate::dtype::KeyKind,
     wb: usize,
     seed: crate::digest::TensorSeed,
     (base, new): (&[u8], &[u8]),
-    context: Option<&super::context::TensorContext>,
+    (context, ctx_seed): (Option<&super::context::TensorContext>, u64),
 ) -> Encoded2 {
     let block_words = super::BLOCK_WORDS;
     let platform = crate::platform::Platform::detect();
     let masks = wb == 2 && super::v2_masks::enabled();
-    let parts: Vec<(BlockEntry, Vec<u8>, u64, Vec<Member>)> = for_blocks(
+    let parts: Vec<(BlockEntry, Vec<u8>, u64, Vec<Member>, u64)> = for_blocks(
         kind,
         wb,
         seed,
         (base, new),
         context,
         |ctx, (old, new), members| {
+            let block = ctx.first / block_words;
             if masks
                 && let Some(part) = super::v2_masks::MASKS.with(|cell| {
                     let s = &mut *cell.borrow_mut();
-                    let (dig, _, proof) =
-                        super::v2_masks::scan_block(platform, ctx, (old, new), members, s)?;
+                    let check = ctx_seed ^ (block << 32);
+                    let (dig, _, sum, proof) = super::v2_masks::scan_block(
+                        platform,
+                        ctx,
+                        (old, new),
+                        (members, check),
+                        s,
+                    )?;
                     let (e, bytes) = super::v2_masks::encode_scanned(s, proof)?;
-                    Some((e, bytes, dig, s.next[..s.next_n].to_vec()))
+                    Some((e, bytes, dig, s.next[..s.next_n].to_vec(), sum))
                 })
             {
                 return part;
             }
             with_staged(platform, wb, ctx, (old, new), members, |s, dig, new| {
                 let (e, bytes) = encode(wb, new, s);
-                (e, bytes, dig, s.next().to_vec())
+                let next = s.next().to_vec();
+                let sum = super::context::block_checksum(ctx_seed, block, &next);
+                (e, bytes, dig, next, sum)
             })
         },
     );
@@ -1623,14 +1637,20 @@ pub fn encode_tensor(
         block_words,
         blocks: Vec::with_capacity(parts.len()),
     };
-    for (entry, bytes, dig, members) in parts {
+    let mut checksum = 0u64;
+    for (entry, bytes, dig, members, sum) in parts {
+        checksum = checksum.wrapping_add(sum);
         tensor.changed += entry.changes;
         tensor.digest_change = tensor.digest_change.wrapping_add(dig);
         tensor.payload.extend_from_slice(&bytes);
         tensor.blocks.push(entry);
         next.blocks.push(members);
     }
-    Encoded2 { tensor, next }
+    Encoded2 {
+        tensor,
+        next,
+        checksum,
+    }
 }
 
 /// Maps every block of `base` → `new` (`wb`-byte words, in parallel) with
@@ -1791,7 +1811,19 @@ mod tests {
     }
 
     fn enc(base: &[u8], new: &[u8], wb: usize, ctx: Option<&TensorContext>) -> Encoded2 {
-        encode_tensor(KeyKind::SignMagnitude, wb, TensorSeed(77), (base, new), ctx)
+        let e = encode_tensor(
+            KeyKind::SignMagnitude,
+            wb,
+            TensorSeed(77),
+            (base, new),
+            (ctx, 5),
+        );
+        let mut want = 0u64;
+        for (b, ms) in e.next.blocks.iter().enumerate() {
+            want = want.wrapping_add(super::super::context::block_checksum(5, b as u64, ms));
+        }
+        assert_eq!(e.checksum, want, "the next context's checksum");
+        e
     }
 
     /// Three versions a → b → c of one BF16 block, where c changes many of

@@ -181,15 +181,16 @@ const WORDS32: usize = REGION / 32;
 /// Encodes one block (`base` → `new`, 2-byte words, block index 0 at
 /// `ctx.first`) against its context `members` into `s` when `platform` has
 /// [`crate::platform::Level::Avx512Vbmi2`]: the class lists and the next
-/// context; returns the digest change and the block's changes. `None`
-/// elsewhere.
+/// context; returns the digest change, the block's changes and the next
+/// context's [`super::context::block_checksum`] (`check` is the block's
+/// `seed ^ block << 32`). `None` elsewhere.
 pub(crate) fn scan_block(
     platform: crate::platform::Platform,
     ctx: super::Ctx,
     (base, new): (&[u8], &[u8]),
-    members: &[super::context::Member],
+    (members, check): (&[super::context::Member], u64),
     s: &mut MaskScratch,
-) -> Option<(u64, u64, Scanned)> {
+) -> Option<(u64, u64, u64, Scanned)> {
     #[cfg(target_arch = "x86_64")]
     if let (true, true, Some(proof)) = (
         platform.has(crate::platform::Level::Avx512Vbmi2),
@@ -205,10 +206,11 @@ pub(crate) fn scan_block(
         // they are made.
         // Its output equals the staged encoder's:
         // `masks_and_staged_encoders_agree`, `random_blocks_agree`.
-        let (digest, changes) = unsafe { scan_block_w2(proof, ctx, (base, new), members, s) };
-        return Some((digest, changes, Scanned(())));
+        let (digest, changes, sum) =
+            unsafe { scan_block_w2(proof, ctx, (base, new), (members, check), s) };
+        return Some((digest, changes, sum, Scanned(())));
     }
-    let _ = (platform, ctx, base, new, members, s);
+    let _ = (platform, ctx, base, new, members, check, s);
     None
 }
 
@@ -220,10 +222,9 @@ fn scan_block_w2(
     proof: crate::platform::HasAvx512,
     ctx: super::Ctx,
     (base, new): (&[u8], &[u8]),
-    members: &[super::context::Member],
+    (members, check): (&[super::context::Member], u64),
     s: &mut MaskScratch,
-) -> (u64, u64) {
-    use super::context::{BIG, NEG, index};
+) -> (u64, u64, u64) {
     assert_eq!(base.len(), new.len(), "encoded buffers differ in length");
     assert!(base.len().is_multiple_of(2), "odd length for 2-byte words");
     assert!(base.len() / 2 <= 1 << 30, "block too long");
@@ -243,7 +244,9 @@ fn scan_block_w2(
         p: [0; WORDS32],
         codes: [0; REGION],
     });
-    let mut digest = _mm512_setzero_si512();
+    // The digest change and the next context's checksum, eight lanes each.
+    let mut sums = [_mm512_setzero_si512(); 2];
+    let check = _mm512_set1_epi64(check as i64);
     let mut p = 0usize;
     let mut changes = 0u64;
     // Each class's members before the region.
@@ -266,12 +269,12 @@ fn scan_block_w2(
         // codes made into masks 64 words at a time.
         let end = (first + len) as u32;
         let start = p;
-        while p < members.len() && index(members[p]) < end {
-            let m = members[p];
-            tab.codes[(index(m) - first as u32) as usize] = 4 | (m & (BIG | NEG)) as u8;
-            p += 1;
-            ahead.pump();
-        }
+        p += store_codes(
+            &members[p..],
+            (first as u32, end),
+            &mut tab.codes,
+            &mut ahead,
+        );
         if p == start {
             tab.m1 = [0; WORDS32];
             tab.m2 = [0; WORDS32];
@@ -288,20 +291,61 @@ fn scan_block_w2(
             ahead.pump();
         }
         changes += n as u64;
-        digest = _mm512_add_epi64(
-            digest,
-            classify(
-                proof,
-                (sm, ctx.seed.0, ctx.first),
-                (first as u32, n),
-                (&rec, &tab),
-                &mut ranks,
-                s,
-                &mut ahead,
-            ),
+        classify(
+            proof,
+            (sm, ctx.seed.0, ctx.first, check),
+            (first as u32, n),
+            (&rec, &tab),
+            &mut ranks,
+            (s, &mut sums),
+            &mut ahead,
         );
     }
-    (_mm512_reduce_add_epi64(digest) as u64, changes)
+    let [digest, sum] = sums;
+    (
+        _mm512_reduce_add_epi64(digest) as u64,
+        changes,
+        _mm512_reduce_add_epi64(sum) as u64,
+    )
+}
+
+/// Members ahead of the one coded whose cache line is fetched (2 KiB: the
+/// context comes from memory, and the hardware's prefetcher stops at each
+/// 4 KiB page).
+#[cfg(target_arch = "x86_64")]
+const MEMBERS_AHEAD: usize = 512;
+
+/// Stores the code byte (`4 | neg << 1 | big`) of each of the ascending
+/// `members` below block index `end` at its word's offset from `first` in
+/// `codes`, and returns how many it stored. Four at a time where the
+/// fourth is below `end` (so the others are), with a line of the next
+/// region fetched per four.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn store_codes(
+    members: &[super::context::Member],
+    (first, end): (u32, u32),
+    codes: &mut [u8; REGION],
+    ahead: &mut Ahead,
+) -> usize {
+    use super::context::{BIG, NEG, index};
+    let mut put = |m: super::context::Member| {
+        codes[(index(m) - first) as usize] = 4 | (m & (BIG | NEG)) as u8;
+    };
+    let mut p = 0;
+    while p + 4 <= members.len() && index(members[p + 3]) < end {
+        crate::platform::prefetch(members, p + MEMBERS_AHEAD);
+        for &m in &members[p..p + 4] {
+            put(m);
+        }
+        ahead.pump();
+        p += 4;
+    }
+    while p < members.len() && index(members[p]) < end {
+        put(members[p]);
+        p += 1;
+    }
+    p
 }
 
 /// Makes the region's code bytes into its masks (class 1: a code without
@@ -347,24 +391,24 @@ fn masks_of_codes(tab: &mut Tables) {
 )]
 fn classify(
     proof: crate::platform::HasAvx512,
-    (sm, seed, block_first): (bool, u64, u64),
+    (sm, seed, block_first, check): (bool, u64, u64, __m512i),
     (first, n): (u32, usize),
     (rec, tab): (&Records, &Tables),
     ranks: &mut [u32; 2],
-    s: &mut MaskScratch,
+    (s, sums): (&mut MaskScratch, &mut [__m512i; 2]),
     ahead: &mut Ahead,
-) -> __m512i {
+) {
     use std::arch::x86_64::{
         _mm_maskz_compress_epi8, _mm_storeu_si128, _mm256_castsi256_si128,
         _mm256_extracti128_si256, _mm256_maskz_loadu_epi16, _mm256_storeu_si256, _mm512_abs_epi32,
         _mm512_alignr_epi32, _mm512_and_si512, _mm512_andnot_si512, _mm512_cmpeq_epi32_mask,
         _mm512_cmpneq_epi32_mask, _mm512_cvtepi32_epi8, _mm512_cvtepi32_epi16,
-        _mm512_cvtepu32_epi64, _mm512_cvtsi512_si32, _mm512_mask_blend_epi32,
-        _mm512_mask_mov_epi32, _mm512_maskz_compress_epi32, _mm512_maskz_expand_epi32,
-        _mm512_maskz_mov_epi32, _mm512_permutex2var_epi32, _mm512_permutexvar_epi32,
-        _mm512_popcnt_epi32, _mm512_set_epi32, _mm512_sllv_epi32, _mm512_srai_epi32,
-        _mm512_srli_epi32, _mm512_srlv_epi32, _mm512_sub_epi32, _mm512_test_epi32_mask,
-        _mm512_xor_si512,
+        _mm512_cvtepu32_epi64, _mm512_cvtsi512_si32, _mm512_extracti64x4_epi64,
+        _mm512_mask_blend_epi32, _mm512_mask_mov_epi32, _mm512_maskz_compress_epi32,
+        _mm512_maskz_expand_epi32, _mm512_maskz_mov_epi32, _mm512_maskz_mov_epi64,
+        _mm512_permutex2var_epi32, _mm512_permutexvar_epi32, _mm512_popcnt_epi32, _mm512_set_epi32,
+        _mm512_sllv_epi32, _mm512_srai_epi32, _mm512_srli_epi32, _mm512_srlv_epi32,
+        _mm512_sub_epi32, _mm512_test_epi32_mask, _mm512_xor_si512,
     };
     let class = &mut s.class;
     for c in class.iter_mut() {
@@ -416,7 +460,7 @@ fn classify(
         }
     };
     let bf = _mm512_set1_epi64(block_first as i64);
-    let mut digest = zero;
+    let [mut digest, mut sum] = *sums;
     let iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     let [c0, c1, c2] = class;
     let mut j = 0usize;
@@ -473,6 +517,14 @@ fn classify(
         // SAFETY: `s.next` has `n + SLACK` entries past `next_n`, and `j <
         // n`: the 16 at `k` are in bounds.
         unsafe { _mm512_storeu_si512(s.next[k..k + 16].as_mut_ptr().cast(), member) };
+        // Their checksum, while they are in a register.
+        use super::context::hash8;
+        let (lo, hi) = (
+            hash8(check, _mm512_castsi512_si256(member)),
+            hash8(check, _mm512_extracti64x4_epi64::<1>(member)),
+        );
+        sum = _mm512_add_epi64(sum, _mm512_maskz_mov_epi64(valid as u8, lo));
+        sum = _mm512_add_epi64(sum, _mm512_maskz_mov_epi64((valid >> 8) as u8, hi));
         let off = _mm512_sub_epi32(i, set1(first as i32));
         let w = _mm512_srli_epi32::<5>(off);
         let bit = _mm512_and_si512(off, set1(31));
@@ -543,7 +595,7 @@ fn classify(
         j += 16;
     }
     s.next_n += n;
-    digest
+    *sums = [digest, sum];
 }
 
 /// Bits of the Rice codes of the gaps of the ascending `at` with
@@ -895,9 +947,17 @@ mod tests {
     /// (raw values).
     fn masked(ctx: Ctx, (old, new): (&[u8], &[u8]), members: &[Member]) -> Option<Part> {
         let mut s = MaskScratch::default();
-        let (dig, n, proof) = scan_block(Platform::cpu(), ctx, (old, new), members, &mut s)
-            .expect("the CPU has the features");
+        let check = 0x1234_5678_9abc_def0u64 ^ (ctx.first << 32);
+        let (dig, n, sum, proof) =
+            scan_block(Platform::cpu(), ctx, (old, new), (members, check), &mut s)
+                .expect("the CPU has the features");
         assert_eq!(n as usize, s.next_n);
+        let want = super::super::context::block_checksum(
+            0x1234_5678_9abc_def0,
+            ctx.first,
+            &s.next[..s.next_n],
+        );
+        assert_eq!(sum, want, "the next context's checksum");
         let (e, bytes) = encode_scanned(&mut s, proof)?;
         Some((e, bytes, dig, s.next[..s.next_n].to_vec()))
     }
