@@ -1579,6 +1579,10 @@ pub struct Encoded2 {
     pub checksum: u64,
 }
 
+/// One block as [`encode_tensor`] encodes it: entry, stream, digest change,
+/// next members and their checksum.
+type BlockPart = (BlockEntry, Vec<u8>, u64, Vec<Member>, u64);
+
 /// Diffs `base` against `new` (`wb`-byte words) and encodes the changes as
 /// `compact2` blocks against `context` (the tensor's context; `None`: no
 /// context, every change in class 0). The next context's checksum is summed
@@ -1594,7 +1598,7 @@ pub fn encode_tensor(
     let block_words = super::BLOCK_WORDS;
     let platform = crate::platform::Platform::detect();
     let masks = wb == 2 && super::v2_masks::enabled();
-    let parts: Vec<(BlockEntry, Vec<u8>, u64, Vec<Member>, u64)> = for_blocks(
+    let parts: Vec<BlockPart> = for_blocks(
         kind,
         wb,
         seed,
