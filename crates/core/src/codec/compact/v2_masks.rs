@@ -110,6 +110,8 @@ pub(crate) struct MaskScratch {
     /// Each class's region as written (kept between blocks: their room is
     /// made, and zeroed, once).
     regions: [Vec<u8>; CLASSES],
+    /// A class's set signs' entry ranks, where they are coded as a list.
+    list: Vec<u32>,
 }
 
 /// The context's members of one region: bit masks per 32 words (class 1,
@@ -668,21 +670,22 @@ fn choose(c: &ClassList, _: Scanned) -> (ClassHead, u64, u64, u64) {
     (h, step_bits, n * 16, pos_bits)
 }
 
-/// Writes the entries' gaps with Rice parameter `k` (each followed by its
-/// sign bit with `signs`): the codes are `put_rice`'s. Eight entries at a
+/// Writes the gaps of the ascending `at` with Rice parameter `k` (each code
+/// followed by its sign bit from `sign`, where given): the codes are
+/// `put_rice`'s, and take `bits` (without the signs). Eight entries at a
 /// time are coded in a vector and merged into fewer appends. A code is
 /// about `k + 2` bits (plus the sign): the merging is fixed for the class
 /// (pairs, fours or eights: `entries_by`), and a group with a longer code
 /// takes `vector::merge8`'s choice, or the general path past 56 bits.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2,bmi1,bmi2,lzcnt,popcnt")]
-fn entries(w: &mut FastWriter, c: &ClassList, (k, bits): (u32, u64), signs: bool) {
+fn entries(w: &mut FastWriter, (at, sign): (&[u32], Option<&[u8]>), (k, bits): (u32, u64)) {
     // Room for a quotient up to 2 in each merged code.
-    match k + u32::from(signs) + 3 {
-        0..=7 => entries_by::<8>(w, c, (k, bits), signs),
-        8..=14 => entries_by::<4>(w, c, (k, bits), signs),
-        15..=28 => entries_by::<2>(w, c, (k, bits), signs),
-        _ => entries_by::<1>(w, c, (k, bits), signs),
+    match k + u32::from(sign.is_some()) + 3 {
+        0..=7 => entries_by::<8>(w, (at, sign), (k, bits)),
+        8..=14 => entries_by::<4>(w, (at, sign), (k, bits)),
+        15..=28 => entries_by::<2>(w, (at, sign), (k, bits)),
+        _ => entries_by::<1>(w, (at, sign), (k, bits)),
     }
 }
 
@@ -693,15 +696,17 @@ fn entries(w: &mut FastWriter, c: &ClassList, (k, bits): (u32, u64), signs: bool
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2,bmi1,bmi2,lzcnt,popcnt")]
 fn entries_by<const STEP: usize>(
     w: &mut FastWriter,
-    c: &ClassList,
+    (at, sign): (&[u32], Option<&[u8]>),
     (k, bits): (u32, u64),
-    signs: bool,
 ) {
     use std::arch::x86_64::{
         _mm_cvtsi64_si128, _mm_loadl_epi64, _mm256_loadu_si256, _mm512_alignr_epi64,
         _mm512_and_si512, _mm512_cmpgt_epu64_mask, _mm512_cvtepu8_epi64, _mm512_cvtepu32_epi64,
         _mm512_sllv_epi64, _mm512_srl_epi64, _mm512_sub_epi64,
     };
+    let signs = sign.is_some();
+    let sign = sign.unwrap_or_default();
+    assert!(!signs || sign.len() == at.len(), "a sign per entry");
     let extra = u32::from(signs);
     let low = (1u64 << k) - 1;
     let (buf, wpos, wacc, wn) = w.parts();
@@ -709,7 +714,7 @@ fn entries_by<const STEP: usize>(
     // The codes take `bits` (their Rice codes, `rice_costs`'s count for
     // `k`) and a sign bit each where signed; each append stores 8 bytes at
     // the position it starts from.
-    let need = pos + (bits + u64::from(extra) * c.n as u64).div_ceil(8) as usize + 16;
+    let need = pos + (bits + u64::from(extra) * at.len() as u64).div_ceil(8) as usize + 16;
     if buf.len() < need {
         buf.resize(need.max(2 * buf.len()), 0);
     }
@@ -751,18 +756,18 @@ fn entries_by<const STEP: usize>(
     let set1 = |x: u64| _mm512_set1_epi64(x as i64);
     let (ones, low_v, k1, extra_v) = (set1(1), set1(low), set1(k as u64 + 1), set1(extra as u64));
     let kx = _mm_cvtsi64_si128(k as i64);
-    let (at, sign) = (&c.at[..c.n], &c.sign[..c.n]);
     let mut next = 0u64;
     let mut j = 0usize;
-    while j + 8 <= c.n {
-        let (a8, s8) = (&at[j..j + 8], &sign[j..j + 8]);
-        // SAFETY: `a8` holds 8 u32 (32 bytes) and `s8` 8 bytes: each load
-        // reads exactly them.
-        let (a, s) = unsafe {
-            (
-                _mm512_cvtepu32_epi64(_mm256_loadu_si256(a8.as_ptr().cast())),
-                _mm512_cvtepu8_epi64(_mm_loadl_epi64(s8.as_ptr().cast())),
-            )
+    while j + 8 <= at.len() {
+        let a8 = &at[j..j + 8];
+        // SAFETY: `a8` holds 8 u32 (32 bytes), and where signed (as many
+        // signs as entries) `s8` 8 bytes: each load reads exactly them.
+        let a = unsafe { _mm512_cvtepu32_epi64(_mm256_loadu_si256(a8.as_ptr().cast())) };
+        let s = if signs {
+            let s8 = &sign[j..j + 8];
+            unsafe { _mm512_cvtepu8_epi64(_mm_loadl_epi64(s8.as_ptr().cast())) }
+        } else {
+            _mm512_setzero_si512()
         };
         // Gap: at − (previous at + 1), the first lane's counted from `next`.
         let prev = _mm512_alignr_epi64::<7>(_mm512_add_epi64(a, ones), set1(next));
@@ -791,14 +796,14 @@ fn entries_by<const STEP: usize>(
         } else {
             for l in 0..8 {
                 let prev = if l == 0 { next } else { a8[l - 1] as u64 + 1 };
-                one!(a8[l], s8[l], prev);
+                one!(a8[l], sign.get(j + l).copied().unwrap_or(0), prev);
             }
         }
         next = a8[7] as u64 + 1;
         j += 8;
     }
-    for (&a, &s) in at[j..].iter().zip(&sign[j..]) {
-        one!(a, s, next);
+    for (q, &a) in at.iter().enumerate().skip(j) {
+        one!(a, sign.get(q).copied().unwrap_or(0), next);
         next = a as u64 + 1;
     }
     (*wpos, *wacc, *wn) = (pos, acc, n);
@@ -807,8 +812,12 @@ fn entries_by<const STEP: usize>(
 /// Writes a step-coded class region (its positions' Rice codes take
 /// `pos_bits`) at the start of `out`, and returns its length.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2,bmi1,bmi2,lzcnt,popcnt")]
-fn write_region(c: &ClassList, (h, pos_bits): (&ClassHead, u64), out: &mut Vec<u8>) -> usize {
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512cd,avx2,bmi1,bmi2,lzcnt,popcnt")]
+fn write_region(
+    c: &ClassList,
+    (h, pos_bits): (&ClassHead, u64),
+    (out, list): (&mut Vec<u8>, &mut Vec<u32>),
+) -> usize {
     let mut w = FastWriter::over(std::mem::take(out));
     w.reserve(c.n * 2 + 64);
     // Each escape's two codes (`put_rice`'s and `put_eg`'s) as one append
@@ -816,46 +825,132 @@ fn write_region(c: &ClassList, (h, pos_bits): (&ClassHead, u64), out: &mut Vec<u
     let (esc_at, esc_mag) = c.escapes();
     w.reserve(8 * esc_at.len());
     let (ke, ve) = (h.ke, h.ve);
-    let mut next = 0u64;
-    for (e, (&r, &x)) in esc_at.iter().zip(esc_mag).enumerate() {
-        let g = r as u64 - next;
+    // One escape, its gap `g` and `|step| − 2` `x`, with `left` escapes
+    // (this one among them) to write.
+    let escape = |w: &mut FastWriter, (g, x): (u64, u16), left: usize| {
         if let Some((eg, elen)) = eg_code(x as u64, ve, 56)
             && let Some((rice, rlen)) = rice_code(g, ke, 56 - elen)
         {
             w.put56(rice | (eg << rlen), rlen + elen);
         } else {
-            put_rice(&mut w, g, ke, (0, 0));
-            put_eg(&mut w, x as u64, ve);
-            w.reserve(8 * (esc_at.len() - e));
+            put_rice(w, g, ke, (0, 0));
+            put_eg(w, x as u64, ve);
+            w.reserve(8 * left);
         }
+    };
+    let mut next = 0u64;
+    // Eight at a time where every one's two codes fit 56 bits (merged into
+    // fewer appends); the rest one at a time.
+    let mut e = 0usize;
+    if ke < 56 && ve <= 40 {
+        use std::arch::x86_64::{
+            _mm_cvtsi64_si128, _mm_loadu_si128, _mm256_loadu_si256, _mm512_add_epi64,
+            _mm512_alignr_epi64, _mm512_and_si512, _mm512_cmpgt_epu64_mask, _mm512_cvtepu32_epi64,
+            _mm512_lzcnt_epi64, _mm512_sllv_epi64, _mm512_srl_epi64, _mm512_sub_epi64,
+            _mm512_xor_si512,
+        };
+        let set1 = |x: u64| _mm512_set1_epi64(x as i64);
+        let ones = set1(1);
+        let (kx, low) = (_mm_cvtsi64_si128(ke as i64), set1((1u64 << ke) - 1));
+        let (ke1, unit, ve1) = (set1(ke as u64 + 1), set1(1u64 << ve), set1(ve as u64 + 1));
+        while e + 8 <= esc_at.len() {
+            let (r8, x8) = (&esc_at[e..e + 8], &esc_mag[e..e + 8]);
+            // SAFETY: `r8` holds 8 u32 (32 bytes) and `x8` 8 u16 (16
+            // bytes): each load reads exactly them.
+            let (r, x) = unsafe {
+                (
+                    _mm512_cvtepu32_epi64(_mm256_loadu_si256(r8.as_ptr().cast())),
+                    _mm512_cvtepu16_epi64(_mm_loadu_si128(x8.as_ptr().cast())),
+                )
+            };
+            // The entry-rank gaps' Rice codes (`rice_code`).
+            let prev = _mm512_alignr_epi64::<7>(_mm512_add_epi64(r, ones), set1(next));
+            let g = _mm512_sub_epi64(r, prev);
+            let q = _mm512_srl_epi64(g, kx);
+            let rlen = _mm512_add_epi64(q, ke1);
+            let rcode = _mm512_or_si512(
+                _mm512_sllv_epi64(ones, q),
+                _mm512_sllv_epi64(_mm512_and_si512(g, low), _mm512_add_epi64(q, ones)),
+            );
+            // The magnitudes' Exp-Golomb codes (`eg_code`): `y = x + 2^ve`
+            // of `nb` bits, `z = nb − 1 − ve` zeros, a one, `y`'s low
+            // `nb − 1` bits.
+            let y = _mm512_add_epi64(x, unit);
+            let nb = _mm512_sub_epi64(set1(64), _mm512_lzcnt_epi64(y));
+            let z = _mm512_sub_epi64(nb, ve1);
+            let elen = _mm512_add_epi64(z, nb);
+            let top = _mm512_sllv_epi64(ones, _mm512_sub_epi64(nb, ones));
+            let ecode = _mm512_or_si512(
+                _mm512_sllv_epi64(ones, z),
+                _mm512_sllv_epi64(_mm512_xor_si512(y, top), _mm512_add_epi64(z, ones)),
+            );
+            let total = _mm512_add_epi64(rlen, elen);
+            // A lane with q ≥ 64 (its shifts gave 0) is longer than 56 too.
+            if _mm512_cmpgt_epu64_mask(total, set1(56)) == 0 {
+                let code = _mm512_or_si512(rcode, _mm512_sllv_epi64(ecode, rlen));
+                let (cs, ls, step) = super::vector::merge8(code, total);
+                for l in (0..8).step_by(step) {
+                    w.put56(cs[l], ls[l] as u32);
+                }
+                next = r8[7] as u64 + 1;
+            } else {
+                for (l, (&r, &x)) in r8.iter().zip(x8).enumerate() {
+                    escape(&mut w, (r as u64 - next, x), esc_at.len() - e - l);
+                    next = r as u64 + 1;
+                }
+            }
+            e += 8;
+        }
+    }
+    for (l, (&r, &x)) in esc_at.iter().zip(esc_mag).enumerate().skip(e) {
+        escape(&mut w, (r as u64 - next, x), esc_at.len() - l);
         next = r as u64 + 1;
     }
     if h.list.is_some() {
-        // The set signs' entry ranks, found 64 at a time.
-        use std::arch::x86_64::{_mm512_maskz_loadu_epi8, _mm512_test_epi8_mask};
-        let ko = h.ko;
-        let mut next = 0u64;
+        // The set signs' entry ranks, found 64 at a time and compressed
+        // into `list`, then coded as the entries are.
+        use std::arch::x86_64::{
+            _mm512_add_epi32, _mm512_maskz_compress_epi32, _mm512_maskz_loadu_epi8,
+            _mm512_set_epi32, _mm512_test_epi8_mask,
+        };
+        if list.len() < c.n + 64 {
+            list.resize(c.n + 64, 0);
+        }
+        let iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        let mut t = 0usize;
         for at in (0..c.n).step_by(64) {
             let valid = u64::MAX >> (64 - (c.n - at).min(64));
             // SAFETY: the lanes of `valid` are entries below `c.n`, in
             // bounds; the others are not read.
             let x = unsafe { _mm512_maskz_loadu_epi8(valid, c.sign[at..].as_ptr().cast()) };
-            let mut set = _mm512_test_epi8_mask(x, x);
-            w.reserve(8 * set.count_ones() as usize);
-            while set != 0 {
-                let j = (at + set.trailing_zeros() as usize) as u64;
-                if let Some((code, len)) = rice_code(j - next, ko, 56) {
-                    w.put56(code, len);
-                } else {
-                    put_rice(&mut w, j - next, ko, (0, 0));
-                    w.reserve(8 * set.count_ones() as usize);
-                }
-                next = j + 1;
-                set &= set - 1;
+            let set = _mm512_test_epi8_mask(x, x);
+            for q in 0..4 {
+                let k = (set >> (16 * q)) as u16;
+                let j = _mm512_add_epi32(iota, _mm512_set1_epi32((at + 16 * q) as i32));
+                // SAFETY: `t` ≤ the entries below `at + 16 q` ≤ `c.n`, and
+                // `list` holds `c.n + 64`: the 16 lanes at `t` are in
+                // bounds.
+                unsafe {
+                    _mm512_storeu_si512(
+                        list[t..t + 16].as_mut_ptr().cast(),
+                        _mm512_maskz_compress_epi32(k, j),
+                    )
+                };
+                t += k.count_ones() as usize;
             }
         }
+        // Their gaps sum to `last + 1 − t`: a bound on the codes' bits.
+        let bits = match t.checked_sub(1) {
+            Some(l) => {
+                let sum = list[l] as u64 - l as u64;
+                t as u64 * (h.ko as u64 + 1) + (sum >> h.ko)
+            }
+            None => 0,
+        };
+        entries(&mut w, (&list[..t], None), (h.ko, bits));
     }
-    entries(&mut w, c, (h.k, pos_bits), h.list.is_none());
+    let sign = h.list.is_none().then(|| &c.sign[..c.n]);
+    entries(&mut w, (&c.at[..c.n], sign), (h.k, pos_bits));
     let (buf, len) = w.finish_over();
     *out = buf;
     len
@@ -880,12 +975,16 @@ pub(crate) fn encode_scanned(s: &mut MaskScratch, proof: Scanned) -> Option<(Blo
         for c in 0..CLASSES {
             if heads[c].n > 0 {
                 // SAFETY: a `Scanned` exists only where `scan_block` found
-                // the VBMI2 level (AVX-512 F, BW, DQ over AVX2, BMI1, BMI2,
-                // LZCNT and POPCNT), every feature `write_region` is compiled
+                // the VBMI2 level (AVX-512 F, BW, CD, DQ over AVX2, BMI1,
+                // BMI2, LZCNT and POPCNT), every feature `write_region` is compiled
                 // with; it is otherwise safe code whose loads are justified
                 // where they are made.
                 len[c] = unsafe {
-                    write_region(&s.class[c], (&heads[c], chosen[c].3), &mut s.regions[c])
+                    write_region(
+                        &s.class[c],
+                        (&heads[c], chosen[c].3),
+                        (&mut s.regions[c], &mut s.list),
+                    )
                 };
             }
         }
@@ -1152,7 +1251,8 @@ mod tests {
                         .find(|&(kk, _)| kk == k)
                         .expect("k among the three")
                         .1;
-                    unsafe { entries(&mut got, &c, (k, bits), signs) };
+                    let sign = signs.then(|| &c.sign[..n]);
+                    unsafe { entries(&mut got, (&c.at[..n], sign), (k, bits)) };
                     assert!(
                         got.finish() == want.finish(),
                         "k {k}, signs {signs}, {n} entries"
