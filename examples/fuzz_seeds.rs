@@ -340,8 +340,8 @@ fn compact2_seeds(seeds: &mut Seeds) -> Result<(), Error> {
                 }
             }
             let seed = weightcast::digest::TensorSeed(0);
-            let e1 = compact::v2::encode_tensor(kind, wb, seed, (&a, &b), None);
-            let e2 = compact::v2::encode_tensor(kind, wb, seed, (&b, &c), Some(&e1.next));
+            let e1 = compact::v2::encode_tensor(kind, wb, seed, (&a, &b), (None, 0));
+            let e2 = compact::v2::encode_tensor(kind, wb, seed, (&b, &c), (Some(&e1.next), 0));
             let none = TensorContext::default();
             for (label, e, ctx) in [("noctx", &e1, &none), ("ctx", &e2, &e1.next)] {
                 assert_eq!(e.tensor.blocks.len(), 1);
