@@ -144,7 +144,7 @@ fn main() {
     // times (for perf); `encode` or `apply`: both encodings alternately, each
     // repetition's CPU time (RAYON_NUM_THREADS=1: one thread's work).
     if let Ok(phase) = std::env::var("WEIGHTCAST_PHASE") {
-        let mut run = |name: &str| match name {
+        let mut run = |name: &str, state: &mut TensorSet| match name {
             "encode1" => drop(encode_delta(&s1, &mut s2w, &opts(Encoding::Compact, 2)).unwrap()),
             "encode2" => drop(
                 encode_delta_ctx(&s1, &mut s2w, &opts(Encoding::Compact2, 2), Some(&ctx1)).unwrap(),
@@ -181,16 +181,19 @@ fn main() {
                 std::hint::black_box(n);
             }
             "apply2n" => {
-                apply_delta_ctx(&mut state, &v2n_fwd, None).unwrap();
-                apply_delta_ctx(&mut state, &v2n_back, None).unwrap();
+                apply_delta_ctx(state, &v2n_fwd, None).unwrap();
+                apply_delta_ctx(state, &v2n_back, None).unwrap();
             }
             "apply1" => {
-                apply_delta(&mut state, &v1_fwd).unwrap();
-                apply_delta(&mut state, &v1_back).unwrap();
+                apply_delta(state, &v1_fwd).unwrap();
+                apply_delta(state, &v1_back).unwrap();
             }
+            // Forth only, on a state restored (untimed) before each.
+            "apply1f" => drop(apply_delta(state, &v1_fwd).unwrap()),
+            "apply2f" => drop(apply_delta_ctx(state, &v2_fwd, Some(&ctx1)).unwrap()),
             _ => {
-                apply_delta_ctx(&mut state, &v2_fwd, Some(&ctx1)).unwrap();
-                apply_delta_ctx(&mut state, &v2_back, Some(&ctx2)).unwrap();
+                apply_delta_ctx(state, &v2_fwd, Some(&ctx1)).unwrap();
+                apply_delta_ctx(state, &v2_back, Some(&ctx2)).unwrap();
             }
         };
         let names: Vec<String> = match phase.as_str() {
@@ -207,13 +210,20 @@ fn main() {
             "stage" => vec!["encode1".into(), "stage2".into()],
             // and compact2 without context (every change in class 0)
             "apply" => vec!["apply1".into(), "apply2".into(), "apply2n".into()],
+            // forth only: the back delta is every change of the forth one
+            // undone, so all its entries are context members (class 0
+            // empty), which no training step does
+            "applyf" => vec!["apply1f".into(), "apply2f".into()],
             _ => vec![phase.clone()],
         };
         let mut cpu = vec![Vec::with_capacity(reps); names.len()];
         for _ in 0..reps {
             for (n, c) in names.iter().zip(&mut cpu) {
+                if n.ends_with('f') {
+                    state = s1.clone();
+                }
                 let cpu0 = process_cpu_secs();
-                run(n);
+                run(n, &mut state);
                 c.push(process_cpu_secs() - cpu0);
             }
         }

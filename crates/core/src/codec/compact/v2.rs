@@ -354,6 +354,10 @@ fn read_lists_on(
             None => Ok(()),
         }
     });
+    // Each list ends in a sentinel past every rank (see [`ClassBufs`]).
+    esc_rank.push(u64::MAX);
+    esc_mag.push(1);
+    list_rank.push(u64::MAX);
     (s.esc_rank, s.esc_mag, s.list_rank) = (esc_rank, esc_mag, list_rank);
     r
 }
@@ -469,7 +473,9 @@ pub(crate) struct Scratch {
     class_value: [Vec<u64>; CLASSES],
 }
 
-/// One class's escapes' ranks and magnitudes and its listed signs' ranks.
+/// One class's escapes' ranks and magnitudes and its listed signs' ranks,
+/// each list followed by a sentinel (rank `u64::MAX`, magnitude 1), so that
+/// the decoder reads the next one without a check for the end.
 #[derive(Default)]
 struct ClassBufs {
     esc_rank: Vec<u64>,
@@ -671,11 +677,13 @@ impl Plan {
             s.esc_rank.clear();
             s.esc_mag.clear();
             s.list_rank.clear();
+            s.esc_rank.push(u64::MAX);
+            s.esc_mag.push(1);
+            s.list_rank.push(u64::MAX);
         }
-        let at = |v: &[u64], i: usize| v.get(i).copied().unwrap_or(u64::MAX);
         Ok(ClassReader {
-            next_esc: at(&s.esc_rank, 0),
-            next_list: at(&s.list_rank, 0),
+            next_esc: s.esc_rank[0],
+            next_list: s.list_rank[0],
             cur,
             c,
             h,
@@ -946,17 +954,20 @@ impl ClassReader<'_> {
                 let m = members[jm as usize];
                 (index(m), jm, ((m & NEG) >> 1) as u64)
             };
-            if !BIT && r == next_list {
-                neg = 1;
-                l += 1;
-                next_list = listed.get(l).copied().unwrap_or(u64::MAX);
+            // Without branches: whether an entry is listed or escaped is
+            // data, about as often one way as the other in some classes.
+            // (The lists end in a sentinel rank no entry has, so `l` and
+            // `e` stay within them.)
+            if !BIT {
+                let hit = r == next_list;
+                neg |= u64::from(hit);
+                l += usize::from(hit);
+                next_list = listed[l];
             }
-            let mut m = 1u64;
-            if r == next_esc {
-                m = esc_mag[e];
-                e += 1;
-                next_esc = esc_rank.get(e).copied().unwrap_or(u64::MAX);
-            }
+            let hit = r == next_esc;
+            let m = std::hint::select_unpredictable(hit, esc_mag[e], 1);
+            e += usize::from(hit);
+            next_esc = esc_rank[e];
             r += 1;
             neg ^= last_neg;
             let v = ((m ^ neg.wrapping_neg()).wrapping_add(neg)) & mask;
@@ -1046,10 +1057,25 @@ pub(crate) fn finish(
     }
     let s = super::merge::survivors(platform, members, again, &mut rec.kept);
     let mut scratch = Vec::new();
-    let (out, at) = out.unwrap_or((&mut scratch, (0, 0)));
+    let (out, at) = match out {
+        Some((out, at)) => {
+            let want = rec.c0.len() + s;
+            if out.capacity() < want {
+                *out = super::context::pool::take(want);
+            }
+            (out, at)
+        }
+        None => {
+            scratch = super::context::pool::take(rec.c0.len() + s);
+            (&mut scratch, (0, 0))
+        }
+    };
     let (dup, sum) = super::merge::merge(platform, &rec.c0, &rec.kept[..s], out, at);
     if dup {
         out.clear();
+    }
+    super::context::pool::give(scratch);
+    if dup {
         return Err("a word changed twice (a class-0 position is a member that changed again)");
     }
     Ok(sum)
@@ -1618,14 +1644,18 @@ pub fn encode_tensor(
                         s,
                     )?;
                     let (e, bytes) = super::v2_masks::encode_scanned(s, proof)?;
-                    Some((e, bytes, dig, s.next[..s.next_n].to_vec(), sum))
+                    // The list itself, not a copy (the next block takes
+                    // another from the pool).
+                    let next = std::mem::take(&mut s.next);
+                    debug_assert_eq!(next.len(), s.next_n);
+                    Some((e, bytes, dig, next, sum))
                 })
             {
                 return part;
             }
             with_staged(platform, wb, ctx, (old, new), members, |s, dig, new| {
                 let (e, bytes) = encode(wb, new, s);
-                let next = s.next().to_vec();
+                let next = super::context::pool::copy_of(s.next());
                 let sum = super::context::block_checksum(ctx_seed, block, &next);
                 (e, bytes, dig, next, sum)
             })

@@ -103,8 +103,10 @@ pub(crate) struct Scanned(());
 #[derive(Default)]
 pub(crate) struct MaskScratch {
     pub(crate) class: [ClassList; CLASSES],
-    /// The block's members for the next context (`next_n` of them; the
-    /// vector keeps slack for full-vector stores).
+    /// The block's members for the next context (`next_n` of them, its
+    /// length; full-vector stores write past it, into its capacity). Taken
+    /// whole by the encoder as the block's list of the next context, and
+    /// replaced by one from the context [`pool`](super::context::pool).
     pub(crate) next: Vec<u32>,
     pub(crate) next_n: usize,
     /// Each class's region as written (kept between blocks: their room is
@@ -234,6 +236,14 @@ fn scan_block_w2(
         c.clear();
     }
     s.next_n = 0;
+    s.next.clear();
+    // Room for as many members as the block had and a quarter more (the
+    // next context's list is usually about as long), or for a change in 16
+    // words without a context.
+    let want = (members.len() + members.len() / 4).max(base.len() / 32) + SLACK;
+    if s.next.capacity() < want {
+        s.next = super::context::pool::take(want);
+    }
     let sm = ctx.kind == crate::dtype::KeyKind::SignMagnitude;
     let mut rec = Box::new(Records {
         index: [0; REGION + 8 + 32],
@@ -416,10 +426,9 @@ fn classify(
     for c in class.iter_mut() {
         c.room(n + 16);
     }
-    if s.next.len() < s.next_n + n + SLACK {
-        let len = (s.next_n + n + SLACK).max(2 * s.next.len());
-        s.next.resize(len, 0);
-    }
+    debug_assert_eq!(s.next.len(), s.next_n);
+    // (`reserve` keeps the members, and grows at least twofold.)
+    s.next.reserve(n + SLACK);
     let set1 = _mm512_set1_epi32;
     let zero = _mm512_setzero_si512();
     let table = |a: &[u32; WORDS32]| -> [__m512i; 4] {
@@ -516,9 +525,12 @@ fn classify(
             _mm512_maskz_mov_epi32(big, one),
         );
         let k = s.next_n + j;
-        // SAFETY: `s.next` has `n + SLACK` entries past `next_n`, and `j <
-        // n`: the 16 at `k` are in bounds.
-        unsafe { _mm512_storeu_si512(s.next[k..k + 16].as_mut_ptr().cast(), member) };
+        // SAFETY: `s.next` has capacity for `n + SLACK` members past its
+        // length `next_n` (reserved above), and `j < n`: the 16 at `k` lie
+        // within its allocation. They are written, not read; the length is
+        // set past them only once the region's members are all written
+        // (below).
+        unsafe { _mm512_storeu_si512(s.next.as_mut_ptr().add(k).cast(), member) };
         // Their checksum, while they are in a register.
         use super::context::hash8;
         let (lo, hi) = (
@@ -597,6 +609,10 @@ fn classify(
         j += 16;
     }
     s.next_n += n;
+    // SAFETY: the capacity is at least `next_n` (reserved above), and the
+    // loop stored 16 members at `old next_n + j` for `j = 0, 16, …` while
+    // `j < n`: every member below the new `next_n` is written.
+    unsafe { s.next.set_len(s.next_n) };
     *sums = [digest, sum];
 }
 
