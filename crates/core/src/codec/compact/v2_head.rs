@@ -183,6 +183,30 @@ impl Default for Escapes {
 }
 
 impl Escapes {
+    /// [`Escapes::add`] for each of `xs`, four at a time into four tables
+    /// summed at the end: one table counted every escape in turn, and each
+    /// count waited for the one before it through memory (most escapes are
+    /// the same few values).
+    pub(super) fn add_all(&mut self, xs: &[u16]) {
+        let mut small = [[0u64; 64]; 4];
+        let mut quads = xs.chunks_exact(4);
+        for q in &mut quads {
+            for (t, &x) in small.iter_mut().zip(q) {
+                if x < 64 {
+                    t[x as usize] += 1;
+                } else {
+                    self.add(x as u64);
+                }
+            }
+        }
+        for &x in quads.remainder() {
+            self.add(x as u64);
+        }
+        for (i, s) in self.small.iter_mut().enumerate() {
+            *s += small.iter().map(|t| t[i]).sum::<u64>();
+        }
+    }
+
     /// Counts an escape's `|step| − 2` (values below 64 exactly, larger ones
     /// by bit length).
     #[inline(always)]

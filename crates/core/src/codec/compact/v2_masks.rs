@@ -672,12 +672,17 @@ fn choose(c: &ClassList, _: Scanned) -> (ClassHead, u64, u64, u64) {
     if let Some(&last) = esc_at.last() {
         esc.n = esc_at.len() as u64;
         esc.gap_sum = last as u64 + 1 - esc.n;
-        for &x in esc_mag {
-            esc.add(x as u64);
-        }
+        esc.add_all(esc_mag);
     }
     let signs = &c.sign[..c.n];
-    let t: u64 = signs.iter().map(|&b| b as u64).sum();
+    // The signs are bytes 0 or 1: eight at a time, their sum is the count
+    // of bits set.
+    debug_assert!(signs.iter().all(|&b| b <= 1));
+    let mut eights = signs.chunks_exact(8);
+    let t = (&mut eights)
+        .map(|e| u64::from(u64::from_le_bytes(e.try_into().expect("8 bytes")).count_ones()))
+        .sum::<u64>()
+        + eights.remainder().iter().map(|&b| b as u64).sum::<u64>();
     let set_sum = match signs.iter().rposition(|&b| b != 0) {
         Some(j) => j as u64 + 1 - t,
         None => 0,
