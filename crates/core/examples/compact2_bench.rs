@@ -12,7 +12,10 @@
 //!
 //! The context of the measured delta (N → N+1) is the changes of N-1 → N.
 //! Applies run forth (N → N+1) and back (N+1 → N, against the forth
-//! delta's context) alternately, so the state never needs copying. Ratios
+//! delta's context) alternately, so the state never needs copying; or, with
+//! `WEIGHTCAST_PHASE=applyf`, forth only, on a state restored (untimed)
+//! before each (the back delta's entries are all context members, which
+//! no training step's are). Ratios
 //! are compare time / operation time (above 1: faster than the compare);
 //! printed as medians over the repetitions, with the range.
 

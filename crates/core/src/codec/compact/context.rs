@@ -82,8 +82,8 @@ impl NextMembers {
 }
 
 /// One tensor's context: its block length and, per block, its members
-/// (ascending index). Dropped, it hands its larger member lists to the
-/// [`pool`] the next context's lists are taken from.
+/// (ascending index). Dropped, it hands its larger member lists to a
+/// bounded pool that the next context's lists are taken from.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TensorContext {
     /// Words per block (the delta's `block_words`).
