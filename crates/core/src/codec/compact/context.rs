@@ -109,9 +109,9 @@ impl Drop for TensorContext {
 /// density. The pool keeps the lists of dropped contexts instead (those of
 /// at least [`pool::MIN_MEMBERS`] members, up to [`pool::MAX_BYTES`] in
 /// all), and the encoder and the apply take the next context's lists from
-/// it. Peak memory does not grow: a list waits in the pool while the
-/// context it came from would otherwise be freed, and the one that replaces
-/// it takes it back.
+/// it. Peak memory does not grow (an encode or apply holds the old and the
+/// new context either way); between versions the resident memory stays at
+/// that peak instead of falling back to one context.
 pub(crate) mod pool {
     use super::Member;
     use std::sync::Mutex;
