@@ -802,13 +802,13 @@ impl ClassReader<'_> {
         if r == self.next_list {
             neg = 1;
             self.l += 1;
-            self.next_list = self.listed.get(self.l).copied().unwrap_or(u64::MAX);
+            self.next_list = self.listed[self.l];
         }
         let mut m = 1u64;
         if r == self.next_esc {
             m = self.esc_mag[self.e];
             self.e += 1;
-            self.next_esc = self.esc_rank.get(self.e).copied().unwrap_or(u64::MAX);
+            self.next_esc = self.esc_rank[self.e];
         }
         neg ^= last_neg;
         Ok((
@@ -1646,9 +1646,7 @@ pub fn encode_tensor(
                     let (e, bytes) = super::v2_masks::encode_scanned(s, proof)?;
                     // The list itself, not a copy (the next block takes
                     // another from the pool).
-                    let next = std::mem::take(&mut s.next);
-                    debug_assert_eq!(next.len(), s.next_n);
-                    Some((e, bytes, dig, next, sum))
+                    Some((e, bytes, dig, std::mem::take(&mut s.next), sum))
                 })
             {
                 return part;

@@ -103,12 +103,11 @@ pub(crate) struct Scanned(());
 #[derive(Default)]
 pub(crate) struct MaskScratch {
     pub(crate) class: [ClassList; CLASSES],
-    /// The block's members for the next context (`next_n` of them, its
-    /// length; full-vector stores write past it, into its capacity). Taken
-    /// whole by the encoder as the block's list of the next context, and
-    /// replaced by one from the context [`pool`](super::context::pool).
+    /// The block's members for the next context (full-vector stores write
+    /// past its length, into its capacity). Taken whole by the encoder as
+    /// the block's list of the next context, and replaced by one from the
+    /// context [`pool`](super::context::pool).
     pub(crate) next: Vec<u32>,
-    pub(crate) next_n: usize,
     /// Each class's region as written (kept between blocks: their room is
     /// made, and zeroed, once).
     regions: [Vec<u8>; CLASSES],
@@ -235,7 +234,6 @@ fn scan_block_w2(
     for c in &mut s.class {
         c.clear();
     }
-    s.next_n = 0;
     s.next.clear();
     // Room for as many members as the block had and a quarter more (the
     // next context's list is usually about as long), or for a change in 16
@@ -426,9 +424,9 @@ fn classify(
     for c in class.iter_mut() {
         c.room(n + 16);
     }
-    debug_assert_eq!(s.next.len(), s.next_n);
     // (`reserve` keeps the members, and grows at least twofold.)
     s.next.reserve(n + SLACK);
+    let next_n = s.next.len();
     let set1 = _mm512_set1_epi32;
     let zero = _mm512_setzero_si512();
     let table = |a: &[u32; WORDS32]| -> [__m512i; 4] {
@@ -524,7 +522,7 @@ fn classify(
             ),
             _mm512_maskz_mov_epi32(big, one),
         );
-        let k = s.next_n + j;
+        let k = next_n + j;
         // SAFETY: `s.next` has capacity for `n + SLACK` members past its
         // length `next_n` (reserved above), and `j < n`: the 16 at `k` lie
         // within its allocation. They are written, not read; the length is
@@ -608,11 +606,10 @@ fn classify(
         }
         j += 16;
     }
-    s.next_n += n;
-    // SAFETY: the capacity is at least `next_n` (reserved above), and the
-    // loop stored 16 members at `old next_n + j` for `j = 0, 16, …` while
-    // `j < n`: every member below the new `next_n` is written.
-    unsafe { s.next.set_len(s.next_n) };
+    // SAFETY: the capacity is at least `next_n + n` (reserved above), and
+    // the loop stored 16 members at `next_n + j` for `j = 0, 16, …` while
+    // `j < n`: every member below `next_n + n` is written.
+    unsafe { s.next.set_len(next_n + n) };
     *sums = [digest, sum];
 }
 
@@ -1071,15 +1068,11 @@ mod tests {
         let (dig, n, sum, proof) =
             scan_block(Platform::cpu(), ctx, (old, new), (members, check), &mut s)
                 .expect("the CPU has the features");
-        assert_eq!(n as usize, s.next_n);
-        let want = super::super::context::block_checksum(
-            0x1234_5678_9abc_def0,
-            ctx.first,
-            &s.next[..s.next_n],
-        );
+        assert_eq!(n as usize, s.next.len());
+        let want = super::super::context::block_checksum(0x1234_5678_9abc_def0, ctx.first, &s.next);
         assert_eq!(sum, want, "the next context's checksum");
         let (e, bytes) = encode_scanned(&mut s, proof)?;
-        Some((e, bytes, dig, s.next[..s.next_n].to_vec()))
+        Some((e, bytes, dig, s.next.clone()))
     }
 
     /// The members a change `old` → `new` leaves (the next context).
