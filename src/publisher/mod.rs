@@ -937,43 +937,35 @@ impl Publisher {
         }
     }
 
-    /// Compresses `written` as a `planes` anchor while it uploads as `key`
-    /// (the header's length is reserved first, its bytes sent last:
-    /// [`Store::put_growing`]). `None` where the store cannot take the parts
-    /// out of order or the header is too large for one part: the caller
-    /// compresses first, then uploads.
-    fn stream_planes_anchor(
+    /// Where a `planes` anchor of `written` can stream while it is
+    /// compressed ([`Store::put_growing`]: the header's length reserved
+    /// first, its bytes sent last): the header's length and a new spill file.
+    /// `None` where the store cannot take parts out of order or the header
+    /// is too large for one part: the caller compresses first, then uploads.
+    fn streamable(
         &self,
         written: &crate::tensors::TensorSet,
         version: u64,
-        name: &str,
-        key: String,
+        opts: &crate::codec::planes::PlanesOptions,
         spill_dir: &Path,
-    ) -> Result<Option<Upload>> {
+    ) -> Result<Option<(usize, tempfile::NamedTempFile)>> {
         if !self.store.can_put_growing() {
             return Ok(None);
         }
-        let opts = crate::codec::planes::PlanesOptions::default();
-        let head_len = crate::codec::planes_prefix_len(written, version, &opts)?;
+        let head_len = crate::codec::planes_prefix_len(written, version, opts)?;
         if head_len > crate::store::PART_SIZE / 2 {
             return Ok(None);
         }
-        let file = spill_file(spill_dir)?;
-        let (sink, growing) = crate::store::growing(file.path())?;
-        let store = self.store.clone();
-        let k = key.clone();
-        let task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
-            let r = store.put_growing(&k, head_len, growing).await;
-            drop(file);
-            r
-        }));
-        let done = blocking(|| crate::codec::write_anchor_planes(written, version, opts, sink))?;
-        done.sink.finish(done.prefix);
-        Ok(Some(Upload {
-            name: name.to_string(),
-            key,
-            task,
-        }))
+        Ok(Some((head_len, spill_file(spill_dir)?)))
+    }
+
+    /// Waits for `up` and records its object in `staging`; its size.
+    async fn finished(staging: &mut Staging, up: Upload) -> Result<u64> {
+        let entry = up.finish().await?;
+        tracing::debug!(object = %entry.key, "anchor: object uploaded");
+        let size = entry.size;
+        staging.record(entry);
+        Ok(size)
     }
 
     /// Publishes an anchor; `bridges` (deltas from the previous version, one per
@@ -1022,31 +1014,28 @@ impl Publisher {
         let mut anchor_bytes = 0u64;
         let mut tensor_files = BTreeMap::new();
         let spill_dir = dir.join("spill");
-        // One object uploads while the next file is written and compressed
-        // (the link and the cores both busy); at most one upload is in
-        // flight, so the objects go up in order and memory stays that of one.
-        let mut uploading: Option<Upload> = None;
+        // The objects upload in order while the next files are written and
+        // compressed, so that the link waits on no file's stage: a `planes`
+        // object streams while it is compressed (at most two uploads at
+        // once, sharing the store's part budget: memory stays that of one
+        // upload, and at most two spill files exist); otherwise one object
+        // uploads while the next is compressed into its spill file. Each
+        // file's snapshot write (or digest pass) runs alongside the previous
+        // file's compression, on a thread of its own.
+        let mut uploads: std::collections::VecDeque<Upload> = Default::default();
         let described = cp.describe();
-        for (name, set) in cp.tensors.iter_mut() {
-            let path = next_dir.join(name);
-            let diffed = set.has_digests().then(|| FileDigests::of(set));
-            let own;
-            let (written, data_start) = if own_base {
-                blocking(|| set.compute_digests());
-                (&*set, 0)
-            } else {
-                tracing::debug!(file = %name, "anchor: writing the snapshot file");
-                // Blocking work (here and the compression below) runs with
-                // this worker's other tasks — the upload in flight — handed
-                // to another.
-                own = blocking(|| write_snapshot_file(&path, set))?;
-                tracing::debug!(file = %name, "anchor: snapshot file written");
-                (&own.0, own.1)
-            };
-            let digests = FileDigests::of(written);
+        let mut files = cp.tensors.iter_mut();
+        let mut ready = files.next().map(|(name, set)| {
+            let p = blocking(|| prepare_file(own_base, &next_dir, name, set));
+            (name.clone(), p)
+        });
+        while let Some((name, prepared)) = ready.take() {
+            let (diffed, written) = prepared?;
+            let digests = FileDigests::of(written.set());
             if diffed.is_some_and(|d| d != digests) {
                 // The bridges were diffed from other bytes than the ones
                 // just written.
+                drop(uploads);
                 let _ = std::fs::remove_dir_all(&next_dir);
                 if let Some(st) = self.state.clone() {
                     self.distrust_snapshot(&st);
@@ -1062,86 +1051,98 @@ impl Publisher {
                 )));
             }
             tensor_files.insert(name.clone(), digests);
-            // With no upload in flight (the first file), the object goes up
-            // while it is compressed instead of after.
-            if uploading.is_none()
-                && !staged.active()
-                && self.cfg.anchor_encoding == AnchorEncoding::Planes
-            {
-                let key = staging.key(ObjectRole::Anchor, name)?;
-                if let Some(up) = self.stream_planes_anchor(written, next, name, key, &spill_dir)? {
-                    uploading = Some(up);
+            let following = files.next();
+            let key = staging.key(ObjectRole::Anchor, &name)?;
+            let planes = self.cfg.anchor_encoding == AnchorEncoding::Planes;
+            if planes && !staged.active() {
+                let opts = crate::codec::planes::PlanesOptions::default();
+                if let Some((head_len, file)) =
+                    self.streamable(written.set(), next, &opts, &spill_dir)?
+                {
+                    while uploads.len() >= 2 {
+                        let up = uploads.pop_front().expect("two in flight");
+                        anchor_bytes += Self::finished(&mut staging, up).await?;
+                    }
+                    let (sink, up) = Upload::growing(&self.store, &name, key, head_len, file)?;
+                    tracing::debug!(file = %name, "anchor: compressing while it uploads");
+                    let (done, next_ready) = blocking(|| {
+                        alongside(own_base, &next_dir, following, || {
+                            crate::codec::write_anchor_planes(written.set(), next, opts, sink)
+                        })
+                    });
+                    let done = done?;
+                    done.sink.finish(done.prefix);
+                    tracing::debug!(file = %name, "anchor: compressed");
+                    uploads.push_back(up);
+                    ready = next_ready;
                     continue;
                 }
             }
-            let mut spill = None;
-            let sources = match self.cfg.anchor_encoding {
-                AnchorEncoding::Raw => vec![
-                    Source::Bytes(Bytes::from(anchor_prefix(written, next)?)),
-                    Source::File {
-                        path: path.clone(),
-                        offset: data_start,
-                        len: written.total_bytes(),
-                    },
-                ],
-                AnchorEncoding::Planes => {
-                    // The compressed chunks go to a spill file (the header,
-                    // which comes first, needs their sizes), bounded memory.
-                    let file = spill_file(&spill_dir)?;
-                    let sink = std::io::BufWriter::with_capacity(
-                        1 << 20,
-                        file.reopen().map_err(|e| {
-                            Error::io(format!("opening {}", file.path().display()), e)
-                        })?,
-                    );
-                    let done = blocking(|| {
+            let (mut spill, mut later) = (None, None);
+            let sources = if planes {
+                // The compressed chunks go to a spill file (the header,
+                // which comes first, needs their sizes), bounded memory.
+                let file = spill_file(&spill_dir)?;
+                let sink = std::io::BufWriter::with_capacity(
+                    1 << 20,
+                    file.reopen()
+                        .map_err(|e| Error::io(format!("opening {}", file.path().display()), e))?,
+                );
+                let (done, next_ready) = blocking(|| {
+                    alongside(own_base, &next_dir, following, || {
                         crate::codec::write_anchor_planes(
-                            written,
+                            written.set(),
                             next,
                             crate::codec::planes::PlanesOptions::default(),
                             sink,
                         )
-                    })?;
-                    done.sink
-                        .into_inner()
-                        .map_err(|e| Error::io("writing a spill file", e.into_error()))?;
-                    let sources = vec![
-                        Source::Bytes(Bytes::from(done.prefix)),
-                        Source::File {
-                            path: file.path().to_path_buf(),
-                            offset: 0,
-                            len: done.data_bytes,
-                        },
-                    ];
-                    spill = Some(file);
-                    sources
-                }
+                    })
+                });
+                ready = next_ready;
+                let done = done?;
+                done.sink
+                    .into_inner()
+                    .map_err(|e| Error::io("writing a spill file", e.into_error()))?;
+                let sources = vec![
+                    Source::Bytes(Bytes::from(done.prefix)),
+                    Source::File {
+                        path: file.path().to_path_buf(),
+                        offset: 0,
+                        len: done.data_bytes,
+                    },
+                ];
+                spill = Some(file);
+                sources
+            } else {
+                // Uploaded from the snapshot file itself, once the previous
+                // object is up; the next file is written meanwhile.
+                let sources = vec![
+                    Source::Bytes(Bytes::from(anchor_prefix(written.set(), next)?)),
+                    Source::File {
+                        path: next_dir.join(&name),
+                        offset: written.data_start(),
+                        len: written.set().total_bytes(),
+                    },
+                ];
+                later = following;
+                sources
             };
-            let key = staging.key(ObjectRole::Anchor, name)?;
             if staged.active() {
                 let (size, blake3) = hash_sources(&sources)?;
                 staged.check(&key, size, &blake3)?;
             }
             tracing::debug!(file = %name, "anchor: compressed");
-            if let Some(up) = uploading.take() {
-                let entry = up.finish().await?;
-                tracing::debug!(object = %entry.key, "anchor: object uploaded");
-                anchor_bytes += entry.size;
-                staging.record(entry);
+            while let Some(up) = uploads.pop_front() {
+                anchor_bytes += Self::finished(&mut staging, up).await?;
             }
-            uploading = Some(Upload::start(
-                &self.store,
-                name.clone(),
-                key,
-                sources,
-                spill,
-            ));
+            uploads.push_back(Upload::start(&self.store, name, key, sources, spill));
+            if let Some((n, set)) = later {
+                let p = blocking(|| prepare_file(own_base, &next_dir, n, set));
+                ready = Some((n.clone(), p));
+            }
         }
-        if let Some(up) = uploading.take() {
-            let entry = up.finish().await?;
-            tracing::debug!(object = %entry.key, "anchor: object uploaded");
-            anchor_bytes += entry.size;
-            staging.record(entry);
+        while let Some(up) = uploads.pop_front() {
+            anchor_bytes += Self::finished(&mut staging, up).await?;
         }
         if !own_base {
             crate::fsio::sync_dir(&next_dir)?;
@@ -1519,6 +1520,75 @@ fn write_snapshot_file(
     Ok((written, data_start))
 }
 
+/// A tensor file ready to be made an anchor object from: the checkpoint's
+/// own (its digests computed) or the snapshot file written from it.
+enum Prepared<'a> {
+    /// `--state-mode previous`: the checkpoint's file is the base.
+    Base(&'a crate::tensors::TensorSet),
+    /// The snapshot file, mapped, and where its tensor data starts.
+    Snapshot(crate::tensors::TensorSet, u64),
+}
+
+impl Prepared<'_> {
+    fn set(&self) -> &crate::tensors::TensorSet {
+        match self {
+            Prepared::Base(s) => s,
+            Prepared::Snapshot(s, _) => s,
+        }
+    }
+
+    fn data_start(&self) -> u64 {
+        match self {
+            Prepared::Base(_) => 0,
+            Prepared::Snapshot(_, d) => *d,
+        }
+    }
+}
+
+/// The digests `set` had (from the diff, if any) and the file an anchor
+/// object is made from: the checkpoint's with its digests computed
+/// (`own_base`), else the snapshot file written at `dir`/`name`.
+fn prepare_file<'a>(
+    own_base: bool,
+    dir: &Path,
+    name: &str,
+    set: &'a mut crate::tensors::TensorSet,
+) -> Result<(Option<FileDigests>, Prepared<'a>)> {
+    let diffed = set.has_digests().then(|| FileDigests::of(set));
+    if own_base {
+        set.compute_digests();
+        return Ok((diffed, Prepared::Base(set)));
+    }
+    tracing::debug!(file = %name, "anchor: writing the snapshot file");
+    let (written, data_start) = write_snapshot_file(&dir.join(name), set)?;
+    tracing::debug!(file = %name, "anchor: snapshot file written");
+    Ok((diffed, Prepared::Snapshot(written, data_start)))
+}
+
+/// Runs `work` here and, alongside it on a thread of its own, prepares the
+/// `following` file ([`prepare_file`]): one file's snapshot write overlaps
+/// the previous one's compression.
+#[allow(clippy::type_complexity)]
+fn alongside<'a, T>(
+    own_base: bool,
+    dir: &Path,
+    following: Option<(&'a String, &'a mut crate::tensors::TensorSet)>,
+    work: impl FnOnce() -> T,
+) -> (
+    T,
+    Option<(String, Result<(Option<FileDigests>, Prepared<'a>)>)>,
+) {
+    let Some((name, set)) = following else {
+        return (work(), None);
+    };
+    std::thread::scope(|s| {
+        let h = s.spawn(move || prepare_file(own_base, dir, name, set));
+        let t = work();
+        let p = h.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
+        (t, Some((name.clone(), p)))
+    })
+}
+
 /// An anchor object uploading in a task of its own (see
 /// [`Publisher::publish_anchor`]); dropped unfinished, the upload is
 /// cancelled (an incomplete multipart upload is the bucket's lifecycle rule's
@@ -1547,6 +1617,32 @@ impl Upload {
             r
         }));
         Upload { name, key, task }
+    }
+
+    /// Starts uploading object `key` as a head of `head_len` bytes followed
+    /// by what the returned writer appends to `spill` ([`Store::put_growing`]);
+    /// `spill` lives until the upload ends.
+    fn growing(
+        store: &Store,
+        name: &str,
+        key: String,
+        head_len: usize,
+        spill: tempfile::NamedTempFile,
+    ) -> Result<(crate::store::GrowingWriter, Upload)> {
+        let (sink, growing) = crate::store::growing(spill.path())?;
+        let store = store.clone();
+        let k = key.clone();
+        let task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
+            let r = store.put_growing(&k, head_len, growing).await;
+            drop(spill);
+            r
+        }));
+        let up = Upload {
+            name: name.to_string(),
+            key,
+            task,
+        };
+        Ok((sink, up))
     }
 
     /// Waits for the upload; the object's manifest entry.

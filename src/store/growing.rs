@@ -19,7 +19,7 @@ use bytes::Bytes;
 use object_store::multipart::PartId;
 use object_store::path::Path;
 use object_store::{MultipartId, PutPayload};
-use tokio::sync::watch;
+use tokio::sync::{OwnedSemaphorePermit, watch};
 use tokio::task::JoinSet;
 
 use super::{PART_CONCURRENCY, PART_SIZE, Parts, Source, Store};
@@ -135,6 +135,9 @@ async fn hash_object(path: &FsPath, head: Bytes, len: u64) -> Result<String> {
     .map_err(|e| Error::io("hashing an upload", std::io::Error::other(e)))?
 }
 
+/// What sending one part gives: its index and id.
+type PartResult = std::result::Result<(usize, PartId), object_store::Error>;
+
 /// The parts of one upload in flight.
 struct Sending<'a> {
     store: &'a Store,
@@ -142,13 +145,22 @@ struct Sending<'a> {
     key: &'a str,
     path: Path,
     id: MultipartId,
-    tasks: JoinSet<std::result::Result<(usize, PartId), object_store::Error>>,
+    tasks: JoinSet<PartResult>,
     done: Vec<(usize, PartId)>,
 }
 
 impl Sending<'_> {
     async fn collect_one(&mut self) -> Result<()> {
-        match self.tasks.join_next().await {
+        let r = self.tasks.join_next().await;
+        self.collected(r)
+    }
+
+    /// Records a part's outcome (`None`: none was left).
+    fn collected(
+        &mut self,
+        r: Option<std::result::Result<PartResult, tokio::task::JoinError>>,
+    ) -> Result<()> {
+        match r {
             Some(Ok(Ok(p))) => {
                 self.done.push(p);
                 Ok(())
@@ -162,10 +174,41 @@ impl Sending<'_> {
         }
     }
 
-    async fn send(&mut self, idx: usize, bytes: Bytes) -> Result<()> {
-        while self.tasks.len() >= PART_CONCURRENCY {
-            self.collect_one().await?;
+    /// A place in the store's part budget ([`Parts::budget`]), taken before
+    /// a part's bytes are read; parts of this upload that have finished
+    /// meanwhile are collected (a failed one ends the upload).
+    async fn permit(&mut self) -> Result<OwnedSemaphorePermit> {
+        loop {
+            while let Some(r) = self.tasks.try_join_next() {
+                self.collected(Some(r))?;
+            }
+            if self.tasks.len() < PART_CONCURRENCY
+                && let Ok(p) = self.parts.budget.clone().try_acquire_owned()
+            {
+                return Ok(p);
+            }
+            // Wait for a part of this upload, or for a place another upload
+            // gives back, whichever comes first.
+            if self.tasks.is_empty() {
+                return Ok(self
+                    .parts
+                    .budget
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .expect("the budget is never closed"));
+            }
+            tokio::select! {
+                r = self.tasks.join_next() => self.collected(r)?,
+                p = self.parts.budget.clone().acquire_owned(), if self.tasks.len() < PART_CONCURRENCY => {
+                    return Ok(p.expect("the budget is never closed"));
+                }
+            }
         }
+    }
+
+    /// Sends part `idx`, holding `permit` until it is up.
+    async fn send(&mut self, idx: usize, bytes: Bytes, permit: OwnedSemaphorePermit) -> Result<()> {
         if let Some(p) = &self.store.progress {
             p.started(self.key, bytes.len() as u64);
             p.advanced(bytes.len() as u64);
@@ -175,6 +218,7 @@ impl Sending<'_> {
             let part = store
                 .put_part(&path, &id, idx, PutPayload::from(bytes))
                 .await?;
+            drop(permit);
             Ok((idx, part))
         });
         Ok(())
@@ -260,8 +304,11 @@ impl Store {
                     });
                 }
                 let s = sending.as_mut().expect("started");
-                let r = match part_bytes(&file, None, next, PART_SIZE as u64).await {
-                    Ok(bytes) => s.send(idx, bytes).await,
+                let r = match s.permit().await {
+                    Ok(permit) => match part_bytes(&file, None, next, PART_SIZE as u64).await {
+                        Ok(bytes) => s.send(idx, bytes, permit).await,
+                        Err(e) => Err(e),
+                    },
                     Err(e) => Err(e),
                 };
                 if let Err(e) = r {
@@ -322,11 +369,17 @@ impl Store {
             async move { hash_object(&file, head, len).await }
         });
         if len > next {
-            s.send(idx, part_bytes(file, None, next, len - next).await?)
+            let permit = s.permit().await?;
+            s.send(idx, part_bytes(file, None, next, len - next).await?, permit)
                 .await?;
         }
-        s.send(0, part_bytes(file, Some(head), 0, first_data).await?)
-            .await?;
+        let permit = s.permit().await?;
+        s.send(
+            0,
+            part_bytes(file, Some(head), 0, first_data).await?,
+            permit,
+        )
+        .await?;
         let hash = hash
             .await
             .map_err(|e| Error::io("hashing an upload", std::io::Error::other(e)))??;
@@ -484,5 +537,99 @@ mod tests {
             (9, blake3::hash(b"hdpayload").to_hex().to_string())
         );
         assert_eq!(store.get("o").await.unwrap().unwrap()[..], b"hdpayload"[..]);
+    }
+
+    /// Parts in flight through a multipart store, counted (each part held
+    /// a while, so that uploads overlap).
+    struct Counting {
+        inner: Arc<dyn object_store::multipart::MultipartStore>,
+        now: AtomicU64,
+        peak: AtomicU64,
+    }
+
+    #[async_trait::async_trait]
+    impl object_store::multipart::MultipartStore for Counting {
+        async fn create_multipart(&self, path: &Path) -> object_store::Result<MultipartId> {
+            self.inner.create_multipart(path).await
+        }
+        async fn put_part(
+            &self,
+            path: &Path,
+            id: &MultipartId,
+            idx: usize,
+            data: PutPayload,
+        ) -> object_store::Result<PartId> {
+            let n = self.now.fetch_add(1, Ordering::SeqCst) + 1;
+            self.peak.fetch_max(n, Ordering::SeqCst);
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            let r = self.inner.put_part(path, id, idx, data).await;
+            self.now.fetch_sub(1, Ordering::SeqCst);
+            r
+        }
+        async fn complete_multipart(
+            &self,
+            path: &Path,
+            id: &MultipartId,
+            parts: Vec<PartId>,
+        ) -> object_store::Result<object_store::PutResult> {
+            self.inner.complete_multipart(path, id, parts).await
+        }
+        async fn abort_multipart(&self, path: &Path, id: &MultipartId) -> object_store::Result<()> {
+            self.inner.abort_multipart(path, id).await
+        }
+    }
+
+    /// Three growing uploads at once through one store (and its clones)
+    /// share one part budget: never more than `PART_CONCURRENCY` parts in
+    /// flight in all, and each object arrives whole.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn overlapping_growing_uploads_share_one_part_budget() {
+        let mut store = Store::open("memory:///g").unwrap();
+        let parts = store.parts.clone().expect("memory takes parts");
+        let counting = Arc::new(Counting {
+            inner: parts.store.clone(),
+            now: AtomicU64::new(0),
+            peak: AtomicU64::new(0),
+        });
+        store.parts = Some(Parts {
+            store: counting.clone(),
+            ..parts.clone()
+        });
+        let dir = tempfile::tempdir().unwrap();
+        let mut uploads = Vec::new();
+        let mut expected = Vec::new();
+        for k in 0..3u8 {
+            let (mut w, g) = growing(&dir.path().join(format!("spill{k}"))).unwrap();
+            let data = vec![k + 1; 5 * PART_SIZE + 7];
+            let mut whole = vec![b'h', k];
+            whole.extend_from_slice(&data);
+            expected.push(whole);
+            std::thread::spawn(move || {
+                w.write_all(&data).unwrap();
+                w.finish(vec![b'h', k]);
+            });
+            let s = store.clone();
+            uploads.push(tokio::spawn(async move {
+                s.put_growing(&format!("o{k}"), 2, g).await
+            }));
+        }
+        for (k, u) in uploads.into_iter().enumerate() {
+            let (size, hash) = u.await.unwrap().unwrap();
+            assert_eq!(size, expected[k].len() as u64);
+            assert_eq!(hash, blake3::hash(&expected[k]).to_hex().to_string());
+            let back = store.get(&format!("o{k}")).await.unwrap().unwrap();
+            assert!(back[..] == expected[k][..], "object {k} differs");
+        }
+        let peak = counting.peak.load(Ordering::SeqCst);
+        // 18 parts in all; with a budget per upload the peak would be 18.
+        assert!(
+            peak >= 2 && peak <= PART_CONCURRENCY as u64,
+            "{peak} parts in flight at once"
+        );
+        assert_eq!(
+            parts.budget.available_permits(),
+            PART_CONCURRENCY,
+            "every place given back"
+        );
     }
 }

@@ -166,6 +166,11 @@ pub struct Store {
 pub(crate) struct Parts {
     pub(crate) store: Arc<dyn MultipartStore>,
     pub(crate) prefix: Option<Path>,
+    /// Parts of growing uploads in flight or being read, shared by all the
+    /// growing uploads through this store (and its clones): however many
+    /// overlap, memory stays that of one upload ([`PART_CONCURRENCY`] parts
+    /// of [`PART_SIZE`]).
+    pub(crate) budget: Arc<tokio::sync::Semaphore>,
 }
 
 impl std::fmt::Debug for Parts {

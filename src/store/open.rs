@@ -368,7 +368,11 @@ impl Store {
             None => base,
             Some(p) => Arc::new(PrefixStore::new(base, p.clone())),
         };
-        let parts = parts.map(|store| super::Parts { store, prefix });
+        let parts = parts.map(|store| super::Parts {
+            store,
+            prefix,
+            budget: Arc::new(tokio::sync::Semaphore::new(super::PART_CONCURRENCY)),
+        });
         Ok(Store {
             inner,
             url: url.to_string(),
