@@ -421,6 +421,53 @@ async fn a_burst_of_store_failures_longer_than_the_default_retry_window_fails_no
     common::assert_replica(&sub, &t.weights(), &t.config(), "after the burst");
 }
 
+/// A part of a streamed anchor object refused by the store (a 403, which is
+/// not retried) while other objects upload beside it: the publish fails and
+/// commits nothing; the next one, with the store healthy, commits the anchor
+/// exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_part_of_a_streamed_anchor_commits_nothing() {
+    let (proxy, store) = proxied("fp-parts").await;
+    let work = tempfile::tempdir().unwrap();
+    let dir = work.path().join("ckpt");
+    let truth = crate::publisher::large_sharded_checkpoint(&dir, 7);
+    let mut p = Publisher::open(
+        store.clone(),
+        common::publisher_config(&work.path().join("state"), 10, None),
+    )
+    .await
+    .unwrap();
+    // The first part upload (parts 2.. of an object go up while it is
+    // written, the head's part last).
+    proxy.add(
+        Rule::new(Fault::Status(403))
+            .method(Method::PUT)
+            .path("partNumber=")
+            .times(1),
+    );
+    let e = p
+        .publish_path(&dir, &Default::default())
+        .await
+        .expect_err("a refused part fails the publish");
+    assert_eq!(proxy.injected(), 1, "{e}");
+    assert!(
+        weightcast::protocol::read_manifest(&store, 0)
+            .await
+            .unwrap()
+            .is_none(),
+        "nothing committed: {e}"
+    );
+    let out = p.publish_path(&dir, &Default::default()).await.unwrap();
+    assert_eq!(out.version, 0);
+    let parts = proxy
+        .seen()
+        .iter()
+        .filter(|s| s.method == Method::PUT && s.path.contains("partNumber="))
+        .count();
+    assert!(parts >= 9, "the objects went up in parts: {parts}");
+    crate::publisher::check_large_anchor(&store, 0, &truth).await;
+}
+
 /// Truncated (under a consistent `Content-Length`) and corrupted bodies of
 /// every object a subscriber reads: each catch-up either fails cleanly,
 /// keeping the verified version, or reaches the exact new version; once the

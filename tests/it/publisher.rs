@@ -737,24 +737,17 @@ async fn newest(store: &Store) -> u64 {
         .unwrap()
 }
 
-/// An anchor of several files, each larger than an upload part, on S3: every
-/// object streams while it is compressed, two at once through one part
-/// budget (`Store::put_growing`), and each is recorded in file order and
-/// replays bit-identically (one small file among them goes up whole).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn anchor_files_larger_than_a_part_all_stream_and_replay() {
-    let store = common::moto_store("publisher", "streamed").await;
-    let work = tempfile::tempdir().unwrap();
-    let dir = work.path().join("ckpt");
-    std::fs::create_dir_all(&dir).unwrap();
+/// Writes at `dir` a sharded checkpoint of four files: three of 2.5 upload
+/// parts of random 16-bit words (stored raw in a `planes` anchor: three
+/// parts, the middle one sent while the object is written) and one of a few
+/// KB. Returns file name → tensors.
+pub fn large_sharded_checkpoint(dir: &Path, seed: u64) -> BTreeMap<String, TensorSet> {
+    std::fs::create_dir_all(dir).unwrap();
     let part = weightcast::store::PART_SIZE;
-    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ seed;
     let mut index = serde_json::Map::new();
     let mut truth = BTreeMap::new();
-    // Three files of 1.8 parts of bf16 noise (random mantissas: about 1.2
-    // parts compressed) and
-    // one of a few KB.
-    for (k, words) in [part * 9 / 10, part * 9 / 10, 2_000, part * 9 / 10]
+    for (k, words) in [part * 5 / 4, part * 5 / 4, 2_000, part * 5 / 4]
         .into_iter()
         .enumerate()
     {
@@ -763,9 +756,7 @@ async fn anchor_files_larger_than_a_part_all_stream_and_replay() {
                 x ^= x << 13;
                 x ^= x >> 7;
                 x ^= x << 17;
-                // bf16 of magnitude about 1e-2, random mantissa and sign.
-                let w = 0x3C00u16 | (x as u16 & 0x80FF) | ((x >> 20) as u16 & 0x0300);
-                w.to_le_bytes()
+                (x as u16).to_le_bytes()
             })
             .collect();
         let name = format!("w{k}");
@@ -787,12 +778,15 @@ async fn anchor_files_larger_than_a_part_all_stream_and_replay() {
         serde_json::json!({"weight_map": index}).to_string(),
     )
     .unwrap();
-    let mut p = Publisher::open(store.clone(), cfg(&work.path().join("state"), 4))
-        .await
-        .unwrap();
-    let out = p.publish_path(&dir, &Default::default()).await.unwrap();
-    assert_eq!((out.version, out.kind), (0, VersionKind::Anchor));
-    let m = read_manifest(&store, 0).await.unwrap().unwrap();
+    truth
+}
+
+/// Checks that version `v` of `store` is an anchor of `truth`'s files, in
+/// file order, three of them larger than two parts, that replays exactly.
+pub async fn check_large_anchor(store: &Store, v: u64, truth: &BTreeMap<String, TensorSet>) {
+    let part = weightcast::store::PART_SIZE;
+    let m = read_manifest(store, v).await.unwrap().unwrap();
+    assert_eq!(m.kind, VersionKind::Anchor);
     let anchors: Vec<_> = m
         .objects
         .iter()
@@ -801,11 +795,30 @@ async fn anchor_files_larger_than_a_part_all_stream_and_replay() {
     let names: Vec<&str> = anchors.iter().map(|o| o.name.as_str()).collect();
     let files: Vec<&str> = truth.keys().map(String::as_str).collect();
     assert_eq!(names, files, "anchor objects in file order");
-    let large = anchors.iter().filter(|o| o.size > part as u64).count();
-    assert_eq!(large, 3, "three objects of more than one part");
-    let (sets, _) = replay(&store, 0).await;
+    let large = anchors.iter().filter(|o| o.size > 2 * part as u64).count();
+    assert_eq!(large, 3, "three objects of more than two parts");
+    let (sets, _) = replay(store, v).await;
     assert_eq!(sets.len(), truth.len());
-    for (file, set) in &truth {
+    for (file, set) in truth {
         assert!(same_tensors(&sets[file], set), "{file} differs");
     }
+}
+
+/// An anchor of several files, each of several upload parts, on S3: every
+/// object streams while it is compressed, two at once through one part
+/// budget (`Store::put_growing`: part uploads, not whole objects), and each
+/// is recorded in file order and replays bit-identically (one small file
+/// among them goes up whole).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anchor_files_of_several_parts_all_stream_and_replay() {
+    let store = common::moto_store("publisher", "streamed").await;
+    let work = tempfile::tempdir().unwrap();
+    let dir = work.path().join("ckpt");
+    let truth = large_sharded_checkpoint(&dir, 0);
+    let mut p = Publisher::open(store.clone(), cfg(&work.path().join("state"), 4))
+        .await
+        .unwrap();
+    let out = p.publish_path(&dir, &Default::default()).await.unwrap();
+    assert_eq!((out.version, out.kind), (0, VersionKind::Anchor));
+    check_large_anchor(&store, 0, &truth).await;
 }
