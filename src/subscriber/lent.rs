@@ -12,13 +12,15 @@
 //!
 //! - [`LentSink::prepare`] verifies a delta against them and decodes every
 //!   change, writing nothing (the engine may still serve from them);
-//! - [`LentSink::lend`] + the loop's [`commit`](super::step::Subscriber::commit)
+//! - [`Subscriber::commit_into`](super::step::Subscriber::commit_into), the
+//!   tensors lent for the call,
 //!   writes: the prepared changes (one scatter), or a verify-then-write apply,
 //!   or the anchor's tensors (all present with their dtype and shape, checked
 //!   before any write);
 //! - for tensors the caller writes itself (on a GPU), [`LentSink::resolve`]
 //!   gathers the old values through the caller, checks them against the
-//!   delta's base and returns the writes; [`LentSink::written`] + commit
+//!   delta's base and returns the writes;
+//!   [`Subscriber::commit_written`](super::step::Subscriber::commit_written)
 //!   records the new version.
 //!
 //! An update is bound to the tensors this sink manages: a tensor whose memory
@@ -460,7 +462,8 @@ impl LentSink {
     /// returns its old words at the changed positions, which are checked
     /// against the delta's base (digests); only when every tensor passed are
     /// the writes returned. Nothing is written here; the caller scatters,
-    /// then commits with [`LentSink::written`]. [`LentSink::changes`] and
+    /// then commits with
+    /// [`Subscriber::commit_written`](super::step::Subscriber::commit_written). [`LentSink::changes`] and
     /// [`LentSink::resolve_changes`] do the same in batches.
     pub fn resolve(&mut self, gather: &mut Gather<'_>) -> Result<Vec<Resolved>> {
         let changes = self.changes()?;
@@ -528,7 +531,8 @@ impl LentSink {
     /// at `changes[k]`'s positions (as [`LentSink::changes`] returned them);
     /// writes the new words into `new[k]` after checking every tensor
     /// against the delta's base (in parallel). Only when all passed may the
-    /// caller scatter `new`, then commit with [`LentSink::written`].
+    /// caller scatter `new`, then commit with
+    /// [`Subscriber::commit_written`](super::step::Subscriber::commit_written).
     pub fn resolve_changes(
         &mut self,
         changes: &[Changes],

@@ -23,7 +23,7 @@ pub enum Log {
     Trl,
 }
 
-/// How [`Subscriber::next_update`] chooses.
+/// How [`Subscriber::next_update`](super::step::Subscriber::next_update) chooses.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct StepOptions {
     /// List the bucket even if the `latest.json` hint did not move (after a

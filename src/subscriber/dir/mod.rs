@@ -169,7 +169,7 @@ pub struct DirSink {
 impl DirSink {
     /// Opens (creating) the output directory `out` with `slots` slots: takes
     /// its lock, loads the state, and checks the current slot: trusted when
-    /// every file's stamp is the one recorded ([`SlotState::trusted`]: size,
+    /// every file's stamp is the one recorded (`SlotState::trusted`: size,
     /// inode, modification and change times, header bytes), verified in full
     /// otherwise (a digest pass over every byte; damage means nothing is
     /// held, so the next update bootstraps into another slot). A switch
