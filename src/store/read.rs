@@ -141,6 +141,25 @@ impl Store {
     where
         F: Fn(u64, &[u8]) -> Result<()> + Sync,
     {
+        self.download_ranges_reporting(key, size, part, concurrency, sink, |_| {})
+            .await
+    }
+
+    /// [`Store::download_ranges`], calling `done(range)` once each part's
+    /// bytes have all gone to `sink`.
+    pub async fn download_ranges_reporting<F, D>(
+        &self,
+        key: &str,
+        size: u64,
+        part: u64,
+        concurrency: usize,
+        sink: F,
+        done: D,
+    ) -> Result<u64>
+    where
+        F: Fn(u64, &[u8]) -> Result<()> + Sync,
+        D: Fn(std::ops::Range<u64>),
+    {
         use futures::StreamExt;
         let path = Self::path(key)?;
         if size > self.max_object_size {
@@ -169,12 +188,17 @@ impl Store {
         // declared size before the other parts are asked for.
         if parts > 0 {
             self.stream_range(key, path, size, range(0), sink).await?;
+            done(range(0));
         }
         let mut fetched = futures::stream::iter(1..parts)
-            .map(|i| self.stream_range(key, path, size, range(i), sink))
+            .map(|i| async move {
+                self.stream_range(key, path, size, range(i), sink)
+                    .await
+                    .map(|()| range(i))
+            })
             .buffer_unordered(concurrency.max(1));
         while let Some(r) = fetched.next().await {
-            r?;
+            done(r?);
         }
         Ok(parts)
     }
@@ -188,12 +212,28 @@ impl Store {
         part: u64,
         concurrency: usize,
     ) -> Result<u64> {
+        self.download_to_reporting(key, size, file, part, concurrency, |_| {})
+            .await
+    }
+
+    /// [`Store::download_to`], calling `done(range)` once each part is in
+    /// the file.
+    pub async fn download_to_reporting(
+        &self,
+        key: &str,
+        size: u64,
+        file: &std::fs::File,
+        part: u64,
+        concurrency: usize,
+        done: impl Fn(std::ops::Range<u64>),
+    ) -> Result<u64> {
         use std::os::unix::fs::FileExt;
-        self.download_ranges(key, size, part, concurrency, |at, b| {
+        let write = |at: u64, b: &[u8]| {
             file.write_all_at(b, at)
                 .map_err(|e| Error::io(format!("writing object {key} at offset {at}"), e))
-        })
-        .await
+        };
+        self.download_ranges_reporting(key, size, part, concurrency, write, done)
+            .await
     }
 
     /// One ranged GET, streamed into `sink`.

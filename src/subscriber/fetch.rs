@@ -201,6 +201,79 @@ impl Fetcher {
         checked
     }
 
+    /// [`Fetcher::to_file`] for an anchor object: a `planes` anchor that
+    /// comes in ranged parts is decoded while it downloads
+    /// ([`expand_following`]), so that little of its decode is left after
+    /// its last byte. `Some(layout)`: `path` holds the raw anchor (every
+    /// chunk and digest checked against `layout`, the object's size and
+    /// BLAKE3 matched). `None`: `path` holds the object as downloaded, for
+    /// the sink to decode (a raw anchor, a small object, or one the decode
+    /// refused: the sink's decode reports why).
+    pub async fn anchor_to_file(
+        &self,
+        o: &ObjectEntry,
+        path: &Path,
+    ) -> Result<Option<crate::codec::planes::PlanesLayout>> {
+        if o.size < self.large_object {
+            self.to_file(o, path).await?;
+            return Ok(None);
+        }
+        self.within_limit(o)?;
+        let io = |e| Error::io(format!("writing {}", path.display()), e);
+        let file = std::fs::File::create(path).map_err(io)?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let follower = tokio::task::spawn_blocking({
+            let (p, size) = (path.to_path_buf(), o.size);
+            move || crate::codec::expand_following(&p, size, rx)
+        });
+        let raw = path.with_extension("raw");
+        let contiguous = std::sync::Mutex::new(Contiguous::new(o.size, self.part_size));
+        let r = self
+            .store
+            .download_to_reporting(
+                &o.key,
+                o.size,
+                &file,
+                self.part_size,
+                self.parts_in_flight,
+                |range| {
+                    let upto = contiguous.lock().expect("not poisoned").done(range);
+                    // A follower that stopped (not a `planes` object) hangs up.
+                    let _ = tx.send(upto);
+                },
+            )
+            .await;
+        drop(tx);
+        let checked = match r {
+            Ok(n) => {
+                self.count(n);
+                let len = file.metadata().map_err(io)?.len();
+                let mut h = blake3::Hasher::new();
+                h.update_mmap_rayon(path)
+                    .map_err(|e| Error::io(format!("hashing {}", path.display()), e))?;
+                self.check(o, len, h.finalize())
+            }
+            Err(e) => Err(e),
+        };
+        let expanded = follower.await;
+        if let Err(e) = checked {
+            let _ = std::fs::remove_file(path);
+            let _ = std::fs::remove_file(&raw);
+            return Err(e);
+        }
+        match expanded {
+            Ok(Ok(Some(layout))) => {
+                std::fs::rename(&raw, path)
+                    .map_err(|e| Error::io(format!("renaming {}", raw.display()), e))?;
+                Ok(Some(layout))
+            }
+            _ => {
+                let _ = std::fs::remove_file(&raw);
+                Ok(None)
+            }
+        }
+    }
+
     fn missing(&self, o: &ObjectEntry) -> Error {
         Error::NotFound(format!(
             "object `{}` is missing from `{}`",
@@ -218,5 +291,36 @@ impl Fetcher {
             });
         }
         Ok(())
+    }
+}
+
+/// How many of an object's first bytes are in, from the parts that are.
+struct Contiguous {
+    part: u64,
+    size: u64,
+    done: Vec<bool>,
+    next: usize,
+}
+
+impl Contiguous {
+    fn new(size: u64, part: u64) -> Contiguous {
+        let part = part.max(1);
+        Contiguous {
+            part,
+            size,
+            done: vec![false; size.div_ceil(part) as usize],
+            next: 0,
+        }
+    }
+
+    /// Part `range` is in; returns how many of the first bytes are.
+    fn done(&mut self, range: std::ops::Range<u64>) -> u64 {
+        if let Some(d) = self.done.get_mut((range.start / self.part) as usize) {
+            *d = true;
+        }
+        while self.done.get(self.next).copied().unwrap_or(false) {
+            self.next += 1;
+        }
+        (self.next as u64 * self.part).min(self.size)
     }
 }

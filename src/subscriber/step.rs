@@ -631,9 +631,12 @@ impl<S: Sink> Subscriber<S> {
                         f.bytes(&o).await?.to_vec(),
                     )))
                 }),
+                // Decoded while it downloads where it can be.
                 AnchorDest::File(p) => Fetching::spawn(async move {
-                    f.to_file(&o, &p).await?;
-                    Ok(Got::Anchor(AnchorObject::File(p)))
+                    Ok(Got::Anchor(match f.anchor_to_file(&o, &p).await? {
+                        Some(layout) => AnchorObject::Expanded(p, Box::new(layout)),
+                        None => AnchorObject::File(p),
+                    }))
                 }),
             },
             (_, Some(Ready::Bytes(body))) => Fetching::Ready(Got::File(body)),

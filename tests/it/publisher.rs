@@ -821,4 +821,45 @@ async fn anchor_files_of_several_parts_all_stream_and_replay() {
     let out = p.publish_path(&dir, &Default::default()).await.unwrap();
     assert_eq!((out.version, out.kind), (0, VersionKind::Anchor));
     check_large_anchor(&store, 0, &truth).await;
+
+    // A subscriber into a directory whose fetcher takes these objects in
+    // 1 MiB ranged parts: each `planes` object is decoded while it downloads
+    // (`Fetcher::anchor_to_file`), and the replica is exact.
+    use weightcast::subscriber::{DirSink, Fetcher, Subscriber, source::VersionSource};
+    let mut f = Fetcher::new(store.clone());
+    f.large_object = 1 << 20;
+    f.part_size = 1 << 20;
+    let o = work.path().join("sub");
+    std::fs::create_dir_all(&o).unwrap();
+    let mut sub = Subscriber::new(
+        f,
+        VersionSource::new(std::time::Duration::from_secs(1), 0.0),
+        DirSink::open(&o, 2).unwrap(),
+    );
+    let c = sub.catch_up(true).await.unwrap().unwrap();
+    assert_eq!((c.version, c.from_anchor), (0, true));
+    drop(sub);
+    for (file, set) in &truth {
+        let got = TensorSet::read(
+            &o.join("current").join(file),
+            weightcast::tensors::Digests::Compute,
+        )
+        .unwrap();
+        assert!(same_tensors(&got, set), "replica {file} differs");
+    }
+    let mut dirs = vec![o.clone()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else {
+                let n = p.to_string_lossy().into_owned();
+                assert!(
+                    !n.ends_with(".raw") && !n.ends_with(".download"),
+                    "left behind: {n}"
+                );
+            }
+        }
+    }
 }

@@ -323,6 +323,47 @@ async fn ranged_downloads(store: Store) {
         err.contains("big/object") && err.contains(store.url()),
         "{err}"
     );
+
+    // A `planes` anchor of several parts is decoded while it downloads: the
+    // file is the raw anchor, whose layout comes back; a raw anchor comes as
+    // it is; a corrupted one is refused and nothing of it remains.
+    let mut g = Generator::new(GeneratorConfig::with_elements(3, 3 << 20));
+    g.step();
+    let set = g.snapshot();
+    let (raw, _) = weightcast::codec::encode_anchor(&set, 5).unwrap();
+    let (packed, _) = weightcast::codec::encode_anchor_compressed(&set, 5).unwrap();
+    assert!(packed.len() > 3 << 20, "{} bytes", packed.len());
+    let put = |key: &str, body: &[u8]| {
+        let (store, key, body) = (store.clone(), key.to_string(), body.to_vec());
+        async move {
+            store.put(&key, Bytes::from(body.clone())).await.unwrap();
+            ObjectEntry {
+                name: "model.safetensors".into(),
+                role: ObjectRole::Anchor,
+                key,
+                size: body.len() as u64,
+                blake3: blake3::hash(&body).to_hex().to_string(),
+            }
+        }
+    };
+    let e = put("big/planes", &packed).await;
+    let layout = f.anchor_to_file(&e, &file).await.unwrap();
+    assert!(layout.is_some(), "decoded while it downloaded");
+    assert!(std::fs::read(&file).unwrap() == raw, "not the raw anchor");
+    let e = put("big/raw", &raw).await;
+    assert!(f.anchor_to_file(&e, &file).await.unwrap().is_none());
+    assert!(std::fs::read(&file).unwrap() == raw);
+    let mut bad = packed.clone();
+    let at = bad.len() - 1000;
+    bad[at] ^= 0x10;
+    let mut e = put("big/planes", &bad).await;
+    e.blake3 = blake3::hash(&packed).to_hex().to_string();
+    let err = f.anchor_to_file(&e, &file).await.unwrap_err().to_string();
+    assert!(
+        err.contains("big/planes") && err.contains("integrity"),
+        "{err}"
+    );
+    assert!(!file.exists() && !file.with_extension("raw").exists());
 }
 
 #[tokio::test]

@@ -803,20 +803,25 @@ impl Sink for DirSink {
 
     fn anchor(&mut self, name: &str, object: AnchorObject) -> Result<()> {
         check_name(name)?;
-        let path = match object {
+        let (path, layout) = match object {
             AnchorObject::Tensors(set) => return self.anchor_tensors(name, set),
-            AnchorObject::File(p) => p,
+            AnchorObject::File(p) => (p, None),
+            AnchorObject::Expanded(p, layout) => (p, Some(layout)),
             AnchorObject::Bytes(b) => {
                 let AnchorDest::File(p) = self.anchor_dest(name)? else {
                     unreachable!("a DirSink downloads into files")
                 };
                 std::fs::write(&p, &b).map_err(|e| io_err("writing", &p, e))?;
-                p
+                (p, None)
             }
         };
         let work = self.work()?;
         work.open.remove(name);
-        let (_, set) = decode_anchor(name, AnchorObject::File(path.clone()))?;
+        let object = match layout {
+            Some(layout) => AnchorObject::Expanded(path.clone(), layout),
+            None => AnchorObject::File(path.clone()),
+        };
+        let (_, set) = decode_anchor(name, object)?;
         let size = std::fs::metadata(&path)
             .map_err(|e| io_err("reading", &path, e))?
             .len();

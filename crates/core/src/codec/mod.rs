@@ -28,9 +28,9 @@ pub mod trl;
 
 pub use crate::digest::tensor_digest_of;
 pub use anchor::{
-    AnchorObject, anchor_prefix, decode_anchor, encode_anchor, encode_anchor_compressed, inspect,
-    materialize_anchor, planes_prefix_len, read_anchor, write_anchor, write_anchor_compressed,
-    write_anchor_planes,
+    AnchorObject, anchor_prefix, decode_anchor, encode_anchor, encode_anchor_compressed,
+    expand_following, inspect, materialize_anchor, planes_prefix_len, read_anchor, write_anchor,
+    write_anchor_compressed, write_anchor_planes,
 };
 pub use apply::{
     ApplyReport, Changes, Delta, InPlaceOptions, InPlaceReport, Positions, Prepared, Target,

@@ -7,7 +7,8 @@ mod read;
 mod write;
 
 pub use read::{
-    AnchorObject, decode_anchor, expand_planes, inspect, materialize_anchor, read_anchor,
+    AnchorObject, decode_anchor, expand_following, expand_planes, inspect, materialize_anchor,
+    read_anchor,
 };
 pub use write::{
     anchor_prefix, encode_anchor, encode_anchor_compressed, planes_prefix_len, write_anchor,

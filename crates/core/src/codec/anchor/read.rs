@@ -36,6 +36,12 @@ pub enum AnchorObject {
     /// follower planned: digests computed, TRL's structure checked); a
     /// weightcast header, when it has one, is verified again.
     Tensors(TensorSet),
+    /// A `planes` anchor already expanded into the raw anchor at this path
+    /// while it downloaded ([`expand_following`]: every chunk and digest
+    /// checked against `layout`, the object's size and BLAKE3 matched), in a
+    /// file the caller owns as for [`AnchorObject::File`]. The set takes the
+    /// layout's digests without another pass.
+    Expanded(PathBuf, Box<planes::PlanesLayout>),
 }
 
 /// Parses an anchor (or any safetensors checkpoint), computes every digest and,
@@ -109,6 +115,9 @@ fn load(object: AnchorObject) -> Result<(Option<Header>, TensorSet)> {
             }
             None => TensorSet::map(&p, true, Digests::Compute)?,
         },
+        AnchorObject::Expanded(p, layout) => {
+            return with_layout_digests(*layout, TensorSet::map(&p, true, Digests::Skip)?);
+        }
         AnchorObject::Tensors(set) => set,
     };
     let Some(h) = Header::from_metadata(set.metadata())? else {
@@ -258,6 +267,135 @@ fn expand(path: &Path) -> Result<Option<planes::PlanesLayout>> {
     Ok(Some(layout))
 }
 
+/// [`expand_planes`] while the object is still arriving: the caller writes
+/// the object's `size` bytes into the file at `path` (at their offsets, in
+/// any order) and sends on `upto`, as it grows, how many of the first bytes
+/// are in the file; it drops the sender when the download ends. The chunks
+/// are decoded as their bytes arrive (in parallel), those whose bytes
+/// straddled what had arrived once everything is in, so that little of the
+/// decode is left after the last byte.
+///
+/// Returns the layout, with the raw anchor written to `<path>.raw` (every
+/// chunk and digest checked) for the caller to rename over the object once
+/// it has checked the object's size and hash; `None`, with nothing left
+/// behind, when the object is not a `planes` anchor, when its header does not
+/// parse or does not describe `size` bytes, or when the download ended
+/// before `size` bytes: the caller then decodes the object as any other
+/// ([`AnchorObject::File`], which reports what is wrong with it). A chunk or
+/// digest that does not check is an error; `<path>.raw` is removed then too.
+/// The bytes read are only ever those announced on `upto`, which must be in
+/// the file and no longer written.
+pub fn expand_following(
+    path: &Path,
+    size: u64,
+    upto: std::sync::mpsc::Receiver<u64>,
+) -> Result<Option<planes::PlanesLayout>> {
+    let tmp = path.with_extension("raw");
+    let r = follow(path, size, &upto, &tmp);
+    if !matches!(r, Ok(Some(_))) {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    r
+}
+
+fn follow(
+    path: &Path,
+    size: u64,
+    upto: &std::sync::mpsc::Receiver<u64>,
+    tmp: &Path,
+) -> Result<Option<planes::PlanesLayout>> {
+    use std::os::unix::fs::FileExt;
+    let io = |what: &str, p: &Path, e| Error::io(format!("{what} {}", p.display()), e);
+    let mut have = 0u64;
+    // Waits until `need` bytes are in; false if the download ended first.
+    let wait = |have: &mut u64, need: u64| -> bool {
+        while *have < need {
+            match upto.recv() {
+                Ok(n) => *have = (*have).max(n.min(size)),
+                Err(_) => return false,
+            }
+        }
+        true
+    };
+    let file = std::fs::File::open(path).map_err(|e| io("opening", path, e))?;
+    if size < 8 || !wait(&mut have, 8) {
+        return Ok(None);
+    }
+    let mut first = [0u8; 8];
+    file.read_exact_at(&mut first, 0)
+        .map_err(|e| io("reading", path, e))?;
+    // A header the usual path would refuse is left to it.
+    let Ok(plen) = planes::prefix_len(&first) else {
+        return Ok(None);
+    };
+    if plen > size || !wait(&mut have, plen) {
+        return Ok(None);
+    }
+    let mut prefix = vec![0u8; plen as usize];
+    file.read_exact_at(&mut prefix, 0)
+        .map_err(|e| io("reading", path, e))?;
+    // Not a `planes` anchor (or not one that parses): the usual path's.
+    let Ok(layout) = planes::PlanesLayout::parse(&prefix) else {
+        return Ok(None);
+    };
+    if layout.object_len != size {
+        return Ok(None);
+    }
+    let raw_prefix = layout.raw_prefix()?;
+    let total = raw_prefix.len() as u64 + layout.decoded_len();
+    let out = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(tmp)
+        .map_err(|e| io("creating", tmp, e))?;
+    out.set_len(total).map_err(|e| io("sizing", tmp, e))?;
+    // SAFETY: `tmp` was just created (truncated) and sized by this function
+    // beside the caller's own file, where nothing else writes (the contract
+    // of `AnchorObject::File`, which names `<file>.raw`); no one else knows
+    // it until the caller renames it, after this map is dropped. Its length
+    // is `total`, so every slice below is in bounds of the map.
+    let mut map = unsafe { memmap2::MmapMut::map_mut(&out) }.map_err(|e| io("mapping", tmp, e))?;
+    map[..raw_prefix.len()].copy_from_slice(&raw_prefix);
+    let data = &mut map[raw_prefix.len()..];
+    let mut decoder = planes::PlanesDecoder::new(&layout);
+    let mut fed = 0u64;
+    // Maps the object's first `n` bytes.
+    let head = |n: u64| {
+        // SAFETY: the caller writes each byte of the object once and has
+        // announced that the first `n` are in the file (so it is at least
+        // that long) and written: nothing changes them while they are
+        // mapped, and nothing truncates the file (the caller's own
+        // download, the contract above). The map covers those bytes only.
+        unsafe { memmap2::MmapOptions::new().len(n as usize).map(&file) }
+            .map_err(|e| io("mapping", path, e))
+    };
+    while let Ok(n) = upto.recv() {
+        have = have.max(n.min(size));
+        while let Ok(n) = upto.try_recv() {
+            have = have.max(n.min(size));
+        }
+        // Decode what arrived, in steps of at least 1/16 of the object (or
+        // everything, once it is all in).
+        if have == size || have - fed >= (size / 16).max(1) {
+            decoder.feed(0, &head(have)?, data)?;
+            fed = have;
+        }
+    }
+    if have < size {
+        return Ok(None);
+    }
+    if fed < size || !decoder.complete() {
+        // The chunks that straddled what had arrived at each step.
+        decoder.feed(0, &head(size)?, data)?;
+    }
+    decoder.finish()?;
+    map.flush().map_err(|e| io("writing", tmp, e))?;
+    drop(map);
+    Ok(Some(layout))
+}
+
 /// Writes the plain (`full`) anchor that an anchor object stands for into
 /// `w`: a `planes` anchor decoded (bounded memory, every digest checked), a
 /// `full` anchor or plain checkpoint copied as is. Returns the bytes written.
@@ -330,6 +468,104 @@ mod tests {
         }
         let (h, _) = read_anchor(packed).unwrap();
         assert_eq!(h.unwrap().encoding, Encoding::Planes);
+    }
+
+    /// A `planes` object expanded while it arrives (parts written out of
+    /// order, the contiguous prefix announced as it grows): the raw anchor,
+    /// byte for byte, whose layout's digests the set takes; a download cut
+    /// short or a raw anchor gives `None`, a flipped byte an error, and
+    /// neither leaves a `.raw` file.
+    #[test]
+    fn expands_while_the_object_arrives() {
+        use std::os::unix::fs::FileExt;
+        // Three tensors, one of them 3.5 chunks of 2^20 words.
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut noise = |n: usize| -> Vec<u8> {
+            (0..n)
+                .flat_map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    (0x3C00u16 | (x as u16 & 0x80FF)).to_le_bytes()
+                })
+                .collect()
+        };
+        let set = TensorSet::from_tensors(vec![
+            (
+                "a".into(),
+                crate::dtype::Dtype::BF16,
+                vec![7 << 19],
+                noise(7 << 19),
+            ),
+            (
+                "b".into(),
+                crate::dtype::Dtype::BF16,
+                vec![1000],
+                noise(1000),
+            ),
+            (
+                "c".into(),
+                crate::dtype::Dtype::BF16,
+                vec![300_001],
+                noise(300_001),
+            ),
+        ])
+        .unwrap();
+        let (raw, _) = encode_anchor(&set, 9).unwrap();
+        let (packed, _) = encode_anchor_compressed(&set, 9).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("o.download");
+        let tmp = path.with_extension("raw");
+        // Parts of 64 KiB, each pair swapped; those ending past `cut` never
+        // arrive.
+        let follow = |obj: &[u8], cut: usize| {
+            let file = std::fs::File::create(&path).unwrap();
+            let (tx, rx) = std::sync::mpsc::channel();
+            let (p, size) = (path.clone(), obj.len() as u64);
+            let h = std::thread::spawn(move || expand_following(&p, size, rx));
+            let part = 64 << 10;
+            let n = obj.len().div_ceil(part);
+            let mut order: Vec<usize> = (0..n).collect();
+            for k in (0..n.saturating_sub(1)).step_by(2) {
+                order.swap(k, k + 1);
+            }
+            let (mut done, mut next) = (vec![false; n], 0);
+            for i in order {
+                let r = i * part..((i + 1) * part).min(obj.len());
+                if r.end > cut {
+                    continue;
+                }
+                file.write_all_at(&obj[r.clone()], r.start as u64).unwrap();
+                done[i] = true;
+                while next < n && done[next] {
+                    next += 1;
+                }
+                let _ = tx.send((next * part).min(obj.len()) as u64);
+            }
+            drop(tx);
+            h.join().unwrap()
+        };
+        let layout = follow(&packed, packed.len())
+            .unwrap()
+            .expect("a planes anchor");
+        assert!(layout.chunk_count() >= 5);
+        assert!(std::fs::read(&tmp).unwrap() == raw, "not the raw anchor");
+        std::fs::rename(&tmp, &path).unwrap();
+        let (h, got) =
+            decode_anchor("m", AnchorObject::Expanded(path.clone(), Box::new(layout))).unwrap();
+        assert_eq!(h.encoding, Encoding::Full);
+        same(&set, &got);
+        drop(got);
+
+        assert!(follow(&packed, packed.len() / 2).unwrap().is_none());
+        assert!(!tmp.exists());
+        assert!(follow(&raw, raw.len()).unwrap().is_none());
+        assert!(!tmp.exists());
+        let mut bad = packed.clone();
+        let at = bad.len() - 100;
+        bad[at] ^= 1;
+        assert!(follow(&bad, bad.len()).is_err());
+        assert!(!tmp.exists());
     }
 
     /// The map is writable: writes through the set reach the file.
