@@ -8,7 +8,9 @@
 //! [`PART_SIZE`] bytes, [`PARTS_IN_FLIGHT`] at a time, each streamed straight
 //! into its place in a file (or a buffer): memory is a few network chunks
 //! per part in flight, whatever the object's size. The file's BLAKE3 is then
-//! computed over a memory map on every core.
+//! computed over a memory map on every core. A `planes` anchor is decoded
+//! while it downloads ([`Fetcher::anchor_to_file`]), following the parts
+//! that are in.
 //!
 //! A size declared in a manifest is trusted for nothing: an object declared
 //! larger than [`Fetcher::max_object_size`] is refused before any request;
