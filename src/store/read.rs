@@ -129,25 +129,9 @@ impl Store {
     /// reports at another size is refused at the first answer, before any
     /// byte reaches `sink` (an [`Error::Integrity`] naming the key), as is
     /// a `size` over [`Store::max_object_size`]; the caller checks what it
-    /// assembled (BLAKE3).
-    pub async fn download_ranges<F>(
-        &self,
-        key: &str,
-        size: u64,
-        part: u64,
-        concurrency: usize,
-        sink: F,
-    ) -> Result<u64>
-    where
-        F: Fn(u64, &[u8]) -> Result<()> + Sync,
-    {
-        self.download_ranges_reporting(key, size, part, concurrency, sink, |_| {})
-            .await
-    }
-
-    /// [`Store::download_ranges`], calling `done(range)` once each part's
-    /// bytes have all gone to `sink`.
-    pub async fn download_ranges_reporting<F, D>(
+    /// assembled (BLAKE3). `done(range)` is called once each part's bytes
+    /// have all gone to `sink` (a reader that follows the download).
+    pub async fn download_ranges<F, D>(
         &self,
         key: &str,
         size: u64,
@@ -203,22 +187,9 @@ impl Store {
         Ok(parts)
     }
 
-    /// [`Store::download_ranges`] into `file`, each byte written at its offset.
+    /// [`Store::download_ranges`] into `file`, each byte written at its
+    /// offset; `done(range)` once each part is in the file.
     pub async fn download_to(
-        &self,
-        key: &str,
-        size: u64,
-        file: &std::fs::File,
-        part: u64,
-        concurrency: usize,
-    ) -> Result<u64> {
-        self.download_to_reporting(key, size, file, part, concurrency, |_| {})
-            .await
-    }
-
-    /// [`Store::download_to`], calling `done(range)` once each part is in
-    /// the file.
-    pub async fn download_to_reporting(
         &self,
         key: &str,
         size: u64,
@@ -232,7 +203,7 @@ impl Store {
             file.write_all_at(b, at)
                 .map_err(|e| Error::io(format!("writing object {key} at offset {at}"), e))
         };
-        self.download_ranges_reporting(key, size, part, concurrency, write, done)
+        self.download_ranges(key, size, part, concurrency, write, done)
             .await
     }
 
@@ -388,19 +359,37 @@ mod tests {
             got.lock().unwrap()[at as usize..at as usize + b.len()].copy_from_slice(b);
             Ok(())
         };
+        // Each part reported once its bytes are all in.
+        let parts = std::sync::Mutex::new(Vec::new());
+        let done = |r: std::ops::Range<u64>| {
+            let g = got.lock().unwrap();
+            assert!(g[r.start as usize..r.end as usize] == body[r.start as usize..r.end as usize]);
+            parts.lock().unwrap().push(r);
+        };
         let n = store
-            .download_ranges("k", body.len() as u64, 30_000, 3, sink)
+            .download_ranges("k", body.len() as u64, 30_000, 3, sink, done)
             .await
             .unwrap();
         assert_eq!(n, 4);
         assert_eq!(*got.lock().unwrap(), body);
+        let mut parts = parts.into_inner().unwrap();
+        parts.sort_by_key(|r| r.start);
+        assert_eq!(
+            parts,
+            [0..30_000, 30_000..60_000, 60_000..90_000, 90_000..100_000]
+        );
         // Declared larger or smaller than stored: refused at the first
         // answer, before any byte reaches the sink.
         for declared in [10 << 30, body.len() as u64 - 1] {
             let e = store
-                .download_ranges("k", declared, 30_000, 3, |_, _| {
-                    panic!("bytes of a mis-declared object were taken")
-                })
+                .download_ranges(
+                    "k",
+                    declared,
+                    30_000,
+                    3,
+                    |_, _| panic!("bytes of a mis-declared object were taken"),
+                    |_| {},
+                )
                 .await
                 .unwrap_err();
             assert!(
@@ -412,7 +401,7 @@ mod tests {
         // Over the reader's limit: refused before any request.
         let small = store.clone().with_max_object_size(1000);
         let e = small
-            .download_ranges("k", body.len() as u64, 30_000, 3, |_, _| Ok(()))
+            .download_ranges("k", body.len() as u64, 30_000, 3, |_, _| Ok(()), |_| {})
             .await
             .unwrap_err();
         assert!(matches!(e, Error::TooLarge { .. }), "{e}");

@@ -160,6 +160,7 @@ impl Fetcher {
                         buf[at..end].copy_from_slice(b);
                         Ok(())
                     },
+                    |_| {},
                 )
                 .await?;
             self.count(n);
@@ -177,35 +178,59 @@ impl Fetcher {
     pub async fn to_file(&self, o: &ObjectEntry, path: &Path) -> Result<()> {
         use std::os::unix::fs::FileExt;
         self.within_limit(o)?;
-        let io = |e| Error::io(format!("writing {}", path.display()), e);
-        let file = std::fs::File::create(path).map_err(io)?;
         if o.size < self.large_object {
             let body = self.bytes(o).await?;
+            let io = |e| Error::io(format!("writing {}", path.display()), e);
+            let file = std::fs::File::create(path).map_err(io)?;
             file.write_all_at(&body, 0).map_err(io)?;
             return Ok(());
         }
-        // The file grows with the parts written (never set to the declared
-        // size: a manifest cannot make this take disk the store does not
-        // hold).
-        let n = self
-            .store
-            .download_to(&o.key, o.size, &file, self.part_size, self.parts_in_flight)
-            .await?;
-        self.count(n);
-        let len = file.metadata().map_err(io)?.len();
-        let mut h = blake3::Hasher::new();
-        h.update_mmap_rayon(path)
-            .map_err(|e| Error::io(format!("hashing {}", path.display()), e))?;
-        let checked = self.check(o, len, h.finalize());
-        if checked.is_err() {
+        self.download_checked(o, path, |_| {}).await
+    }
+
+    /// Downloads large object `o` into the file at `path` (created or
+    /// truncated) in ranged parts, calling `done(range)` as each part is in,
+    /// and checks it against its entry; on any failure the file is removed.
+    async fn download_checked(
+        &self,
+        o: &ObjectEntry,
+        path: &Path,
+        done: impl Fn(std::ops::Range<u64>),
+    ) -> Result<()> {
+        let io = |e| Error::io(format!("writing {}", path.display()), e);
+        let r = async {
+            let file = std::fs::File::create(path).map_err(io)?;
+            // The file grows with the parts written (never set to the
+            // declared size: a manifest cannot make this take disk the store
+            // does not hold).
+            let n = self
+                .store
+                .download_to(
+                    &o.key,
+                    o.size,
+                    &file,
+                    self.part_size,
+                    self.parts_in_flight,
+                    done,
+                )
+                .await?;
+            self.count(n);
+            let len = file.metadata().map_err(io)?.len();
+            let mut h = blake3::Hasher::new();
+            h.update_mmap_rayon(path)
+                .map_err(|e| Error::io(format!("hashing {}", path.display()), e))?;
+            self.check(o, len, h.finalize())
+        }
+        .await;
+        if r.is_err() {
             let _ = std::fs::remove_file(path);
         }
-        checked
+        r
     }
 
     /// [`Fetcher::to_file`] for an anchor object: a `planes` anchor that
     /// comes in ranged parts is decoded while it downloads
-    /// ([`expand_following`]), so that little of its decode is left after
+    /// ([`expand_following`](crate::codec::expand_following)), so that little of its decode is left after
     /// its last byte. `Some(layout)`: `path` holds the raw anchor (every
     /// chunk and digest checked against `layout`, the object's size and
     /// BLAKE3 matched). `None`: `path` holds the object as downloaded, for
@@ -221,8 +246,6 @@ impl Fetcher {
             return Ok(None);
         }
         self.within_limit(o)?;
-        let io = |e| Error::io(format!("writing {}", path.display()), e);
-        let file = std::fs::File::create(path).map_err(io)?;
         let (tx, rx) = std::sync::mpsc::channel();
         let follower = tokio::task::spawn_blocking({
             let (p, size) = (path.to_path_buf(), o.size);
@@ -230,36 +253,16 @@ impl Fetcher {
         });
         let raw = path.with_extension("raw");
         let contiguous = std::sync::Mutex::new(Contiguous::new(o.size, self.part_size));
-        let r = self
-            .store
-            .download_to_reporting(
-                &o.key,
-                o.size,
-                &file,
-                self.part_size,
-                self.parts_in_flight,
-                |range| {
-                    let upto = contiguous.lock().expect("not poisoned").done(range);
-                    // A follower that stopped (not a `planes` object) hangs up.
-                    let _ = tx.send(upto);
-                },
-            )
+        let checked = self
+            .download_checked(o, path, |range| {
+                let upto = contiguous.lock().expect("not poisoned").done(range);
+                // A follower that stopped (not a `planes` object) hangs up.
+                let _ = tx.send(upto);
+            })
             .await;
         drop(tx);
-        let checked = match r {
-            Ok(n) => {
-                self.count(n);
-                let len = file.metadata().map_err(io)?.len();
-                let mut h = blake3::Hasher::new();
-                h.update_mmap_rayon(path)
-                    .map_err(|e| Error::io(format!("hashing {}", path.display()), e))?;
-                self.check(o, len, h.finalize())
-            }
-            Err(e) => Err(e),
-        };
         let expanded = follower.await;
         if let Err(e) = checked {
-            let _ = std::fs::remove_file(path);
             let _ = std::fs::remove_file(&raw);
             return Err(e);
         }

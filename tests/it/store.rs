@@ -184,10 +184,17 @@ async fn large_object(store: &Store) {
     let reading = store.clone().with_download_progress(down.clone());
     let assembled = std::sync::Mutex::new(vec![0u8; n]);
     reading
-        .download_ranges("big/object", n as u64, 1 << 20, 3, |at, b| {
-            assembled.lock().unwrap()[at as usize..at as usize + b.len()].copy_from_slice(b);
-            Ok(())
-        })
+        .download_ranges(
+            "big/object",
+            n as u64,
+            1 << 20,
+            3,
+            |at, b| {
+                assembled.lock().unwrap()[at as usize..at as usize + b.len()].copy_from_slice(b);
+                Ok(())
+            },
+            |_| {},
+        )
         .await
         .unwrap();
     assert!(

@@ -317,10 +317,12 @@ fn follow(
         }
         true
     };
-    let file = std::fs::File::open(path).map_err(|e| io("opening", path, e))?;
     if size < 8 || !wait(&mut have, 8) {
         return Ok(None);
     }
+    // Opened once bytes are announced (the caller may create it after
+    // starting this).
+    let file = std::fs::File::open(path).map_err(|e| io("opening", path, e))?;
     let mut first = [0u8; 8];
     file.read_exact_at(&mut first, 0)
         .map_err(|e| io("reading", path, e))?;
