@@ -1055,14 +1055,15 @@ impl Publisher {
             let key = staging.key(ObjectRole::Anchor, &name)?;
             let planes = self.cfg.anchor_encoding == AnchorEncoding::Planes;
             if planes && !staged.active() {
+                // At most two uploads, and spill files, at once.
+                while uploads.len() >= 2 {
+                    let up = uploads.pop_front().expect("two in flight");
+                    anchor_bytes += Self::finished(&mut staging, up).await?;
+                }
                 let opts = crate::codec::planes::PlanesOptions::default();
                 if let Some((head_len, file)) =
                     self.streamable(written.set(), next, &opts, &spill_dir)?
                 {
-                    while uploads.len() >= 2 {
-                        let up = uploads.pop_front().expect("two in flight");
-                        anchor_bytes += Self::finished(&mut staging, up).await?;
-                    }
                     let (sink, up) = Upload::growing(&self.store, &name, key, head_len, file)?;
                     tracing::debug!(file = %name, "anchor: compressing while it uploads");
                     let (done, next_ready) = blocking(|| {

@@ -365,10 +365,18 @@ fn follow(
     let mut fed = 0u64;
     // Maps the object's first `n` bytes.
     let head = |n: u64| {
+        // A file shorter than announced would fault on access: refused.
+        let len = file.metadata().map_err(|e| io("reading", path, e))?.len();
+        if len < n {
+            return Err(Error::Container(format!(
+                "{} holds {len} bytes where {n} were announced",
+                path.display()
+            )));
+        }
         // SAFETY: the caller writes each byte of the object once and has
-        // announced that the first `n` are in the file (so it is at least
-        // that long) and written: nothing changes them while they are
-        // mapped, and nothing truncates the file (the caller's own
+        // announced that the first `n` are in the file (checked above to be
+        // at least that long) and written: nothing changes them while they
+        // are mapped, and nothing truncates the file (the caller's own
         // download, the contract above). The map covers those bytes only.
         unsafe { memmap2::MmapOptions::new().len(n as usize).map(&file) }
             .map_err(|e| io("mapping", path, e))
@@ -388,8 +396,9 @@ fn follow(
     if have < size {
         return Ok(None);
     }
-    if fed < size || !decoder.complete() {
-        // The chunks that straddled what had arrived at each step.
+    if fed < size {
+        // Everything was announced before the loop began (while the prefix
+        // was awaited): decoded now, in one step.
         decoder.feed(0, &head(size)?, data)?;
     }
     decoder.finish()?;
@@ -558,6 +567,23 @@ mod tests {
         assert_eq!(h.encoding, Encoding::Full);
         same(&set, &got);
         drop(got);
+
+        // Everything announced at once, before the decode begins: the same.
+        std::fs::write(&path, &packed).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        tx.send(packed.len() as u64).unwrap();
+        drop(tx);
+        let layout = expand_following(&path, packed.len() as u64, rx).unwrap();
+        assert!(layout.is_some());
+        assert!(std::fs::read(&tmp).unwrap() == raw, "not the raw anchor");
+        std::fs::remove_file(&tmp).unwrap();
+        // Announced, but the file is shorter: refused, not a fault.
+        std::fs::write(&path, &packed[..packed.len() / 2]).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        tx.send(packed.len() as u64).unwrap();
+        drop(tx);
+        assert!(expand_following(&path, packed.len() as u64, rx).is_err());
+        assert!(!tmp.exists());
 
         assert!(follow(&packed, packed.len() / 2).unwrap().is_none());
         assert!(!tmp.exists());
