@@ -243,14 +243,25 @@ fn expand(path: &Path) -> Result<Option<planes::PlanesLayout>> {
     let prefix = layout.raw_prefix()?;
     let total = prefix.len() as u64 + layout.decoded_len();
     let tmp = path.with_extension("raw");
-    let out = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&tmp)
-        .map_err(|e| io("creating", e))?;
-    out.set_len(total).map_err(|e| io("sizing", e))?;
+    let r = expand_into(&object, &layout, (&tmp, total), prefix);
+    if r.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    r?;
+    drop(object);
+    std::fs::rename(&tmp, path).map_err(|e| io("renaming", e))?;
+    Ok(Some(layout))
+}
+
+/// [`expand`]'s decode of `object` into the new file `tmp` of `total` bytes.
+fn expand_into(
+    object: &[u8],
+    layout: &planes::PlanesLayout,
+    (tmp, total): (&Path, u64),
+    prefix: Vec<u8>,
+) -> Result<()> {
+    let io = |what: &str, e| Error::io(format!("{what} {}", tmp.display()), e);
+    let out = create_for_map(tmp, total)?;
     {
         // SAFETY: `tmp` was just created (truncated) and sized by this
         // function beside the caller's own file, where nothing else writes
@@ -259,12 +270,50 @@ fn expand(path: &Path) -> Result<Option<planes::PlanesLayout>> {
         // every slice below is in bounds of the map.
         let mut map = unsafe { memmap2::MmapMut::map_mut(&out) }.map_err(|e| io("mapping", e))?;
         map[..prefix.len()].copy_from_slice(&prefix);
-        layout.decode_all(&object, &mut map[prefix.len()..])?;
+        layout.decode_all(object, &mut map[prefix.len()..])?;
         map.flush().map_err(|e| io("writing", e))?;
     }
-    drop(object);
-    std::fs::rename(&tmp, path).map_err(|e| io("renaming", e))?;
-    Ok(Some(layout))
+    Ok(())
+}
+
+/// Creates `path` (truncated), `len` bytes long, to be written through a
+/// writable map, with its blocks allocated first where the file system
+/// allocates on request (`fallocate`). A store through a map to a page the
+/// file system cannot back — a full disk, a full tmpfs — raises SIGBUS,
+/// which kills the process; allocated first, the same shortage is an error
+/// naming the file. A file system that cannot allocate ahead (some network
+/// and FUSE ones) gets the file sized only, as before.
+pub(crate) fn create_for_map(path: &Path, len: u64) -> Result<std::fs::File> {
+    let io = |what: String, e| Error::io(format!("{what} {}", path.display()), e);
+    let out = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)
+        .map_err(|e| io("creating".into(), e))?;
+    out.set_len(len).map_err(|e| io("sizing".into(), e))?;
+    allocate(&out, len).map_err(|e| io(format!("allocating {len} bytes for"), e))?;
+    Ok(out)
+}
+
+/// Allocates the first `len` bytes of `file` (see [`create_for_map`]).
+#[cfg(target_os = "linux")]
+fn allocate(file: &std::fs::File, len: u64) -> std::io::Result<()> {
+    use rustix::fs::{FallocateFlags, fallocate};
+    use rustix::io::Errno;
+    if len == 0 {
+        return Ok(());
+    }
+    match fallocate(file, FallocateFlags::empty(), 0, len) {
+        Err(e) if e == Errno::OPNOTSUPP || e == Errno::NOSYS => Ok(()),
+        r => r.map_err(std::io::Error::from),
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn allocate(_: &std::fs::File, _: u64) -> std::io::Result<()> {
+    Ok(())
 }
 
 /// [`expand_planes`] while the object is still arriving: the caller writes
@@ -345,14 +394,7 @@ fn follow(
     }
     let raw_prefix = layout.raw_prefix()?;
     let total = raw_prefix.len() as u64 + layout.decoded_len();
-    let out = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(tmp)
-        .map_err(|e| io("creating", tmp, e))?;
-    out.set_len(total).map_err(|e| io("sizing", tmp, e))?;
+    let out = create_for_map(tmp, total)?;
     // SAFETY: `tmp` was just created (truncated) and sized by this function
     // beside the caller's own file, where nothing else writes (the contract
     // of `AnchorObject::File`, which names `<file>.raw`); no one else knows
@@ -670,5 +712,79 @@ mod tests {
                 .contains("anchor `model.safetensors`: missing"),
             "{err}"
         );
+    }
+
+    /// A decode into a file system without room for the raw anchor fails
+    /// with an error naming `<file>.raw`, and leaves nothing behind; the
+    /// object stays as it was. Before, the writable map's first page the
+    /// file system could not back raised SIGBUS and killed the process.
+    /// Both decodes: of a whole file, and following a download. The body
+    /// runs in a child process, in a user and mount namespace of its own
+    /// (`unshare -rm`, util-linux), over a 3 MiB tmpfs.
+    #[test]
+    fn a_full_file_system_is_an_error() {
+        const NAME: &str = "codec::anchor::read::tests::a_full_file_system_is_an_error";
+        const SCRIPT: &str = r#"mount -t tmpfs -o size=3m tmpfs "$1" && exec "$2" --exact "$3" --nocapture --test-threads 1"#;
+        if let Some(dir) = std::env::var_os("WEIGHTCAST_TEST_FULL_FS") {
+            return full_file_system(Path::new(&dir));
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let out = std::process::Command::new("unshare")
+            .args(["-rm", "sh", "-c", SCRIPT, "sh"])
+            .arg(dir.path())
+            .arg(std::env::current_exe().unwrap())
+            .arg(NAME)
+            .env("WEIGHTCAST_TEST_FULL_FS", dir.path())
+            .output()
+            .expect("unshare (util-linux) runs");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "the child: {}\n{text}", out.status);
+        assert!(text.contains("1 passed"), "the child ran the test:\n{text}");
+    }
+
+    fn full_file_system(dir: &Path) {
+        // 3.2 MB of bf16, whose object (about 2.1 MB) fits the file system
+        // and whose raw anchor does not.
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let words: Vec<u8> = (0..1_600_000)
+            .flat_map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (0x3C00u16 | (x as u16 & 0x80FF)).to_le_bytes()
+            })
+            .collect();
+        let set = TensorSet::from_tensors(vec![(
+            "w".into(),
+            crate::dtype::Dtype::BF16,
+            vec![1_600_000],
+            words,
+        )])
+        .unwrap();
+        let (packed, _) = encode_anchor_compressed(&set, 4).unwrap();
+        let sizes = (packed.len(), set.total_bytes());
+        assert!(sizes.0 < 3 << 20 && sizes.1 > 3 << 20, "{sizes:?}");
+        let path = dir.join("a.download");
+        std::fs::write(&path, &packed).unwrap();
+        let raw = path.with_extension("raw");
+        let no_room = |e: &Error| {
+            let m = e.to_string();
+            m.contains(&raw.display().to_string()) && m.contains("No space left")
+        };
+        let e = decode_anchor("a", AnchorObject::File(path.clone())).unwrap_err();
+        assert!(no_room(&e), "{e}");
+        assert!(!raw.exists());
+        assert_eq!(std::fs::read(&path).unwrap(), packed);
+
+        let (tx, rx) = std::sync::mpsc::channel();
+        tx.send(packed.len() as u64).unwrap();
+        drop(tx);
+        let e = expand_following(&path, packed.len() as u64, rx).unwrap_err();
+        assert!(no_room(&e), "{e}");
+        assert!(!raw.exists());
     }
 }
