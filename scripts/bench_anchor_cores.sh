@@ -10,6 +10,11 @@
 #   scripts/bench_anchor_cores.sh                       # 1 and 2 cores, 1e9 elements, 3 reps
 #   CORES="0 0-1 0-3 0-7 0-15" REPS=2 scripts/bench_anchor_cores.sh   # a 16-core host
 #
+# Then, with CODEC_THREADS (default "1 2"; empty: skipped), the codec alone:
+# `weightcast bench anchors --threads N` on the generator (CODEC_ELEMENTS,
+# default 1e8), in memory, with its CPU-based GB/s per thread; its JSON
+# rows go to $OUT_DIR (default: not kept).
+#
 # Needs numpy (for the model, as scripts/bench_e2e.py writes it) and a
 # release build. Uses $WORK (default /dev/shm/wcanchor-cores: about 5x the
 # model's bytes) and removes it at the end. Every command is bounded by
@@ -23,6 +28,9 @@ ELEMENTS=${ELEMENTS:-1e9}
 SHARDS=${SHARDS:-4}
 REPS=${REPS:-3}
 CORES=${CORES:-0 0-1}
+CODEC_THREADS=${CODEC_THREADS-1 2}
+CODEC_ELEMENTS=${CODEC_ELEMENTS:-1e8}
+OUT_DIR=${OUT_DIR:-}
 TIMEOUT=${TIMEOUT:-300}
 [ -x "$BIN" ] || { echo "no $BIN: run cargo build --release first" >&2; exit 1; }
 rm -rf "$WORK"
@@ -69,4 +77,9 @@ print(json.dumps({"rep": int(rep), "cores": n, "cpus": cores, "model_bytes": mod
                   "bootstrap": row(s, visible_s=round(visible, 3))}), flush=True)
 PY
     done
+done
+for n in $CODEC_THREADS; do
+    json=${OUT_DIR:+$OUT_DIR/anchor-codec-threads-$n.json}
+    timeout "$TIMEOUT" "$BIN" bench anchors --elements "$(printf '%.0f' "$CODEC_ELEMENTS")" \
+        --threads "$n" --reps 5 ${json:+--json "$json"} 2>&1 | sed "s/^/codec threads=$n: /"
 done
