@@ -52,6 +52,7 @@ mod merge;
 pub mod v2;
 mod v2_head;
 mod v2_masks;
+mod v2_table;
 pub mod vector;
 
 pub use apply::{BlockUndo, apply_block, apply_block_members, undo_block};

@@ -36,6 +36,7 @@ use crate::platform::{Platform, prefetch_l2};
 pub use super::v2_head::CLASSES;
 pub(crate) use super::v2_head::{ClassHead, Prologue};
 use super::v2_head::{Escapes, assemble, choose_values, put_eg, rice_guess_k};
+use super::v2_table as tb;
 
 /// A block's changes, decoded: ascending block indices and, per change, the
 /// masked step (step-coded blocks) or the new word (raw-coded blocks).
@@ -273,20 +274,73 @@ impl<'a> Cursor<'a> {
     }
 }
 
+/// Reads codes of a list of `count` ranks below `limit` through table `t`
+/// (see [`tb`]), appending their ranks (counted from `*next`) to `ranks`
+/// and, for escapes, their magnitudes to `mags`, while at least
+/// [`tb::MAX`] are left and each lookup reads whole codes whose ranks are
+/// within the class. The caller reads on code by code, which refuses what
+/// a lookup stopped at. Both lists have room for [`tb::MAX`] more than
+/// `count`.
+///
+/// Each window's bits are looked up [`tb::BITS`] at a time from a register:
+/// the chain from one lookup to the next is a mask, a load and a shift.
+#[inline(always)]
+fn by_table(
+    cur: &mut Cursor<'_>,
+    t: &tb::Table,
+    (count, limit): (u64, u64),
+    (next, ranks, mut mags): (&mut u64, &mut Vec<u64>, Option<&mut Vec<u64>>),
+) {
+    let (s, mut at) = (cur.s, cur.at);
+    let mut read = ranks.len() as u64;
+    'windows: while count - read >= tb::MAX as u64 {
+        let Some(mut w) = window(s, at) else { break };
+        let mut used = 0u64;
+        while used + tb::BITS as u64 <= 57 {
+            let e = t[(w & ((1 << tb::BITS) - 1)) as usize];
+            // Ranks ascend: the last one read is the largest.
+            if tb::count(e) == 0 || *next + tb::span(e) > limit || count - read < tb::MAX as u64 {
+                at += used;
+                break 'windows;
+            }
+            // All `MAX` written, `count` kept: no branch on how many.
+            let n = *next;
+            ranks.extend_from_slice(&[n + tb::at(e, 0), n + tb::at(e, 1), n + tb::at(e, 2)]);
+            read += tb::count(e);
+            ranks.truncate(read as usize);
+            if let Some(m) = mags.as_deref_mut() {
+                m.extend_from_slice(&[tb::x(e, 0) + 2, tb::x(e, 1) + 2, tb::x(e, 2) + 2]);
+                m.truncate(read as usize);
+            }
+            *next += tb::span(e);
+            used += tb::used(e);
+            w >>= tb::used(e);
+        }
+        at += used;
+    }
+    cur.at = at;
+}
+
 /// Reads a list of `count` strictly ascending ranks below `limit`
-/// (Rice-coded gaps, parameter `k`), with `f(cursor)` reading what follows
-/// each rank.
+/// (Rice-coded gaps, parameter `k`): through a table while it reads whole
+/// codes (see [`by_table`]), else one code at a time.
 #[inline(always)]
 fn read_ranks(
     cur: &mut Cursor<'_>,
     (count, k, limit): (u64, u32, u64),
     ranks: &mut Vec<u64>,
-    mut f: impl FnMut(&mut Cursor<'_>) -> std::result::Result<(), &'static str>,
 ) -> std::result::Result<(), &'static str> {
     ranks.clear();
-    ranks.reserve(count as usize);
+    ranks.reserve(count as usize + tb::MAX);
     let mut next = 0u64;
-    for _ in 0..count {
+    let table = tb::table(k, None);
+    while (ranks.len() as u64) < count {
+        if let Some(t) = table {
+            by_table(cur, t, (count, limit), (&mut next, ranks, None));
+            if ranks.len() as u64 == count {
+                break;
+            }
+        }
         let g = cur.rice(k, limit >> k)?;
         let r = next + g;
         if r >= limit {
@@ -294,7 +348,6 @@ fn read_ranks(
         }
         ranks.push(r);
         next = r + 1;
-        f(cur)?;
     }
     Ok(())
 }
@@ -350,7 +403,7 @@ fn read_lists_on(
     let r = read_escapes(cur, escapes, (&mut esc_rank, &mut esc_mag)).and_then(|()| {
         list_rank.clear();
         match h.list {
-            Some(t) => read_ranks(cur, (t, h.ko, h.n), &mut list_rank, |_| Ok(())),
+            Some(t) => read_ranks(cur, (t, h.ko, h.n), &mut list_rank),
             None => Ok(()),
         }
     });
@@ -378,8 +431,10 @@ fn read_escapes(
 ) -> std::result::Result<(), &'static str> {
     ranks.clear();
     mags.clear();
-    ranks.reserve(count as usize);
-    mags.reserve(count as usize);
+    ranks.reserve(count as usize + tb::MAX);
+    mags.reserve(count as usize + tb::MAX);
+    // A table's magnitudes go up to 257: words of 16 bits or more.
+    let table = tb::table(ke, Some(ve)).filter(|_| top >= 9);
     let q_limit = limit >> ke;
     let low = (1u64 << ke) - 1;
     let mut next = 0u64;
@@ -393,6 +448,13 @@ fn read_escapes(
         Ok(m)
     };
     while read < count {
+        if let Some(t) = table {
+            by_table(cur, t, (count, limit), (&mut next, ranks, Some(&mut *mags)));
+            read = ranks.len() as u64;
+            if read == count {
+                break;
+            }
+        }
         let mut used = 0u32;
         if let Some(w0) = cur.window() {
             while read < count {
