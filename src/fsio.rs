@@ -184,9 +184,81 @@ pub fn in_memory(dir: &Path) -> bool {
     rustix::fs::statfs(dir).is_ok_and(|s| matches!(s.f_type as u64, TMPFS | RAMFS))
 }
 
+/// Whether files on `dir`'s file system may share blocks with other files:
+/// file systems with reflinks (XFS, Btrfs, bcachefs, OCFS2, ZFS), where a
+/// copy may be a clone (`reflink_or_copy`, and on some of them any
+/// `copy_file_range`), so that writing a block of one file allocates a new
+/// block for it.
+pub fn shares_blocks(dir: &Path) -> bool {
+    rustix::fs::statfs(dir).is_ok_and(|s| shares_blocks_of(s.f_type as u64))
+}
+
+/// [`shares_blocks`] by the file system's magic number (`statfs`'s
+/// `f_type`).
+fn shares_blocks_of(f_type: u64) -> bool {
+    const XFS: u64 = 0x5846_5342;
+    const BTRFS: u64 = 0x9123_683e;
+    const BCACHEFS: u64 = 0xca45_1a4e;
+    const OCFS2: u64 = 0x7461_636f;
+    const ZFS: u64 = 0x2fc1_2fc1;
+    matches!(f_type, XFS | BTRFS | BCACHEFS | OCFS2 | ZFS)
+}
+
+/// Checks, before `file` (`bytes` long) is rewritten in place through a
+/// writable mapping, that its file system has `bytes` free. Where the file
+/// shares its blocks with another (a reflinked copy, see
+/// [`shares_blocks`]), each block written first gets a new one; on a full
+/// file system that allocation fails inside a page fault, which the kernel
+/// reports as SIGBUS: the process dies instead of getting an error. At the
+/// usual densities a delta writes to nearly every page of the file, so the
+/// whole file is what it may need.
+pub fn room_to_rewrite(file: &Path, bytes: u64) -> Result<()> {
+    let s = rustix::fs::statvfs(file)
+        .map_err(|e| io_err("checking the free space for", file, e.into()))?;
+    let free = s.f_bavail.saturating_mul(s.f_frsize);
+    if free >= bytes {
+        return Ok(());
+    }
+    Err(Error::io(
+        format!("rewriting {} in place", file.display()),
+        std::io::Error::new(
+            std::io::ErrorKind::StorageFull,
+            format!(
+                "it may share its {bytes} bytes with another file (reflinks on this file \
+                 system), and writing a shared block needs a new one, but only {free} bytes \
+                 are free; free at least {} bytes, or keep the output on a file system \
+                 without reflinks",
+                bytes - free
+            ),
+        ),
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn file_systems_with_reflinks_are_known_by_their_magic() {
+        assert!(shares_blocks_of(0x5846_5342), "XFS");
+        assert!(shares_blocks_of(0x9123_683e), "Btrfs");
+        assert!(!shares_blocks_of(0xef53), "ext4");
+        assert!(!shares_blocks_of(0x0102_1994), "tmpfs");
+    }
+
+    #[test]
+    fn too_little_free_space_to_rewrite_a_file_is_an_error_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("model.safetensors");
+        std::fs::write(&p, [0u8; 16]).unwrap();
+        room_to_rewrite(&p, 16).unwrap();
+        // More than any disk holds.
+        let e = room_to_rewrite(&p, u64::MAX / 4).unwrap_err().to_string();
+        assert!(e.contains("model.safetensors"), "{e}");
+        assert!(e.contains("bytes are free"), "{e}");
+        let e = room_to_rewrite(&dir.path().join("missing"), 1).unwrap_err().to_string();
+        assert!(e.contains("missing"), "{e}");
+    }
 
     #[test]
     fn memory_available_is_the_host_s_or_the_cgroup_s_whichever_is_less() {

@@ -557,6 +557,13 @@ impl DirSink {
                 )
             })?;
             let p = work.dir.join(name);
+            // A slot cloned by reflink shares its blocks with the current
+            // slot until written: refuse, rather than die of SIGBUS on a
+            // full disk half-way (see `fsio::room_to_rewrite`).
+            if crate::fsio::shares_blocks(&work.dir) {
+                let len = std::fs::metadata(&p).map_err(|e| io_err("reading", &p, e))?.len();
+                crate::fsio::room_to_rewrite(&p, len)?;
+            }
             let mut set = TensorSet::map(&p, true, Digests::Skip)?;
             let digests = rec
                 .digests(&set)
