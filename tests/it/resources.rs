@@ -99,6 +99,82 @@ async fn a_full_disk_fails_the_catch_up_cleanly_and_it_recovers() {
     assert!(held.0 < 4);
 }
 
+/// A slot file that may share its blocks (a reflinked clone, as on XFS or
+/// Btrfs; here `WEIGHTCAST_ROOM_CHECK=always` on a tmpfs, which has no
+/// reflinks) is not rewritten in place without its size free: a shared
+/// block written on a full disk raises SIGBUS. The catch-up fails naming the
+/// file, keeps its version, and goes through once there is room. Without
+/// the check the same catch-up succeeds (tmpfs copies own their pages), so
+/// the refusal is the check's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_slot_is_not_rewritten_without_room() {
+    let (store, bucket) = common::local_store();
+    let work = tempfile::tempdir().unwrap();
+    let cfg = common::publisher_config(&work.path().join("state"), 3, None);
+    let mut p = Publisher::open(store.clone(), cfg).await.unwrap();
+    let mut t = common::Trainer::new(29);
+    p.publish(t.checkpoint(), &Default::default())
+        .await
+        .unwrap();
+    let disk = Tmpfs::mount(8 << 20);
+    let out = disk.0.path().join("out");
+    let url = url::Url::from_directory_path(bucket.path()).unwrap();
+    let subscribe = |check: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_weightcast"))
+            .args(["subscribe", "--once", "--quiet", "--store", url.as_str()])
+            .arg("--out")
+            .arg(&out)
+            .env("WEIGHTCAST_ROOM_CHECK", check)
+            .output()
+            .unwrap()
+    };
+    let o = subscribe("always");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let held = (t.weights(), t.config());
+    // Full but for half a slot file: room for a delta's objects and the
+    // state, not for a whole file's blocks.
+    let model = std::fs::read_dir(out.join("slots"))
+        .unwrap()
+        .flatten()
+        .map(|d| d.path().join("model.safetensors"))
+        .find(|p| p.exists())
+        .expect("a slot with the model");
+    let size = std::fs::metadata(&model).unwrap().len();
+    let filler = fill(disk.0.path());
+    let full = std::fs::metadata(&filler).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&filler)
+        .unwrap()
+        .set_len(full.saturating_sub(size / 2))
+        .unwrap();
+    t.step();
+    p.publish(t.checkpoint(), &Default::default())
+        .await
+        .unwrap();
+    let o = subscribe("always");
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "a full disk and the check: {stderr}");
+    assert!(stderr.contains("bytes are free"), "{stderr}");
+    assert!(stderr.contains("in place"), "{stderr}");
+    common::assert_replica(&out, &held.0, &held.1, "refused");
+    let o = subscribe("never");
+    assert!(
+        o.status.success(),
+        "without the check the delta fits in place: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    common::assert_replica(&out, &t.weights(), &t.config(), "unchecked");
+    t.step();
+    p.publish(t.checkpoint(), &Default::default())
+        .await
+        .unwrap();
+    std::fs::remove_file(filler).unwrap();
+    let o = subscribe("always");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    common::assert_replica(&out, &t.weights(), &t.config(), "room is back");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn running_out_of_file_descriptors_fails_cleanly_and_it_recovers() {
     let (store, bucket) = common::local_store();

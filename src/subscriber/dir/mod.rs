@@ -561,7 +561,9 @@ impl DirSink {
             // slot until written: refuse, rather than die of SIGBUS on a
             // full disk half-way (see `fsio::room_to_rewrite`).
             if crate::fsio::shares_blocks(&work.dir) {
-                let len = std::fs::metadata(&p).map_err(|e| io_err("reading", &p, e))?.len();
+                let len = std::fs::metadata(&p)
+                    .map_err(|e| io_err("reading", &p, e))?
+                    .len();
                 crate::fsio::room_to_rewrite(&p, len)?;
             }
             let mut set = TensorSet::map(&p, true, Digests::Skip)?;
