@@ -132,6 +132,14 @@ struct Tables {
 /// density; 16–64 and 2–16 measure alike).
 #[cfg(target_arch = "x86_64")]
 const AHEAD_BURST: usize = 24;
+/// Changes in a region from which the next one is prefetched (one word in
+/// 16). Below, the region's work is short and the software prefetches only
+/// compete with the scan's own loads, which the hardware streams: on a host
+/// with 13 GB/s to one core they made the encoder 1.4x slower at 0.46% and
+/// 2.8% density and 3–6% faster at 8.4% and 26% (docs/benchmarks.md,
+/// sixteenth round).
+#[cfg(target_arch = "x86_64")]
+const AHEAD_FROM: usize = REGION / 16;
 #[cfg(target_arch = "x86_64")]
 const AHEAD_PER_16: usize = 8;
 
@@ -150,10 +158,15 @@ struct Ahead<'a> {
 
 #[cfg(target_arch = "x86_64")]
 impl Ahead<'_> {
-    /// Starts on the region whose first word is `word`.
-    fn start(&mut self, word: usize) {
+    /// Starts on the region whose first word is `word`; with `on` false,
+    /// fetches nothing until the next start.
+    fn start(&mut self, word: usize, on: bool) {
         self.at = 4 * word;
-        self.end = 2 * (2 * word + 2 * REGION).min(self.base.len());
+        self.end = if on {
+            2 * (2 * word + 2 * REGION).min(self.base.len())
+        } else {
+            0
+        };
     }
 
     /// Prefetches the next line, if any.
@@ -296,7 +309,7 @@ fn scan_block_w2(
         // The next region's words start coming in while this one's
         // changes are worked on: a burst now, then a line per member of
         // the next region's context and eight per sixteen changes here.
-        ahead.start(first + len);
+        ahead.start(first + len, n >= AHEAD_FROM);
         for _ in 0..AHEAD_BURST {
             ahead.pump();
         }
