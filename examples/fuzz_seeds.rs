@@ -88,6 +88,7 @@ fn main() -> Result<(), Error> {
                 model_version: 1,
                 base_version: 0,
                 trl,
+                ..DeltaOptions::default()
             };
             let (bytes, _) = encode_delta(&v0, &mut new, &opts)?;
             check_applies(&v0, &bytes, &new)?;

@@ -97,6 +97,7 @@ pub async fn run(cfg: &DemoConfig, mut progress: impl FnMut(&str)) -> Result<Dem
         PublisherConfig {
             state_dir: cfg.dir.join("publisher-state"),
             encoding: cfg.encoding,
+            compact2_max_density: crate::codec::COMPACT2_MAX_DENSITY,
             anchors: AnchorPolicy {
                 every: cfg.anchor_every,
                 ..Default::default()

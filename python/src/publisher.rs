@@ -111,6 +111,7 @@ impl NativePublisher {
             let cfg = PublisherConfig {
                 state_dir: state_dir.into(),
                 encoding,
+                compact2_max_density: weightcast::codec::COMPACT2_MAX_DENSITY,
                 anchors: AnchorPolicy {
                     every: anchor_every,
                     ..Default::default()

@@ -356,6 +356,7 @@ pub fn encode_delta(
         model_version: version,
         base_version,
         trl: *opts,
+        ..DeltaOptions::default()
     };
     crate::codec::encode_delta(base, new, &o)
 }

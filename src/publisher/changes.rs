@@ -111,7 +111,7 @@ impl Publisher {
             encoding: Encoding::Compact,
             model_version: next,
             base_version: next - 1,
-            trl: self.cfg.trl,
+            ..DeltaOptions::default()
         };
         let started = std::time::Instant::now();
         let mut deltas = Vec::with_capacity(tensor_files.len());

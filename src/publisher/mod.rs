@@ -105,6 +105,10 @@ pub struct PublisherConfig {
     pub state_dir: std::path::PathBuf,
     /// Delta encoding.
     pub encoding: Encoding,
+    /// With `compact2`: the largest share of changed words a file's delta is
+    /// written in it; a denser one is written in `compact`
+    /// ([`DeltaOptions::compact2_max_density`]; default 0.10).
+    pub compact2_max_density: f64,
     /// Anchor policy.
     pub anchors: AnchorPolicy,
     /// Publish even if the store ignores conditional writes (the operator
@@ -148,6 +152,7 @@ impl PublisherConfig {
         PublisherConfig {
             state_dir: state_dir.into(),
             encoding: Encoding::Compact,
+            compact2_max_density: crate::codec::COMPACT2_MAX_DENSITY,
             anchors: AnchorPolicy::default(),
             single_writer: false,
             notify_urls: Vec::new(),
@@ -570,6 +575,7 @@ impl Publisher {
                     model_version: next,
                     base_version: next - 1,
                     trl: self.cfg.trl,
+                    compact2_max_density: self.cfg.compact2_max_density,
                 };
                 // The context the snapshot holds for the file, when it leads
                 // to the file's state (`compact2`; other encodings ignore it).

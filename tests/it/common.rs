@@ -770,6 +770,11 @@ pub fn publish_command(
 /// Whether version `v`'s delta was coded against a context (`compact2`,
 /// docs/format.md §6.3).
 pub async fn coded_with_context(store: &weightcast::store::Store, v: u64) -> bool {
+    delta_header(store, v).await.context.is_some()
+}
+
+/// The header of version `v`'s (first) delta object.
+pub async fn delta_header(store: &weightcast::store::Store, v: u64) -> weightcast::format::Header {
     let m = weightcast::protocol::read_manifest(store, v)
         .await
         .unwrap()
@@ -781,5 +786,5 @@ pub async fn coded_with_context(store: &weightcast::store::Store, v: u64) -> boo
         .unwrap();
     let body = store.get(&o.key).await.unwrap().unwrap();
     let (_, h) = weightcast::codec::inspect(&body).unwrap();
-    h.unwrap().context.is_some()
+    h.unwrap()
 }

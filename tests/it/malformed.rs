@@ -127,6 +127,8 @@ fn delta(encoding: Encoding, base: &TensorSet, new: &[Owned], version: u64) -> V
         base_version: version - 1,
         // v1's layout, which these cases edit; tests/it/trl.rs covers v3.
         trl: weightcast::format::TrlOptions::V1,
+        // The encoding asked for at every density: its decoder is tested.
+        compact2_max_density: 1.0,
     };
     encode_delta(base, &mut new, &opts).unwrap().0
 }
@@ -428,6 +430,7 @@ fn random_truncations_of_a_larger_delta_are_rejected() {
             model_version: 1,
             base_version: 0,
             trl: weightcast::format::TrlOptions::V1,
+            compact2_max_density: 1.0,
         };
         let (d, _) = encode_delta(&v0, &mut v1, &opts).unwrap();
         let n = header_len(&d);
@@ -605,7 +608,11 @@ fn crafted_containers_are_rejected() {
 fn context_key_lies_are_rejected() {
     use weightcast::codec::{apply_delta_ctx, encode_delta_ctx};
     let fx = Fixture::new();
-    let opts = |v: u64| DeltaOptions::new(Encoding::Compact2, v, v - 1);
+    // `compact2` at every density: the fixture's steps are dense.
+    let opts = |v: u64| DeltaOptions {
+        compact2_max_density: 1.0,
+        ..DeltaOptions::new(Encoding::Compact2, v, v - 1)
+    };
     let mut s1 = TensorSet::from_tensors_unhashed(fx.items[1].clone()).unwrap();
     let (_, _, ctx) = encode_delta_ctx(&fx.sets[0], &mut s1, &opts(1), None).unwrap();
     let ctx = ctx.expect("a compact2 context");

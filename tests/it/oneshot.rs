@@ -570,6 +570,65 @@ async fn compact2_contexts_survive_one_shot_runs_and_their_loss_costs_no_byte() 
     }
 }
 
+/// `compact2` above `compact2_max_density`: a dense step's delta is written
+/// in `compact` (no context), the next sparse one without context, the one
+/// after with it; with the limit at 1 every delta after the first is coded
+/// with context. The subscriber follows each bit-identically.
+#[tokio::test]
+async fn dense_compact2_steps_are_written_in_compact() {
+    for (max, want) in [
+        // The tiny trainer's steps: a few percent of the elements.
+        (
+            0.0,
+            [Encoding::Compact, Encoding::Compact, Encoding::Compact],
+        ),
+        (
+            1.0,
+            [Encoding::Compact2, Encoding::Compact2, Encoding::Compact2],
+        ),
+        (
+            weightcast::codec::COMPACT2_MAX_DENSITY,
+            [Encoding::Compact2, Encoding::Compact2, Encoding::Compact2],
+        ),
+    ] {
+        let (store, _bucket) = common::local_store();
+        let work = tempfile::tempdir().unwrap();
+        let cfg = weightcast::publisher::PublisherConfig {
+            encoding: Encoding::Compact2,
+            compact2_max_density: max,
+            ..common::publisher_config(&work.path().join("state"), 100, None)
+        };
+        let mut p = weightcast::publisher::Publisher::open(store.clone(), cfg)
+            .await
+            .unwrap();
+        let mut g = common::Trainer::new(31);
+        let sub = work.path().join("sub");
+        for v in 0..=3u64 {
+            if v > 0 {
+                g.step();
+            }
+            p.publish(g.checkpoint(), &Default::default())
+                .await
+                .unwrap();
+            let c = catch_up(&store, &sub).await.unwrap().unwrap();
+            assert_eq!(c.version, v);
+            common::assert_replica(&sub, &g.weights(), &g.config(), &format!("{max} v{v}"));
+            if v > 0 {
+                let h = common::delta_header(&store, v).await;
+                assert_eq!(h.encoding, want[v as usize - 1], "{max} v{v}");
+                // Context from the second delta on, in compact2 only.
+                assert_eq!(
+                    h.context.is_some(),
+                    v > 1
+                        && want[v as usize - 2] == Encoding::Compact2
+                        && h.encoding == Encoding::Compact2,
+                    "{max} v{v}"
+                );
+            }
+        }
+    }
+}
+
 /// Total bytes of the files under `dir`.
 fn tree_bytes(dir: &Path) -> u64 {
     let mut n = 0;

@@ -375,6 +375,8 @@ fn opts(encoding: Encoding, model_version: u64) -> DeltaOptions {
         base_version: model_version - 1,
         // These tests predate TRL v3 and check v1's layout; tests/it/trl.rs covers v3.
         trl: weightcast::format::TrlOptions::V1,
+        // The encoding asked for at every density.
+        compact2_max_density: 1.0,
     }
 }
 

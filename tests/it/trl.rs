@@ -202,6 +202,7 @@ fn weightcast_writes_what_the_reference_writes() {
             model_version: 1, // TRL step 2
             base_version: 0,
             trl: trl_options(generation, encoding),
+            ..DeltaOptions::default()
         };
         let (ours, _) = encode_delta(&r.base, &mut new, &opts).unwrap();
         let (theirs_meta, _) = inspect(&r.delta).unwrap();

@@ -97,7 +97,12 @@ fn main() {
         Some(d) => trace_states(d, step),
         None => generator_states(elements, lr),
     };
-    let opts = |e, v: u64| DeltaOptions::new(e, v, v - 1);
+    // `compact2` itself at every density (not `compact` above
+    // `DeltaOptions::compact2_max_density`): the encoding is what is measured.
+    let opts = |e, v: u64| DeltaOptions {
+        compact2_max_density: 1.0,
+        ..DeltaOptions::new(e, v, v - 1)
+    };
     // The context of s1 (the changes s0 → s1), as the publisher keeps it.
     let (_, _, ctx1) =
         encode_delta_ctx(&s0, &mut s1.clone(), &opts(Encoding::Compact2, 1), None).unwrap();
@@ -143,6 +148,11 @@ fn main() {
         encode_delta_ctx(&s1, &mut s2.clone(), &opts(Encoding::Compact2, 2), None).unwrap();
     let (v2n_back, _, _) =
         encode_delta_ctx(&s2, &mut s1.clone(), &opts(Encoding::Compact2, 3), None).unwrap();
+    println!(
+        "delta bytes: compact2 without context {} ({:.4} B/changed)",
+        v2n_fwd.len(),
+        v2n_fwd.len() as f64 / changed as f64
+    );
     // WEIGHTCAST_PHASE=encode1|encode2|apply1|apply2|apply2n: only that, `reps`
     // times (for perf); `encode` or `apply`: both encodings alternately, each
     // repetition's CPU time (RAYON_NUM_THREADS=1: one thread's work).
@@ -152,6 +162,20 @@ fn main() {
             "encode2" => drop(
                 encode_delta_ctx(&s1, &mut s2w, &opts(Encoding::Compact2, 2), Some(&ctx1)).unwrap(),
             ),
+            // compact2 as the publisher asks for it: `compact` above
+            // `DeltaOptions::compact2_max_density` (the default).
+            "encode2g" => drop(
+                encode_delta_ctx(
+                    &s1,
+                    &mut s2w,
+                    &DeltaOptions::new(Encoding::Compact2, 2, 1),
+                    Some(&ctx1),
+                )
+                .unwrap(),
+            ),
+            "encode2n" => {
+                drop(encode_delta_ctx(&s1, &mut s2w, &opts(Encoding::Compact2, 2), None).unwrap())
+            }
             "encode2s" => {
                 // compact2 through the staged encoder (the mask encoder off).
                 weightcast_core::codec::compact::set_mask_encoder(false);
@@ -201,6 +225,10 @@ fn main() {
         };
         let names: Vec<String> = match phase.as_str() {
             "encode" => vec!["encode1".into(), "encode2".into()],
+            // and compact2 as the publisher writes it by default
+            "encodeg" => vec!["encode1".into(), "encode2g".into(), "encode2".into()],
+            // and compact2 without context
+            "encoden" => vec!["encode1".into(), "encode2".into(), "encode2n".into()],
             // and compact2's staged encoder
             "encode3" => vec!["encode1".into(), "encode2".into(), "encode2s".into()],
             "encode4" => vec![

@@ -39,7 +39,11 @@ fn main() {
     while t.has_next() && t.step < steps {
         t.advance();
         let v = t.step as u64;
-        let opts = |e| DeltaOptions::new(e, v, v - 1);
+        // `compact2` at every density: the encoding's sizes are measured.
+        let opts = |e| DeltaOptions {
+            compact2_max_density: 1.0,
+            ..DeltaOptions::new(e, v, v - 1)
+        };
         let mut new = t.set();
         let (d1, s1) = encode_delta(&base, &mut new, &opts(Encoding::Compact)).unwrap();
         let after_anchor = (t.step - 1).is_multiple_of(every);

@@ -239,6 +239,8 @@ pub fn run(
                     base_version: step as u64 - 1,
                     // v1: the layout docs/benchmarks.md's `trl` rows measure.
                     trl: crate::format::TrlOptions::V1,
+                    // `compact2` itself at every density: what is measured.
+                    compact2_max_density: 1.0,
                 };
                 let ctx = context.as_ref();
                 let (encoded, encode_s, peak) =
@@ -335,7 +337,10 @@ pub fn run(
             report.rows.push(row);
         }
         if cfg.encodings.contains(&Encoding::Compact2) {
-            let opts = DeltaOptions::new(Encoding::Compact2, step as u64, step as u64 - 1);
+            let opts = DeltaOptions {
+                compact2_max_density: 1.0,
+                ..DeltaOptions::new(Encoding::Compact2, step as u64, step as u64 - 1)
+            };
             context = encode_delta_ctx(&base, &mut new, &opts, context.as_ref())?.2;
         }
         base = new;

@@ -423,6 +423,13 @@ pub struct PublishOpts {
     /// Delta encoding.
     #[arg(long, default_value = "compact", value_parser = delta_encoding())]
     pub encoding: Encoding,
+    /// With --encoding compact2: the largest share of changed elements (0
+    /// to 1) a file's delta is written in compact2; a denser one is written
+    /// in compact, whose encode and apply are faster there (compact2's fall
+    /// below 0.8 of compact's above about 12%). 1 keeps compact2 at every
+    /// density, for links where bytes cost more than cores.
+    #[arg(long, default_value_t = weightcast::codec::COMPACT2_MAX_DENSITY, value_parser = share)]
+    pub compact2_max_density: f64,
     /// How anchors are stored: planes (byte planes + zstd, ~1.5x smaller on
     /// bf16) or raw (a loadable safetensors file).
     #[arg(long, default_value = "planes")]
@@ -533,6 +540,7 @@ impl PublishOpts {
         let cfg = weightcast::publisher::PublisherConfig {
             state_dir: self.state,
             encoding: self.encoding,
+            compact2_max_density: self.compact2_max_density,
             anchors: weightcast::publisher::AnchorPolicy {
                 every: self.anchor_every,
                 ..Default::default()
@@ -628,6 +636,14 @@ pub fn delta_encoding() -> impl clap::builder::TypedValueParser<Value = Encoding
     use clap::builder::TypedValueParser;
     clap::builder::PossibleValuesParser::new(["compact", "compact2", "trl"])
         .map(|s| s.parse::<Encoding>().expect("a possible value parses"))
+}
+
+/// A share from 0 to 1.
+fn share(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        _ => Err(format!("`{s}` is not a share from 0 to 1 (e.g. 0.1)")),
+    }
 }
 
 /// A number of seconds above 0.

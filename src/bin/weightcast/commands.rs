@@ -60,6 +60,8 @@ pub async fn run(command: Command) -> Result<()> {
                     generation: trl_generation,
                     index: trl_index,
                 },
+                // One diff, asked for in this encoding: written in it.
+                compact2_max_density: 1.0,
             };
             diff(&base, &new, &out, &opts)
         }

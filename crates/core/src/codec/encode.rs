@@ -30,7 +30,21 @@ pub struct DeltaOptions {
     pub base_version: u64,
     /// For `trl`: which TRL generation (and v3 index encoding) to write.
     pub trl: TrlOptions,
+    /// For `compact2`: the largest share of changed words (0 to 1) a delta
+    /// is written in `compact2`; a denser one is written in `compact`, and
+    /// leaves no context (the next delta is then made without one). The
+    /// share is estimated before encoding, from a sample of the data
+    /// ([`sampled_density`]). Above about 12% density `compact2`'s encode
+    /// and apply fall under 0.8 of `compact`'s throughput, while its payload
+    /// stays 1.1–1.2x smaller (docs/benchmarks.md): 1.0 keeps `compact2` at
+    /// every density, for links where the bytes cost more than the cores.
+    /// Default: [`COMPACT2_MAX_DENSITY`].
+    pub compact2_max_density: f64,
 }
+
+/// [`DeltaOptions::compact2_max_density`]'s default: 10% of the words
+/// changed.
+pub const COMPACT2_MAX_DENSITY: f64 = 0.10;
 
 impl DeltaOptions {
     /// A delta from `base_version` to `model_version`, TRL options at their default.
@@ -40,6 +54,7 @@ impl DeltaOptions {
             model_version,
             base_version,
             trl: TrlOptions::default(),
+            compact2_max_density: COMPACT2_MAX_DENSITY,
         }
     }
 }
@@ -123,6 +138,21 @@ pub fn encode_delta_ctx(
         ));
     }
     base.same_structure(new)?;
+    // A dense `compact2` delta is written in `compact` (see
+    // `DeltaOptions::compact2_max_density`).
+    let gated;
+    let opts = if opts.encoding == Encoding::Compact2
+        && opts.compact2_max_density < 1.0
+        && sampled_density(base, new) > opts.compact2_max_density
+    {
+        gated = DeltaOptions {
+            encoding: Encoding::Compact,
+            ..*opts
+        };
+        &gated
+    } else {
+        opts
+    };
     let context = if opts.encoding == Encoding::Compact2 {
         context
     } else {
@@ -208,6 +238,51 @@ pub fn encode_delta_ctx(
     }
     new.mark_digests_valid();
     Ok((out, summary, next))
+}
+
+/// Pages ([`SAMPLE_PAGE`] bytes) of each tensor [`sampled_density`] reads
+/// one of.
+const SAMPLE_EVERY: usize = 64;
+/// Bytes of one sampled stretch: a page, whole words of every width.
+const SAMPLE_PAGE: usize = 4096;
+
+/// The share of `base`'s words that differ in `new` (the same structure),
+/// estimated from one page in every [`SAMPLE_EVERY`] of each tensor (its
+/// first page included): about 1.6% of the data compared, before a
+/// `compact2` delta is encoded, to choose its encoding.
+pub fn sampled_density(base: &TensorSet, new: &TensorSet) -> f64 {
+    /// Words of `W` bytes that differ between `a` and `b` (equal lengths).
+    fn differing<const W: usize>(a: &[u8], b: &[u8]) -> u64 {
+        let (a, _) = a.as_chunks::<W>();
+        let (b, _) = b.as_chunks::<W>();
+        a.iter().zip(b).filter(|(x, y)| x != y).count() as u64
+    }
+    let (mut changed, mut words) = (0u64, 0u64);
+    for (idx, t) in base.tensors().iter().enumerate() {
+        let wb = word_bytes(t.dtype);
+        let (a, b) = (base.data(idx), new.data(idx));
+        for start in (0..a.len()).step_by(SAMPLE_PAGE * SAMPLE_EVERY) {
+            let end = (start + SAMPLE_PAGE).min(a.len());
+            let (x, y) = (&a[start..end], &b[start..end]);
+            changed += match wb {
+                1 => differing::<1>(x, y),
+                2 => differing::<2>(x, y),
+                4 => differing::<4>(x, y),
+                8 => differing::<8>(x, y),
+                w => x
+                    .chunks_exact(w)
+                    .zip(y.chunks_exact(w))
+                    .filter(|(p, q)| p != q)
+                    .count() as u64,
+            };
+            words += ((end - start) / wb) as u64;
+        }
+    }
+    if words == 0 {
+        0.0
+    } else {
+        changed as f64 / words as f64
+    }
 }
 
 /// One tensor's changes for [`encode_delta_changes`]: its name, the changed
@@ -503,6 +578,63 @@ mod tests {
             TensorSet::from_tensors(new).unwrap(),
             changes,
         )
+    }
+
+    /// A bf16 tensor of `words` words and a copy with every `every`-th word
+    /// moved by one.
+    fn pair_every(words: usize, every: usize) -> (TensorSet, TensorSet) {
+        let old: Vec<u8> = (0..words)
+            .flat_map(|i| (0x3f00u16 + (i % 251) as u16).to_le_bytes())
+            .collect();
+        let mut nw = old.clone();
+        for i in (0..words).step_by(every) {
+            nw[2 * i] ^= 1;
+        }
+        let set = |b: Vec<u8>| {
+            TensorSet::from_tensors([("w".to_string(), Dtype::BF16, vec![words], b)]).unwrap()
+        };
+        (set(old), set(nw))
+    }
+
+    /// `compact2` is written up to `compact2_max_density` and `compact`
+    /// above it (no context left), from the sampled density; 1.0 keeps
+    /// `compact2` at every density. A sparse delta is not affected.
+    #[test]
+    fn a_dense_compact2_delta_is_written_in_compact() {
+        // 1 in 4 changed (25%), 1 in 50 (2%), over 3 MiB: many sampled pages.
+        let (base, dense) = pair_every(3 << 20, 4);
+        let (_, sparse) = pair_every(3 << 20, 50);
+        let d = sampled_density(&base, &dense);
+        assert!((d - 0.25).abs() < 1e-3, "{d}");
+        let d = sampled_density(&base, &sparse);
+        assert!((d - 0.02).abs() < 1e-3, "{d}");
+        assert_eq!(sampled_density(&base, &base), 0.0);
+        let run = |new: &TensorSet, max: f64| {
+            let opts = DeltaOptions {
+                compact2_max_density: max,
+                ..DeltaOptions::new(Encoding::Compact2, 1, 0)
+            };
+            let (bytes, summary, next) =
+                encode_delta_ctx(&base, &mut new.clone(), &opts, None).unwrap();
+            let (_, header) = crate::codec::inspect(&bytes).unwrap();
+            let header = header.expect("a delta has a header");
+            assert_eq!(header.encoding, summary.encoding);
+            let mut state = base.clone();
+            crate::codec::apply_delta(&mut state, &bytes).unwrap();
+            assert_eq!(state.digest(), new.digest());
+            (summary.encoding, next.is_some())
+        };
+        assert_eq!(
+            run(&dense, COMPACT2_MAX_DENSITY),
+            (Encoding::Compact, false)
+        );
+        assert_eq!(run(&dense, 1.0), (Encoding::Compact2, true));
+        assert_eq!(run(&dense, 0.3), (Encoding::Compact2, true));
+        assert_eq!(
+            run(&sparse, COMPACT2_MAX_DENSITY),
+            (Encoding::Compact2, true)
+        );
+        assert_eq!(run(&sparse, 0.01), (Encoding::Compact, false));
     }
 
     #[test]

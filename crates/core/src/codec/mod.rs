@@ -41,7 +41,8 @@ pub use apply::{
 pub use compact::vector;
 pub use compact::{Context, ContextId, TensorContext};
 pub use encode::{
-    DeltaOptions, DeltaSummary, TensorChanges, encode_delta, encode_delta_changes, encode_delta_ctx,
+    COMPACT2_MAX_DENSITY, DeltaOptions, DeltaSummary, TensorChanges, encode_delta,
+    encode_delta_changes, encode_delta_ctx, sampled_density,
 };
 pub use header::{AnchorSummary, keep_trainer_metadata};
 
