@@ -247,8 +247,8 @@ const SAMPLE_EVERY: usize = 64;
 const SAMPLE_PAGE: usize = 4096;
 
 /// The share of `base`'s words that differ in `new` (the same structure),
-/// estimated from one page in every [`SAMPLE_EVERY`] of each tensor (its
-/// first page included): about 1.6% of the data compared, before a
+/// estimated from one 4 KiB page in every 64 of each tensor (its first
+/// page included): about 1.6% of the data compared, before a
 /// `compact2` delta is encoded, to choose its encoding.
 pub fn sampled_density(base: &TensorSet, new: &TensorSet) -> f64 {
     /// Words of `W` bytes that differ between `a` and `b` (equal lengths).
