@@ -72,7 +72,7 @@ impl NativePublisher {
 #[pymethods]
 impl NativePublisher {
     #[new]
-    #[pyo3(signature = (store_url, state_dir, encoding, anchor_every, anchor_encoding, single_writer, keep_anchors, notify_urls, notify_key, store_options, rank=None, world=1, rank_timeout=600.0))]
+    #[pyo3(signature = (store_url, state_dir, encoding, anchor_every, anchor_encoding, single_writer, keep_anchors, notify_urls, notify_key, store_options, rank=None, world=1, rank_timeout=600.0, compact2_max_density=weightcast::codec::COMPACT2_MAX_DENSITY))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -89,6 +89,7 @@ impl NativePublisher {
         rank: Option<u32>,
         world: u32,
         rank_timeout: f64,
+        compact2_max_density: f64,
     ) -> PyResult<NativePublisher> {
         let open = || -> Result<Publisher> {
             let encoding = encoding.parse().map_err(|_| {
@@ -98,6 +99,11 @@ impl NativePublisher {
             })?;
             if anchor_every == 0 {
                 return Err(Error::Config("anchor_every must be at least 1".into()));
+            }
+            if !(0.0..=1.0).contains(&compact2_max_density) {
+                return Err(Error::Config(format!(
+                    "compact2_max_density {compact2_max_density}: expected a share from 0 to 1"
+                )));
             }
             let anchor_encoding: AnchorEncoding = anchor_encoding.parse()?;
             let retention = match keep_anchors {
@@ -111,7 +117,7 @@ impl NativePublisher {
             let cfg = PublisherConfig {
                 state_dir: state_dir.into(),
                 encoding,
-                compact2_max_density: weightcast::codec::COMPACT2_MAX_DENSITY,
+                compact2_max_density,
                 anchors: AnchorPolicy {
                     every: anchor_every,
                     ..Default::default()

@@ -10,7 +10,8 @@ class NativePublisher:
                  anchor_encoding: str, single_writer: bool, keep_anchors: Optional[int],
                  notify_urls: List[str], notify_key: Optional[str],
                  store_options: List[Tuple[str, str]], rank: Optional[int] = None,
-                 world: int = 1, rank_timeout: float = 600.0) -> None: ...
+                 world: int = 1, rank_timeout: float = 600.0,
+                 compact2_max_density: float = 0.1) -> None: ...
     @property
     def version(self) -> Optional[int]: ...
     def publish(self, tensor_files: List[Tuple[str, List[Spec]]],
