@@ -100,11 +100,6 @@ impl NativePublisher {
             if anchor_every == 0 {
                 return Err(Error::Config("anchor_every must be at least 1".into()));
             }
-            if !(0.0..=1.0).contains(&compact2_max_density) {
-                return Err(Error::Config(format!(
-                    "compact2_max_density {compact2_max_density}: expected a share from 0 to 1"
-                )));
-            }
             let anchor_encoding: AnchorEncoding = anchor_encoding.parse()?;
             let retention = match keep_anchors {
                 Some(0) => return Err(Error::Config("keep_anchors must be at least 1".into())),

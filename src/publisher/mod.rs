@@ -335,6 +335,12 @@ impl Publisher {
                 cfg.encoding
             )));
         }
+        if !(0.0..=1.0).contains(&cfg.compact2_max_density) {
+            return Err(Error::Config(format!(
+                "compact2_max_density {}: expected a share from 0 to 1 (--compact2-max-density)",
+                cfg.compact2_max_density
+            )));
+        }
         if store.probe_conditional_writes().await? == ConditionalWrites::Ignored
             && !cfg.single_writer
         {

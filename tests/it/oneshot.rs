@@ -598,6 +598,16 @@ async fn dense_compact2_steps_are_written_in_compact() {
             compact2_max_density: max,
             ..common::publisher_config(&work.path().join("state"), 100, None)
         };
+        // A share outside 0..=1 is refused, naming the setting.
+        let bad = weightcast::publisher::PublisherConfig {
+            compact2_max_density: 1.5,
+            ..cfg.clone()
+        };
+        let e = weightcast::publisher::Publisher::open(store.clone(), bad)
+            .await
+            .err()
+            .expect("a share above 1 is refused");
+        assert!(e.to_string().contains("compact2_max_density"), "{e}");
         let mut p = weightcast::publisher::Publisher::open(store.clone(), cfg)
             .await
             .unwrap();

@@ -19,7 +19,8 @@ use crate::tensors::{TensorSet, write_safetensors};
 /// What a delta is and where it sits in the version chain.
 ///
 /// Build one with [`DeltaOptions::new`] or with the fields and
-/// `..Default::default()` (compact, version 1 from 0, TRL v3 `gap_delta`).
+/// `..Default::default()` (compact, version 1 from 0, TRL v3 `gap_delta`,
+/// `compact2` up to [`COMPACT2_MAX_DENSITY`]).
 #[derive(Clone, Copy, Debug)]
 pub struct DeltaOptions {
     /// Delta encoding (`compact` or `trl`).

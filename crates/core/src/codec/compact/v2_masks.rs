@@ -306,9 +306,10 @@ fn scan_block_w2(
             masks_of_codes(&mut tab);
         }
         let n = super::vector::scan_region(pa, pb, first as u32, &mut rec, 0);
-        // The next region's words start coming in while this one's
-        // changes are worked on: a burst now, then a line per member of
-        // the next region's context and eight per sixteen changes here.
+        // After a busy region (`AHEAD_FROM`), the next region's words start
+        // coming in while this one's changes are worked on: a burst now,
+        // then a line per member of the next region's context and eight per
+        // sixteen changes here.
         ahead.start(first + len, n >= AHEAD_FROM);
         for _ in 0..AHEAD_BURST {
             ahead.pump();
