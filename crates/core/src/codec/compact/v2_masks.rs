@@ -94,6 +94,32 @@ impl ClassList {
     }
 }
 
+/// A class list's buffers as raw pointers and its counts, for
+/// [`classify`]'s loop: it writes at most the room [`ClassList::room`] made.
+#[cfg(target_arch = "x86_64")]
+struct Out {
+    at: *mut u32,
+    sign: *mut u8,
+    esc_at: *mut u32,
+    esc_mag: *mut u16,
+    n: usize,
+    esc_n: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Out {
+    fn of(c: &mut ClassList) -> Out {
+        Out {
+            at: c.at.as_mut_ptr(),
+            sign: c.sign.as_mut_ptr(),
+            esc_at: c.esc_at.as_mut_ptr(),
+            esc_mag: c.esc_mag.as_mut_ptr(),
+            n: c.n,
+            esc_n: c.esc_n,
+        }
+    }
+}
+
 /// Shows that the CPU has the features [`scan_block`] checks: made only
 /// there, it lets [`encode_scanned`] run code compiled with BMI2.
 #[derive(Clone, Copy)]
@@ -485,7 +511,20 @@ fn classify(
     let bf = _mm512_set1_epi64(block_first as i64);
     let [mut digest, mut sum] = *sums;
     let iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    let [c0, c1, c2] = class;
+    // Each class's lists as raw ends and counts, and the next context's
+    // end, held in locals for the region: through `s`, every store could
+    // alias the lists' pointers and counts, which were loaded back and
+    // bounds-checked per class and per sixteen changes.
+    let mut out = class.each_mut().map(Out::of);
+    let next_at = s.next.as_mut_ptr();
+    // The prefetcher's state likewise (its pumps are 8 per sixteen changes,
+    // each a compare when it is off).
+    let mut pump = Ahead {
+        base: ahead.base,
+        new: ahead.new,
+        at: ahead.at,
+        end: ahead.end,
+    };
     let mut j = 0usize;
     while j < n {
         let valid: u16 = if n - j >= 16 {
@@ -542,7 +581,7 @@ fn classify(
         // within its allocation. They are written, not read; the length is
         // set past them only once the region's members are all written
         // (below).
-        unsafe { _mm512_storeu_si512(s.next.as_mut_ptr().add(k).cast(), member) };
+        unsafe { _mm512_storeu_si512(next_at.add(k).cast(), member) };
         // Their checksum, while they are in a register.
         use super::context::hash8;
         let (lo, hi) = (
@@ -591,7 +630,7 @@ fn classify(
             _mm512_abs_epi32(_mm512_srai_epi32::<16>(_mm512_slli_epi32::<16>(step))),
             set1(2),
         );
-        for (c, k) in [(&mut *c0, k0), (&mut *c1, is1), (&mut *c2, is2)] {
+        for (c, k) in out.iter_mut().zip([k0, is1, is2]) {
             let at_c = _mm512_maskz_compress_epi32(k, at);
             let sign_c = _mm_maskz_compress_epi8(k, sign8);
             // Each lane's entry rank in its class: its order among the
@@ -601,25 +640,29 @@ fn classify(
             let esc_at = _mm512_maskz_compress_epi32(e, rank);
             let esc_mag = _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(e, mag));
             // SAFETY: `room(n + 16)` left 16 entries and escapes past any
-            // count this region reaches; each store writes 16 of them
-            // there (64, 16 or 32 bytes).
+            // count this region reaches (`Out::of`: the pointers are the
+            // lists' starts, the counts theirs); each store writes 16 of
+            // them there (64, 16 or 32 bytes).
             unsafe {
-                _mm512_storeu_si512(c.at[c.n..c.n + 16].as_mut_ptr().cast(), at_c);
-                _mm_storeu_si128(c.sign[c.n..c.n + 16].as_mut_ptr().cast(), sign_c);
-                _mm512_storeu_si512(c.esc_at[c.esc_n..c.esc_n + 16].as_mut_ptr().cast(), esc_at);
-                _mm256_storeu_si256(
-                    c.esc_mag[c.esc_n..c.esc_n + 16].as_mut_ptr().cast(),
-                    esc_mag,
-                );
+                _mm512_storeu_si512(c.at.add(c.n).cast(), at_c);
+                _mm_storeu_si128(c.sign.add(c.n).cast(), sign_c);
+                _mm512_storeu_si512(c.esc_at.add(c.esc_n).cast(), esc_at);
+                _mm256_storeu_si256(c.esc_mag.add(c.esc_n).cast(), esc_mag);
             }
             c.n += k.count_ones() as usize;
             c.esc_n += e.count_ones() as usize;
         }
-        for _ in 0..AHEAD_PER_16 {
-            ahead.pump();
+        if pump.at < pump.end {
+            for _ in 0..AHEAD_PER_16 {
+                pump.pump();
+            }
         }
         j += 16;
     }
+    for (c, o) in class.iter_mut().zip(out) {
+        (c.n, c.esc_n) = (o.n, o.esc_n);
+    }
+    ahead.at = pump.at;
     // SAFETY: the capacity is at least `next_n + n` (reserved above), and
     // the loop stored 16 members at `next_n + j` for `j = 0, 16, …` while
     // `j < n`: every member below `next_n + n` is written.
