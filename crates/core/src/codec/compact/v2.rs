@@ -35,7 +35,7 @@ use crate::platform::{Platform, prefetch_l2};
 
 pub use super::v2_head::CLASSES;
 pub(crate) use super::v2_head::{ClassHead, Prologue};
-use super::v2_head::{Escapes, assemble, choose_values, put_eg, rice_guess_k};
+use super::v2_head::{Escapes, assemble, best_of_three, choose_values, put_eg, rice_guess_k};
 use super::v2_table as tb;
 
 /// A block's changes, decoded: ascending block indices and, per change, the
@@ -1136,6 +1136,8 @@ pub(crate) fn finish(
     if dup {
         out.clear();
     }
+    // `out` may borrow `scratch`: the test is made again once it is given
+    // back.
     super::context::pool::give(scratch);
     if dup {
         return Err("a word changed twice (a class-0 position is a member that changed again)");
@@ -1417,13 +1419,7 @@ fn best_rice(gaps: &[u32], sum: u64) -> (u32, u64) {
         return (0, 0);
     }
     let k = rice_guess_k(gaps.len() as u64, sum).min(MAX_POS_K as u32 - 1);
-    let costs = rice_costs(gaps, k);
-    let cands = [
-        (k.saturating_sub(1), costs[0]),
-        (k, costs[1]),
-        (k + 1, costs[2]),
-    ];
-    cands.into_iter().min_by_key(|&(_, c)| c).expect("three")
+    best_of_three(k, rice_costs(gaps, k))
 }
 
 /// A class's coding choices beyond its prologue head: the escapes' rank

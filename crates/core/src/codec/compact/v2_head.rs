@@ -79,6 +79,18 @@ pub(super) fn rice_guess_k(n: u64, sum: u64) -> u32 {
     crate::codec::bits::rice_guess(n, sum, MAX_POS_K as u32)
 }
 
+/// A class's positions' Rice parameter: the guess `k` (below `MAX_POS_K`)
+/// or a neighbour, whichever codes the gaps in the fewest bits (`costs`:
+/// the bits with `k − 1`, `k` and `k + 1`; the first of equals), and those
+/// bits. Both encoders choose by this rule, so their bytes agree.
+pub(super) fn best_of_three(k: u32, costs: [u64; 3]) -> (u32, u64) {
+    [k.saturating_sub(1), k, k + 1]
+        .into_iter()
+        .zip(costs)
+        .min_by_key(|&(_, b)| b)
+        .expect("three")
+}
+
 /// Bits of the order-`k` Exp-Golomb code of `x`.
 #[inline]
 fn eg_len(x: u64, k: u32) -> u64 {

@@ -41,7 +41,8 @@ use std::arch::x86_64::{
 
 use super::MAX_POS_K;
 use super::v2_head::{
-    CLASSES, ClassHead, Escapes, assemble, choose_values, eg_code, put_eg, rice_guess_k,
+    CLASSES, ClassHead, Escapes, assemble, best_of_three, choose_values, eg_code, put_eg,
+    rice_guess_k,
 };
 use crate::codec::bits::{FastWriter, put_rice, rice_code};
 use crate::format::{BlockEntry, ValueCoding};
@@ -709,18 +710,13 @@ fn choose(c: &ClassList, _: Scanned) -> (ClassHead, u64, u64, u64) {
     }
     let end = c.at[c.n - 1] as u64 + 1;
     let k = rice_guess_k(n, end - n).min(MAX_POS_K as u32 - 1);
-    // The staged encoder's choice: the guess or a neighbour, whichever
-    // codes the gaps in the fewest bits (the first of equals).
+    // The staged encoder's choice (`best_of_three`).
     // SAFETY: a `Scanned` exists only where `scan_block` found AVX2, BMI1
     // and BMI2 (and more), every feature `rice_costs` is compiled with; it
     // is otherwise safe code.
     let costs = unsafe { rice_costs(&c.at[..c.n], k) };
     let pos_bits;
-    (h.k, pos_bits) = [k.saturating_sub(1), k, k + 1]
-        .into_iter()
-        .zip(costs)
-        .min_by_key(|&(_, b)| b)
-        .expect("three");
+    (h.k, pos_bits) = best_of_three(k, costs);
     let mut esc = Escapes::default();
     let (esc_at, esc_mag) = c.escapes();
     if let Some(&last) = esc_at.last() {
