@@ -15,7 +15,9 @@
 //! delta's context) alternately, so the state never needs copying; or, with
 //! `WEIGHTCAST_PHASE=applyf`, forth only, on a state restored (untimed)
 //! before each (the back delta's entries are all context members, which
-//! no training step's are). Ratios
+//! no training step's are). With a phase, each operation's CPU time is
+//! measured (`WEIGHTCAST_CLOCK=wall`: its wall time, for runs on every
+//! thread). Ratios
 //! are compare time / operation time (above 1: faster than the compare);
 //! printed as medians over the repetitions, with the range.
 
@@ -247,15 +249,22 @@ fn main() {
             "applyf" => vec!["apply1f".into(), "apply2f".into()],
             _ => vec![phase.clone()],
         };
+        // `WEIGHTCAST_CLOCK=wall`: wall time instead (with every thread
+        // at work, the throughput a user sees; noisier on a shared host).
+        let wall = std::env::var("WEIGHTCAST_CLOCK").is_ok_and(|v| v == "wall");
         let mut cpu = vec![Vec::with_capacity(reps); names.len()];
         for _ in 0..reps {
             for (n, c) in names.iter().zip(&mut cpu) {
                 if matches!(n.as_str(), "apply1f" | "apply2f") {
                     state = s1.clone();
                 }
-                let cpu0 = process_cpu_secs();
+                let (cpu0, t0) = (process_cpu_secs(), Instant::now());
                 run(n, &mut state);
-                c.push(process_cpu_secs() - cpu0);
+                c.push(if wall {
+                    t0.elapsed().as_secs_f64()
+                } else {
+                    process_cpu_secs() - cpu0
+                });
             }
         }
         // CPU time, not wall time: on a shared machine the steadier figure;
@@ -275,14 +284,16 @@ fn main() {
             let (m, lo, _) = median(c);
             least.push(lo);
             println!(
-                "phase {n}: CPU per repetition {:.3} ms (median {:.3} ms)",
+                "phase {n}: {} per repetition {:.3} ms (median {:.3} ms)",
+                if wall { "wall time" } else { "CPU" },
                 lo * 1e3,
                 m * 1e3
             );
         }
         if let [one, two, ..] = least[..] {
+            let clock = if wall { "time" } else { "CPU" };
             println!(
-                "compact2 / compact throughput (least CPU): {:.3}",
+                "compact2 / compact throughput (least {clock}): {:.3}",
                 one / two
             );
         }
