@@ -72,7 +72,7 @@ impl NativePublisher {
 #[pymethods]
 impl NativePublisher {
     #[new]
-    #[pyo3(signature = (store_url, state_dir, encoding, anchor_every, anchor_encoding, single_writer, keep_anchors, notify_urls, notify_key, store_options, rank=None, world=1, rank_timeout=600.0, compact2_max_density=weightcast::codec::COMPACT2_MAX_DENSITY))]
+    #[pyo3(signature = (store_url, state_dir, encoding, anchor_every, anchor_encoding, single_writer, keep_anchors, notify_urls, notify_key, store_options, rank=None, world=1, rank_timeout=600.0, compact2_max_density=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -89,7 +89,7 @@ impl NativePublisher {
         rank: Option<u32>,
         world: u32,
         rank_timeout: f64,
-        compact2_max_density: f64,
+        compact2_max_density: Option<f64>,
     ) -> PyResult<NativePublisher> {
         let open = || -> Result<Publisher> {
             let encoding = encoding.parse().map_err(|_| {
@@ -112,7 +112,9 @@ impl NativePublisher {
             let cfg = PublisherConfig {
                 state_dir: state_dir.into(),
                 encoding,
-                compact2_max_density,
+                // One default, the library's.
+                compact2_max_density: compact2_max_density
+                    .unwrap_or(weightcast::codec::COMPACT2_MAX_DENSITY),
                 anchors: AnchorPolicy {
                     every: anchor_every,
                     ..Default::default()

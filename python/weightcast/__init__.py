@@ -80,7 +80,7 @@ class Publisher:
     subscribers keep — or ``trl``), ``compact2_max_density`` (with
     ``compact2``: a file whose step changed a larger share of its elements
     is written in ``compact``, faster there; 1 keeps ``compact2`` at every
-    density; 0.1), ``anchor_every`` (an anchor at least every N versions),
+    density; the library's default, 0.1, when not given), ``anchor_every`` (an anchor at least every N versions),
     ``anchor_encoding`` (``planes`` or ``raw``), ``single_writer``,
     ``keep_anchors`` (collect older versions after each anchor),
     ``notify_urls`` and ``notify_key`` (signed notifications to subscribers).
@@ -120,7 +120,7 @@ class Publisher:
         world: int = 1,
         rank_timeout: float = 600.0,
         diff_on_device: Optional[bool] = None,
-        compact2_max_density: float = 0.1,
+        compact2_max_density: Optional[float] = None,
     ) -> None:
         self.store_url = store_url
         self.diff_on_device = diff_on_device
@@ -146,7 +146,7 @@ class Publisher:
             rank,
             int(world),
             float(rank_timeout),
-            float(compact2_max_density),
+            None if compact2_max_density is None else float(compact2_max_density),
         )
         # Pinned host buffers reused for CUDA tensors, by (file, name).
         self._staging: Dict[Tuple[str, str], Any] = {}
