@@ -16,9 +16,9 @@
 //!   (permutes, shifts and popcounts, no branch);
 //! - in the same pass over the records, sixteen at a time, computes the
 //!   digest change and the next context's members, and compresses, per
-//!   class, the changes' positions or ranks (4 bytes) and sign bits (1
-//!   byte) into the class's lists, and the escapes' entry ranks and
-//!   magnitudes into its escape lists;
+//!   class, the changes' positions or ranks tagged with their sign bit and
+//!   whether they are escapes (4 bytes) into the class's list, and the
+//!   escapes' magnitudes (2 bytes) into its escape list;
 //! - prefetches the next region while it works on this one's changes (a
 //!   region is one 4 KiB page of each buffer, where the hardware's
 //!   prefetcher stops);
@@ -54,14 +54,24 @@ use super::vector::{REGION, Records};
 /// stores.
 const SLACK: usize = 64;
 
-/// One class's entries: positions (class 0) or ranks, and sign bits.
+/// An entry's sign bit, in its word of a class list.
+const SIGN_BIT: u32 = 1 << 31;
+/// An entry that is an escape (`|step| ≥ 2`), in its word of a class list.
+const BIG_BIT: u32 = 1 << 30;
+/// An entry's position or rank, in its word of a class list (a block has at
+/// most 2^30 words, `scan_block`).
+const AT_MASK: u32 = BIG_BIT - 1;
+
+/// One class's entries: each a word of its position (class 0) or rank, its
+/// sign bit ([`SIGN_BIT`]) and whether it is an escape ([`BIG_BIT`]); and
+/// the escapes' magnitudes. One list and one compress per class and per
+/// sixteen changes where separate lists of signs and of the escapes' entry
+/// ranks took three more: the writer finds those ranks from the bits.
 #[derive(Default)]
 pub(crate) struct ClassList {
     pub(crate) at: Vec<u32>,
-    pub(crate) sign: Vec<u8>,
     pub(crate) n: usize,
-    /// Escapes (`esc_n` of them): entry rank, and `|step| − 2`.
-    pub(crate) esc_at: Vec<u32>,
+    /// The escapes' `|step| − 2` (`esc_n` of them), in entry order.
     pub(crate) esc_mag: Vec<u16>,
     pub(crate) esc_n: usize,
 }
@@ -79,19 +89,17 @@ impl ClassList {
         if self.at.len() < want {
             let len = want.max(2 * self.at.len());
             self.at.resize(len, 0);
-            self.sign.resize(len, 0);
         }
         let want = self.esc_n + more;
-        if self.esc_at.len() < want {
-            let len = want.max(2 * self.esc_at.len());
-            self.esc_at.resize(len, 0);
+        if self.esc_mag.len() < want {
+            let len = want.max(2 * self.esc_mag.len());
             self.esc_mag.resize(len, 0);
         }
     }
 
-    /// The escapes: entry ranks and `|step| − 2`.
-    fn escapes(&self) -> (&[u32], &[u16]) {
-        (&self.esc_at[..self.esc_n], &self.esc_mag[..self.esc_n])
+    /// The entries, tagged ([`SIGN_BIT`], [`BIG_BIT`]).
+    fn entries(&self) -> &[u32] {
+        &self.at[..self.n]
     }
 }
 
@@ -100,8 +108,6 @@ impl ClassList {
 #[cfg(target_arch = "x86_64")]
 struct Out {
     at: *mut u32,
-    sign: *mut u8,
-    esc_at: *mut u32,
     esc_mag: *mut u16,
     n: usize,
     esc_n: usize,
@@ -112,8 +118,6 @@ impl Out {
     fn of(c: &mut ClassList) -> Out {
         Out {
             at: c.at.as_mut_ptr(),
-            sign: c.sign.as_mut_ptr(),
-            esc_at: c.esc_at.as_mut_ptr(),
             esc_mag: c.esc_mag.as_mut_ptr(),
             n: c.n,
             esc_n: c.esc_n,
@@ -433,8 +437,9 @@ fn masks_of_codes(tab: &mut Tables) {
 /// looked up by permutes of the tables held in registers; the ranks at each
 /// 32 words' first are prefix sums of the masks' popcounts from `ranks`
 /// (each class's members before the region, advanced past it on return).
-/// Each class's positions or ranks and signs are compressed into its
-/// lists.
+/// Each class's positions or ranks, tagged with their signs and escape
+/// bits, are compressed into its list, and its escapes' magnitudes into
+/// another.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(
@@ -450,14 +455,13 @@ fn classify(
     ahead: &mut Ahead,
 ) {
     use std::arch::x86_64::{
-        _mm_maskz_compress_epi8, _mm_storeu_si128, _mm256_castsi256_si128,
-        _mm256_extracti128_si256, _mm256_maskz_loadu_epi16, _mm256_storeu_si256, _mm512_abs_epi32,
-        _mm512_alignr_epi32, _mm512_and_si512, _mm512_andnot_si512, _mm512_cmpeq_epi32_mask,
-        _mm512_cmpneq_epi32_mask, _mm512_cvtepi32_epi8, _mm512_cvtepi32_epi16,
-        _mm512_cvtepu32_epi64, _mm512_cvtsi512_si32, _mm512_extracti64x4_epi64,
-        _mm512_mask_blend_epi32, _mm512_mask_mov_epi32, _mm512_maskz_compress_epi32,
-        _mm512_maskz_expand_epi32, _mm512_maskz_mov_epi32, _mm512_maskz_mov_epi64,
-        _mm512_permutex2var_epi32, _mm512_permutexvar_epi32, _mm512_popcnt_epi32, _mm512_set_epi32,
+        _mm256_castsi256_si128, _mm256_extracti128_si256, _mm256_maskz_compress_epi16,
+        _mm256_maskz_loadu_epi16, _mm256_storeu_si256, _mm512_abs_epi32, _mm512_alignr_epi32,
+        _mm512_and_si512, _mm512_andnot_si512, _mm512_cmpeq_epi32_mask, _mm512_cmpneq_epi32_mask,
+        _mm512_cvtepi32_epi16, _mm512_cvtepu32_epi64, _mm512_cvtsi512_si32,
+        _mm512_extracti64x4_epi64, _mm512_mask_blend_epi32, _mm512_mask_mov_epi32,
+        _mm512_maskz_compress_epi32, _mm512_maskz_mov_epi32, _mm512_maskz_mov_epi64,
+        _mm512_permutex2var_epi32, _mm512_permutexvar_epi32, _mm512_popcnt_epi32,
         _mm512_sllv_epi32, _mm512_srai_epi32, _mm512_srli_epi32, _mm512_srlv_epi32,
         _mm512_sub_epi32, _mm512_test_epi32_mask, _mm512_xor_si512,
     };
@@ -511,7 +515,6 @@ fn classify(
     };
     let bf = _mm512_set1_epi64(block_first as i64);
     let [mut digest, mut sum] = *sums;
-    let iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     // Each class's lists as raw ends and counts, and the next context's
     // end, held in locals for the region: through `s`, every store could
     // alias the lists' pointers and counts, which were loaded back and
@@ -624,31 +627,29 @@ fn classify(
             _mm512_srli_epi32::<15>(step),
             _mm512_maskz_mov_epi32(!half, last),
         );
-        let sign8 = _mm512_cvtepi32_epi8(sign);
         let k0 = valid & !is1 & !is2;
+        // Each change's word for its class's list: position or rank, sign
+        // bit and whether it is an escape.
+        let tagged = _mm512_or_si512(
+            _mm512_or_si512(at, _mm512_slli_epi32::<31>(sign)),
+            _mm512_maskz_mov_epi32(big, set1(BIG_BIT as i32)),
+        );
         // An escape's `|step| − 2` (a step of 2^15 is 2^15 from either side).
-        let mag = _mm512_sub_epi32(
+        let mag = _mm512_cvtepi32_epi16(_mm512_sub_epi32(
             _mm512_abs_epi32(_mm512_srai_epi32::<16>(_mm512_slli_epi32::<16>(step))),
             set1(2),
-        );
+        ));
         for (c, k) in out.iter_mut().zip([k0, is1, is2]) {
-            let at_c = _mm512_maskz_compress_epi32(k, at);
-            let sign_c = _mm_maskz_compress_epi8(k, sign8);
-            // Each lane's entry rank in its class: its order among the
-            // class's lanes, after the class's entries so far.
-            let rank = _mm512_add_epi32(_mm512_maskz_expand_epi32(k, iota), set1(c.n as i32));
+            let at_c = _mm512_maskz_compress_epi32(k, tagged);
             let e = k & big;
-            let esc_at = _mm512_maskz_compress_epi32(e, rank);
-            let esc_mag = _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(e, mag));
+            let mag_c = _mm256_maskz_compress_epi16(e, mag);
             // SAFETY: `room(n + 16)` left 16 entries and escapes past any
             // count this region reaches (`Out::of`: the pointers are the
             // lists' starts, the counts theirs); each store writes 16 of
-            // them there (64, 16 or 32 bytes).
+            // them there (64 and 32 bytes).
             unsafe {
                 _mm512_storeu_si512(c.at.add(c.n).cast(), at_c);
-                _mm_storeu_si128(c.sign.add(c.n).cast(), sign_c);
-                _mm512_storeu_si512(c.esc_at.add(c.esc_n).cast(), esc_at);
-                _mm256_storeu_si256(c.esc_mag.add(c.esc_n).cast(), esc_mag);
+                _mm256_storeu_si256(c.esc_mag.add(c.esc_n).cast(), mag_c);
             }
             c.n += k.count_ones() as usize;
             c.esc_n += e.count_ones() as usize;
@@ -681,9 +682,10 @@ fn rice_costs(at: &[u32], k: u32) -> [u64; 3] {
     let Some(&g0) = at.first() else {
         return [0; 3];
     };
+    let g0 = g0 & AT_MASK;
     let (mut lo, mut mid, mut hi) = (g0 >> km, g0 >> k, g0 >> (k + 1));
     for (&a, &b) in at[1..].iter().zip(at) {
-        let g = a.wrapping_sub(b).wrapping_sub(1);
+        let g = (a & AT_MASK).wrapping_sub(b & AT_MASK).wrapping_sub(1);
         lo = lo.wrapping_add(g >> km);
         mid = mid.wrapping_add(g >> k);
         hi = hi.wrapping_add(g >> (k + 1));
@@ -696,9 +698,38 @@ fn rice_costs(at: &[u32], k: u32) -> [u64; 3] {
     ]
 }
 
+/// For [`SIGN_BIT`] and [`BIG_BIT`]: how many of the tagged entries `at`
+/// have it, and their gap sum as an ascending list of entry ranks (the last
+/// one's rank + 1 − the count). The counts sixteen entries per step in
+/// vector lanes; the last ones by a search from the end.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn tag_counts(at: &[u32]) -> [(u64, u64); 2] {
+    use std::arch::x86_64::{
+        _mm512_and_si512, _mm512_maskz_loadu_epi32, _mm512_reduce_add_epi32, _mm512_srli_epi32,
+    };
+    let one = _mm512_set1_epi32(1);
+    let (mut sign, mut big) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+    for q in (0..at.len()).step_by(16) {
+        let valid = (u32::from(u16::MAX) >> (16 - (at.len() - q).min(16))) as u16;
+        // SAFETY: the lanes of `valid` are entries below `at.len()`, in
+        // bounds; the others are not read (and are 0).
+        let x = unsafe { _mm512_maskz_loadu_epi32(valid, at[q..].as_ptr().cast()) };
+        // Lane sums below 2^30 (a class has fewer entries than a block words).
+        sign = _mm512_add_epi32(sign, _mm512_srli_epi32::<31>(x));
+        big = _mm512_add_epi32(big, _mm512_and_si512(_mm512_srli_epi32::<30>(x), one));
+    }
+    let t = [sign, big].map(|v| _mm512_reduce_add_epi32(v) as u32 as u64);
+    [(0, SIGN_BIT), (1, BIG_BIT)].map(|(c, bit)| match at.iter().rposition(|&a| a & bit != 0) {
+        Some(j) => (t[c], j as u64 + 1 - t[c]),
+        None => (0, 0),
+    })
+}
+
 /// A class's head (without its region's length), the bits its values cost
 /// beyond the positions (step-coded, and raw) and the bits of its
 /// positions' Rice codes.
+#[cfg(target_arch = "x86_64")]
 fn choose(c: &ClassList, _: Scanned) -> (ClassHead, u64, u64, u64) {
     let n = c.n as u64;
     let mut h = ClassHead {
@@ -708,41 +739,30 @@ fn choose(c: &ClassList, _: Scanned) -> (ClassHead, u64, u64, u64) {
     if n == 0 {
         return (h, 0, 0, 0);
     }
-    let end = c.at[c.n - 1] as u64 + 1;
+    let at = c.entries();
+    let end = (at[c.n - 1] & AT_MASK) as u64 + 1;
     let k = rice_guess_k(n, end - n).min(MAX_POS_K as u32 - 1);
     // The staged encoder's choice (`best_of_three`).
     // SAFETY: a `Scanned` exists only where `scan_block` found AVX2, BMI1
     // and BMI2 (and more), every feature `rice_costs` is compiled with; it
     // is otherwise safe code.
-    let costs = unsafe { rice_costs(&c.at[..c.n], k) };
+    let costs = unsafe { rice_costs(at, k) };
     let pos_bits;
     (h.k, pos_bits) = best_of_three(k, costs);
+    // SAFETY: as for `rice_costs` (AVX-512 F, POPCNT and LZCNT are among
+    // the features `scan_block` found).
+    let [(t, set_sum), escapes] = unsafe { tag_counts(at) };
     let mut esc = Escapes::default();
-    let (esc_at, esc_mag) = c.escapes();
-    if let Some(&last) = esc_at.last() {
-        esc.n = esc_at.len() as u64;
-        esc.gap_sum = last as u64 + 1 - esc.n;
-        esc.add_all(esc_mag);
-    }
-    let signs = &c.sign[..c.n];
-    // The signs are bytes 0 or 1: eight at a time, their sum is the count
-    // of bits set.
-    debug_assert!(signs.iter().all(|&b| b <= 1));
-    let mut eights = signs.chunks_exact(8);
-    let t = (&mut eights)
-        .map(|e| u64::from(u64::from_le_bytes(e.try_into().expect("8 bytes")).count_ones()))
-        .sum::<u64>()
-        + eights.remainder().iter().map(|&b| b as u64).sum::<u64>();
-    let set_sum = match signs.iter().rposition(|&b| b != 0) {
-        Some(j) => j as u64 + 1 - t,
-        None => 0,
-    };
+    (esc.n, esc.gap_sum) = escapes;
+    debug_assert_eq!(esc.n, c.esc_n as u64);
+    esc.add_all(&c.esc_mag[..c.esc_n]);
     let step_bits = choose_values(&mut h, &esc, (t, set_sum));
     (h, step_bits, n * 16, pos_bits)
 }
 
-/// Writes the gaps of the ascending `at` with Rice parameter `k` (each code
-/// followed by its sign bit from `sign`, where given): the codes are
+/// Writes the gaps of the ascending `at` (tagged entries, or plain ranks
+/// below 2^30) with Rice parameter `k`, each code followed by the entry's
+/// sign bit ([`SIGN_BIT`]) where `signed`: the codes are
 /// `put_rice`'s, and take `bits` (without the signs). Eight entries at a
 /// time are coded in a vector and merged into fewer appends. A code is
 /// about `k + 2` bits (plus the sign): the merging is fixed for the class
@@ -750,13 +770,13 @@ fn choose(c: &ClassList, _: Scanned) -> (ClassHead, u64, u64, u64) {
 /// takes `vector::merge8`'s choice, or the general path past 56 bits.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2,bmi1,bmi2,lzcnt,popcnt")]
-fn entries(w: &mut FastWriter, (at, sign): (&[u32], Option<&[u8]>), (k, bits): (u32, u64)) {
+fn entries(w: &mut FastWriter, (at, signed): (&[u32], bool), (k, bits): (u32, u64)) {
     // Room for a quotient up to 2 in each merged code.
-    match k + u32::from(sign.is_some()) + 3 {
-        0..=7 => entries_by::<8>(w, (at, sign), (k, bits)),
-        8..=14 => entries_by::<4>(w, (at, sign), (k, bits)),
-        15..=28 => entries_by::<2>(w, (at, sign), (k, bits)),
-        _ => entries_by::<1>(w, (at, sign), (k, bits)),
+    match k + u32::from(signed) + 3 {
+        0..=7 => entries_by::<8>(w, (at, signed), (k, bits)),
+        8..=14 => entries_by::<4>(w, (at, signed), (k, bits)),
+        15..=28 => entries_by::<2>(w, (at, signed), (k, bits)),
+        _ => entries_by::<1>(w, (at, signed), (k, bits)),
     }
 }
 
@@ -767,18 +787,15 @@ fn entries(w: &mut FastWriter, (at, sign): (&[u32], Option<&[u8]>), (k, bits): (
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2,bmi1,bmi2,lzcnt,popcnt")]
 fn entries_by<const STEP: usize>(
     w: &mut FastWriter,
-    (at, sign): (&[u32], Option<&[u8]>),
+    (at, signed): (&[u32], bool),
     (k, bits): (u32, u64),
 ) {
     use std::arch::x86_64::{
-        _mm_cvtsi64_si128, _mm_loadl_epi64, _mm256_loadu_si256, _mm512_alignr_epi64,
-        _mm512_and_si512, _mm512_cmpgt_epu64_mask, _mm512_cvtepu8_epi64, _mm512_cvtepu32_epi64,
-        _mm512_sllv_epi64, _mm512_srl_epi64, _mm512_sub_epi64,
+        _mm_cvtsi64_si128, _mm256_loadu_si256, _mm512_alignr_epi64, _mm512_and_si512,
+        _mm512_cmpgt_epu64_mask, _mm512_cvtepu32_epi64, _mm512_sllv_epi64, _mm512_srl_epi64,
+        _mm512_srli_epi64, _mm512_sub_epi64,
     };
-    let signs = sign.is_some();
-    let sign = sign.unwrap_or_default();
-    assert!(!signs || sign.len() == at.len(), "a sign per entry");
-    let extra = u32::from(signs);
+    let extra = u32::from(signed);
     let low = (1u64 << k) - 1;
     let (buf, wpos, wacc, wn) = w.parts();
     let (mut pos, mut acc, mut n) = (*wpos, *wacc, *wn);
@@ -801,11 +818,11 @@ fn entries_by<const STEP: usize>(
             n &= 7;
         }};
     }
-    // One entry, position `at` and sign `s`, gaps counted from `next`.
+    // One tagged entry `a`, its gap counted from `next`.
     macro_rules! one {
-        ($at:expr, $s:expr, $next:expr) => {{
-            let g = $at as u64 - $next;
-            let tail = ($s as u64) & extra as u64;
+        ($a:expr, $next:expr) => {{
+            let g = ($a & AT_MASK) as u64 - $next;
+            let tail = (($a >> 31) as u64) & extra as u64;
             if let Some((code, len)) = rice_code(g, k, 56 - extra) {
                 put!(code | (tail << len), len + extra);
             } else {
@@ -826,20 +843,18 @@ fn entries_by<const STEP: usize>(
     }
     let set1 = |x: u64| _mm512_set1_epi64(x as i64);
     let (ones, low_v, k1, extra_v) = (set1(1), set1(low), set1(k as u64 + 1), set1(extra as u64));
+    let at_mask = set1(AT_MASK as u64);
     let kx = _mm_cvtsi64_si128(k as i64);
     let mut next = 0u64;
     let mut j = 0usize;
     while j + 8 <= at.len() {
         let a8 = &at[j..j + 8];
-        // SAFETY: `a8` holds 8 u32 (32 bytes), and where signed (as many
-        // signs as entries) `s8` 8 bytes: each load reads exactly them.
-        let a = unsafe { _mm512_cvtepu32_epi64(_mm256_loadu_si256(a8.as_ptr().cast())) };
-        let s = if signs {
-            let s8 = &sign[j..j + 8];
-            unsafe { _mm512_cvtepu8_epi64(_mm_loadl_epi64(s8.as_ptr().cast())) }
-        } else {
-            _mm512_setzero_si512()
-        };
+        // SAFETY: `a8` holds 8 u32 (32 bytes): the load reads exactly them.
+        let tagged = unsafe { _mm512_cvtepu32_epi64(_mm256_loadu_si256(a8.as_ptr().cast())) };
+        let (a, s) = (
+            _mm512_and_si512(tagged, at_mask),
+            _mm512_srli_epi64::<31>(tagged),
+        );
         // Gap: at − (previous at + 1), the first lane's counted from `next`.
         let prev = _mm512_alignr_epi64::<7>(_mm512_add_epi64(a, ones), set1(next));
         let g = _mm512_sub_epi64(a, prev);
@@ -866,18 +881,58 @@ fn entries_by<const STEP: usize>(
             }
         } else {
             for l in 0..8 {
-                let prev = if l == 0 { next } else { a8[l - 1] as u64 + 1 };
-                one!(a8[l], sign.get(j + l).copied().unwrap_or(0), prev);
+                let prev = if l == 0 {
+                    next
+                } else {
+                    (a8[l - 1] & AT_MASK) as u64 + 1
+                };
+                one!(a8[l], prev);
             }
         }
-        next = a8[7] as u64 + 1;
+        next = (a8[7] & AT_MASK) as u64 + 1;
         j += 8;
     }
-    for (q, &a) in at.iter().enumerate().skip(j) {
-        one!(a, sign.get(q).copied().unwrap_or(0), next);
-        next = a as u64 + 1;
+    for &a in &at[j..] {
+        one!(a, next);
+        next = (a & AT_MASK) as u64 + 1;
     }
     (*wpos, *wacc, *wn) = (pos, acc, n);
+}
+
+/// Writes into `list` the entry ranks (positions in `at`) of the tagged
+/// entries that have `bit`, ascending, sixteen entries per compress, and
+/// returns how many. `list` is grown to `at.len() + 16` first.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,popcnt")]
+fn ranks_with(at: &[u32], bit: u32, list: &mut Vec<u32>) -> usize {
+    use std::arch::x86_64::{
+        _mm512_add_epi32, _mm512_maskz_compress_epi32, _mm512_maskz_loadu_epi32, _mm512_set_epi32,
+        _mm512_test_epi32_mask,
+    };
+    if list.len() < at.len() + 16 {
+        list.resize(at.len() + 16, 0);
+    }
+    let iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    let b = _mm512_set1_epi32(bit as i32);
+    let mut t = 0usize;
+    for q in (0..at.len()).step_by(16) {
+        let valid = (u32::from(u16::MAX) >> (16 - (at.len() - q).min(16))) as u16;
+        // SAFETY: the lanes of `valid` are entries below `at.len()`, in
+        // bounds; the others are not read.
+        let x = unsafe { _mm512_maskz_loadu_epi32(valid, at[q..].as_ptr().cast()) };
+        let k = _mm512_test_epi32_mask(x, b);
+        let j = _mm512_add_epi32(iota, _mm512_set1_epi32(q as i32));
+        // SAFETY: `t` ≤ the entries below `q` ≤ `at.len()`, and `list`
+        // holds `at.len() + 16`: the 16 lanes at `t` are in bounds.
+        unsafe {
+            _mm512_storeu_si512(
+                list[t..t + 16].as_mut_ptr().cast(),
+                _mm512_maskz_compress_epi32(k, j),
+            )
+        };
+        t += k.count_ones() as usize;
+    }
+    t
 }
 
 /// Writes a step-coded class region (its positions' Rice codes take
@@ -892,8 +947,11 @@ fn write_region(
     let mut w = FastWriter::over(std::mem::take(out));
     w.reserve(c.n * 2 + 64);
     // Each escape's two codes (`put_rice`'s and `put_eg`'s) as one append
-    // where they fit in 56 bits.
-    let (esc_at, esc_mag) = c.escapes();
+    // where they fit in 56 bits; their entry ranks found from the entries'
+    // bits into `list`.
+    let e_n = ranks_with(c.entries(), BIG_BIT, list);
+    let (esc_at, esc_mag) = (&list[..e_n], &c.esc_mag[..c.esc_n]);
+    debug_assert_eq!(esc_at.len(), esc_mag.len());
     w.reserve(8 * esc_at.len());
     let (ke, ve) = (h.ke, h.ve);
     // One escape, its gap `g` and `|step| − 2` `x`, with `left` escapes
@@ -978,38 +1036,8 @@ fn write_region(
         next = r as u64 + 1;
     }
     if h.list.is_some() {
-        // The set signs' entry ranks, found 64 at a time and compressed
-        // into `list`, then coded as the entries are.
-        use std::arch::x86_64::{
-            _mm512_add_epi32, _mm512_maskz_compress_epi32, _mm512_maskz_loadu_epi8,
-            _mm512_set_epi32, _mm512_test_epi8_mask,
-        };
-        if list.len() < c.n + 64 {
-            list.resize(c.n + 64, 0);
-        }
-        let iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-        let mut t = 0usize;
-        for at in (0..c.n).step_by(64) {
-            let valid = u64::MAX >> (64 - (c.n - at).min(64));
-            // SAFETY: the lanes of `valid` are entries below `c.n`, in
-            // bounds; the others are not read.
-            let x = unsafe { _mm512_maskz_loadu_epi8(valid, c.sign[at..].as_ptr().cast()) };
-            let set = _mm512_test_epi8_mask(x, x);
-            for q in 0..4 {
-                let k = (set >> (16 * q)) as u16;
-                let j = _mm512_add_epi32(iota, _mm512_set1_epi32((at + 16 * q) as i32));
-                // SAFETY: `t` ≤ the entries below `at + 16 q` ≤ `c.n`, and
-                // `list` holds `c.n + 64`: the 16 lanes at `t` are in
-                // bounds.
-                unsafe {
-                    _mm512_storeu_si512(
-                        list[t..t + 16].as_mut_ptr().cast(),
-                        _mm512_maskz_compress_epi32(k, j),
-                    )
-                };
-                t += k.count_ones() as usize;
-            }
-        }
+        // The set signs' entry ranks, coded as the entries are.
+        let t = ranks_with(c.entries(), SIGN_BIT, list);
         // Their gaps sum to `last + 1 − t`: a bound on the codes' bits.
         let bits = match t.checked_sub(1) {
             Some(l) => {
@@ -1018,10 +1046,9 @@ fn write_region(
             }
             None => 0,
         };
-        entries(&mut w, (&list[..t], None), (h.ko, bits));
+        entries(&mut w, (&list[..t], false), (h.ko, bits));
     }
-    let sign = h.list.is_none().then(|| &c.sign[..c.n]);
-    entries(&mut w, (&c.at[..c.n], sign), (h.k, pos_bits));
+    entries(&mut w, (c.entries(), h.list.is_none()), (h.k, pos_bits));
     let (buf, len) = w.finish_over();
     *out = buf;
     len
@@ -1283,15 +1310,19 @@ mod tests {
                     for j in 0..n {
                         let r = rnd();
                         // Quotients 0–6 mostly, now and then past 56 bits
-                        // (positions stay below 2^31).
+                        // (positions stay below 2^30).
                         let q = if r % 61 == 0 && k <= 12 {
                             40 + r % 30
                         } else {
-                            (r >> 8) % 7
+                            (r >> 8) % if k >= 18 { 3 } else { 7 }
                         };
                         let g = (q << k) | ((r >> 16) & ((1 << k) - 1));
-                        c.at[j] = (next + g) as u32;
-                        c.sign[j] = (r >> 40) as u8 & 1;
+                        assert!(next + g <= AT_MASK as u64);
+                        // Sign and escape bits set at random: the escape's
+                        // is never written, the sign's only where signed.
+                        let tags = (((r >> 40) as u32 & 1) * SIGN_BIT)
+                            | (((r >> 41) as u32 & 1) * BIG_BIT);
+                        c.at[j] = (next + g) as u32 | tags;
                         next += g + 1;
                     }
                     c.n = n;
@@ -1302,24 +1333,22 @@ mod tests {
                         w.put56(5, 3);
                     }
                     let mut prev = 0u64;
-                    for j in 0..n {
+                    for &a in c.entries() {
                         let extra = u32::from(signs);
-                        let tail = c.sign[j] as u64 * extra as u64;
-                        put_rice(&mut want, c.at[j] as u64 - prev, k, (tail, extra));
-                        prev = c.at[j] as u64 + 1;
+                        let tail = (a >> 31) as u64 * extra as u64;
+                        put_rice(&mut want, (a & AT_MASK) as u64 - prev, k, (tail, extra));
+                        prev = (a & AT_MASK) as u64 + 1;
                     }
-                    // SAFETY: `require` found the VBMI2 level, every feature
-                    // `entries` is compiled with.
                     // The bits of the codes: `rice_costs`'s count for `k`.
-                    // SAFETY: as for `entries` below (the same features).
+                    // SAFETY: `require` found the VBMI2 level, every feature
+                    // `rice_costs` and `entries` are compiled with.
                     let bits = (0..3)
                         .map(|d| (k + d).saturating_sub(1))
-                        .zip(unsafe { rice_costs(&c.at[..n], k) })
+                        .zip(unsafe { rice_costs(c.entries(), k) })
                         .find(|&(kk, _)| kk == k)
                         .expect("k among the three")
                         .1;
-                    let sign = signs.then(|| &c.sign[..n]);
-                    unsafe { entries(&mut got, (&c.at[..n], sign), (k, bits)) };
+                    unsafe { entries(&mut got, (c.entries(), signs), (k, bits)) };
                     assert!(
                         got.finish() == want.finish(),
                         "k {k}, signs {signs}, {n} entries"
