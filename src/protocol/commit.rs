@@ -99,7 +99,7 @@ impl Staging {
             role,
             key: key.clone(),
             size: bytes.len() as u64,
-            blake3: blake3::hash(&bytes).to_hex().to_string(),
+            blake3: crate::digest::blake3_of(&bytes).to_hex().to_string(),
         };
         store.put(&key, bytes).await?;
         Ok(self.record(entry))

@@ -345,7 +345,10 @@ fn missing_or_bad(what: &str, path: &Path, e: std::io::Error) -> Error {
 /// read into memory whole).
 pub(crate) fn hash_file(src: &FileSource) -> Result<(u64, String)> {
     match src {
-        FileSource::Bytes(b) => Ok((b.len() as u64, blake3::hash(b).to_hex().to_string())),
+        FileSource::Bytes(b) => Ok((
+            b.len() as u64,
+            crate::digest::blake3_of(b).to_hex().to_string(),
+        )),
         FileSource::Path { path, .. } => {
             let io = |e| Error::io(format!("reading {}", path.display()), e);
             let file = std::fs::File::open(path).map_err(io)?;

@@ -825,7 +825,11 @@ impl Publisher {
         let mut bytes = 0u64;
         for (name, d) in &deltas {
             let key = staging.key(ObjectRole::Delta, name)?;
-            staged.check(&key, d.len() as u64, blake3::hash(d).to_hex().as_str())?;
+            staged.check(
+                &key,
+                d.len() as u64,
+                crate::digest::blake3_of(d).to_hex().as_str(),
+            )?;
         }
         for (name, d) in &deltas {
             bytes += d.len() as u64;
@@ -1007,7 +1011,11 @@ impl Publisher {
         let total = cp.total_elements();
         for (name, d) in &bridges {
             let key = staging.key(ObjectRole::Delta, name)?;
-            staged.check(&key, d.len() as u64, blake3::hash(d).to_hex().as_str())?;
+            staged.check(
+                &key,
+                d.len() as u64,
+                crate::digest::blake3_of(d).to_hex().as_str(),
+            )?;
         }
         // The new snapshot's files, written once; the anchor objects are
         // uploaded from them (the checkpoint may be rewritten by the trainer

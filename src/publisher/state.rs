@@ -228,7 +228,10 @@ impl OverlayVersion {
                 .map(|(n, d)| {
                     (
                         n.clone(),
-                        (d.len() as u64, blake3::hash(d).to_hex().to_string()),
+                        (
+                            d.len() as u64,
+                            crate::digest::blake3_of(d).to_hex().to_string(),
+                        ),
                     )
                 })
                 .collect(),
@@ -842,7 +845,7 @@ impl Snapshot {
         let p = Self::overlay_dir(dir, ov.version).join(format!("{name}.delta"));
         let (size, blake3) = &ov.objects[name];
         let bytes = std::fs::read(&p).map_err(|e| io_err("reading", &p, e))?;
-        let hash = blake3::hash(&bytes).to_hex();
+        let hash = crate::digest::blake3_of(&bytes).to_hex();
         if bytes.len() as u64 != *size || hash.as_str() != blake3 {
             return Err(Error::Integrity {
                 scope: format!("publisher overlay object {}", p.display()),

@@ -453,9 +453,58 @@ fn words_sum_scalar(seed: TensorSeed, wb: usize, words: &[u8], first: u64) -> u6
     acc
 }
 
+/// Inputs from which [`blake3_update`] hashes on every core (BLAKE3's
+/// `update_rayon`, which its authors advise above about 128 KiB). A delta's
+/// payload is checked this way before it is applied: on this thread it is
+/// serial work beside an apply that the cores share (a 3.2 MB payload:
+/// 0.31 ms on one thread, 0.21 ms on two; the apply about 12 ms on two).
+pub const BLAKE3_PARALLEL_FROM: usize = 128 << 10;
+
+/// Feeds `data` to `hasher`: on every core (rayon) from
+/// [`BLAKE3_PARALLEL_FROM`] bytes where rayon has more than one thread, on
+/// this thread otherwise (`update_rayon` on one thread took 0.43 ms where
+/// `update` took 0.31). The hash is the same either way.
+pub fn blake3_update(hasher: &mut blake3::Hasher, data: &[u8]) {
+    if data.len() >= BLAKE3_PARALLEL_FROM && rayon::current_num_threads() > 1 {
+        hasher.update_rayon(data);
+    } else {
+        hasher.update(data);
+    }
+}
+
+/// `blake3::hash(data)`, through [`blake3_update`].
+pub fn blake3_of(data: &[u8]) -> blake3::Hash {
+    let mut h = blake3::Hasher::new();
+    blake3_update(&mut h, data);
+    h.finalize()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn blake3_of_is_blake3_on_both_sides_of_the_parallel_bound() {
+        let data: Vec<u8> = (0..3 * BLAKE3_PARALLEL_FROM + 77)
+            .map(|i| (i * 31 % 251) as u8)
+            .collect();
+        for n in [
+            0,
+            1,
+            BLAKE3_PARALLEL_FROM - 1,
+            BLAKE3_PARALLEL_FROM,
+            BLAKE3_PARALLEL_FROM + 1,
+            data.len(),
+        ] {
+            assert_eq!(blake3_of(&data[..n]), blake3::hash(&data[..n]), "{n} bytes");
+        }
+        // In pieces, as the encoder feeds a payload.
+        let mut h = blake3::Hasher::new();
+        for piece in data.chunks(BLAKE3_PARALLEL_FROM + 5) {
+            blake3_update(&mut h, piece);
+        }
+        assert_eq!(h.finalize(), blake3::hash(&data));
+    }
 
     #[test]
     fn digest_is_additive_under_word_changes() {

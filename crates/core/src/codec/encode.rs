@@ -434,7 +434,7 @@ fn assemble(
 
     let mut hasher = blake3::Hasher::new();
     for p in &payload {
-        hasher.update(&p.3);
+        crate::digest::blake3_update(&mut hasher, &p.3);
     }
     let header = Header {
         kind: Kind::Delta,

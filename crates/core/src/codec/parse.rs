@@ -62,7 +62,7 @@ pub(super) fn check_payload(h: &Header, data: &[u8]) -> Result<()> {
         .payload_blake3
         .as_deref()
         .ok_or_else(|| Error::metadata(keys::PAYLOAD_BLAKE3, "missing (required for deltas)"))?;
-    let got = blake3::hash(data).to_hex();
+    let got = crate::digest::blake3_of(data).to_hex();
     if got.as_str() != want {
         return Err(Error::Integrity {
             scope: "payload".into(),
