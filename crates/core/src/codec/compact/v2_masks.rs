@@ -700,8 +700,8 @@ fn rice_costs(at: &[u32], k: u32) -> [u64; 3] {
 
 /// For [`SIGN_BIT`] and [`BIG_BIT`]: how many of the tagged entries `at`
 /// have it, and their gap sum as an ascending list of entry ranks (the last
-/// one's rank + 1 − the count). The counts sixteen entries per step in
-/// vector lanes; the last ones by a search from the end.
+/// one's rank + 1 − the count). Counts sixteen entries per step in vector
+/// lanes, and finds the last ones by a search from the end.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 fn tag_counts(at: &[u32]) -> [(u64, u64); 2] {
@@ -715,7 +715,8 @@ fn tag_counts(at: &[u32]) -> [(u64, u64); 2] {
         // SAFETY: the lanes of `valid` are entries below `at.len()`, in
         // bounds; the others are not read (and are 0).
         let x = unsafe { _mm512_maskz_loadu_epi32(valid, at[q..].as_ptr().cast()) };
-        // Lane sums below 2^30 (a class has fewer entries than a block words).
+        // Lane sums below 2^30 (a class has fewer entries than its block
+        // has words).
         sign = _mm512_add_epi32(sign, _mm512_srli_epi32::<31>(x));
         big = _mm512_add_epi32(big, _mm512_and_si512(_mm512_srli_epi32::<30>(x), one));
     }
