@@ -1,6 +1,6 @@
 //! Verified copies between stores (the relay).
 
-use super::{MULTIPART_THRESHOLD, Store, hash_piece};
+use super::{MULTIPART_THRESHOLD, Store};
 use crate::error::{Error, Result};
 
 impl Store {
@@ -48,7 +48,7 @@ impl Store {
                     format!("{} bytes", bytes.len()),
                 ));
             }
-            hash_piece(&mut hasher, &bytes);
+            crate::digest::blake3_update(&mut hasher, &bytes);
             let got = hasher.finalize().to_hex();
             if got.as_str() != blake3 {
                 return Err(mismatch(
@@ -68,7 +68,7 @@ impl Store {
                     return Err(e);
                 }
             };
-            hash_piece(&mut hasher, &piece);
+            crate::digest::blake3_update(&mut hasher, &piece);
             if let Err(e) = writer.wait_for_capacity(ahead.max(1)).await {
                 writer.abort().await.ok();
                 return Err(to.err("upload part", key, e));

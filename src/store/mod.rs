@@ -387,15 +387,6 @@ impl Store {
     }
 }
 
-/// Feeds `piece` to `hasher`, on every core when it is large.
-fn hash_piece(hasher: &mut blake3::Hasher, piece: &[u8]) {
-    if piece.len() >= 1 << 20 {
-        hasher.update_rayon(piece);
-    } else {
-        hasher.update(piece);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

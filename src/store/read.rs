@@ -6,7 +6,7 @@ use futures::TryStreamExt;
 use object_store::path::Path;
 use object_store::{GetOptions, ObjectStoreExt};
 
-use super::{Fetched, Listed, PART_SIZE, Store, hash_piece};
+use super::{Fetched, Listed, PART_SIZE, Store};
 use crate::error::{Error, Result};
 
 impl Store {
@@ -336,7 +336,7 @@ impl Store {
         let mut hasher = blake3::Hasher::new();
         let mut parts = std::pin::pin!(self.read_parts(key, size, 2));
         while let Some(b) = parts.next().await {
-            hash_piece(&mut hasher, &b?);
+            crate::digest::blake3_update(&mut hasher, &b?);
         }
         Ok(Some((size, hasher.finalize().to_hex().to_string())))
     }

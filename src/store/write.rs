@@ -8,7 +8,6 @@ use object_store::{ObjectStoreExt, PutMode, PutPayload, WriteMultipart};
 
 use super::{
     ConditionalWrites, Created, MULTIPART_THRESHOLD, PART_CONCURRENCY, PART_SIZE, Source, Store,
-    hash_piece,
 };
 use crate::error::{Error, Result};
 
@@ -158,7 +157,7 @@ impl Store {
                     }
                 };
                 at += chunk.len() as u64;
-                hash_piece(&mut hasher, &chunk);
+                crate::digest::blake3_update(&mut hasher, &chunk);
                 if let Err(e) = writer.wait_for_capacity(PART_CONCURRENCY).await {
                     writer.abort().await.ok();
                     return Err(self.err("upload part", key, e));

@@ -166,9 +166,7 @@ impl Fetcher {
             self.count(n);
             Bytes::from(buf.into_inner().expect("not poisoned"))
         };
-        let mut h = blake3::Hasher::new();
-        h.update_rayon(&body);
-        self.check(o, body.len() as u64, h.finalize())?;
+        self.check(o, body.len() as u64, crate::digest::blake3_of(&body))?;
         Ok(body)
     }
 
