@@ -312,13 +312,42 @@ fn merge16(a: __m512i, b: __m512i) -> (__m512i, __m512i) {
     (sort_bitonic16(lo), sort_bitonic16(hi))
 }
 
+/// Lists shorter than this together are merged by one chain (see
+/// [`merge_avx512_body`]).
+#[cfg(target_arch = "x86_64")]
+const TWO_CHAINS_FROM: usize = 1024;
+
+/// Where the merge of `a` and `b` (ties: `a`'s member first) puts its first
+/// `k` members: `a[..i]` and `b[..k − i]`; returns `i` (`k` ≤ the lengths'
+/// sum). A binary search on the merge path: `a[m]` is among the first `k`
+/// when fewer than `k − m` of `b`'s members lie below it, that is, when
+/// `a[m] ≤ b[k − m − 1]`.
+fn merge_split(a: &[Member], b: &[Member], k: usize) -> usize {
+    debug_assert!(k <= a.len() + b.len());
+    let (mut lo, mut hi) = (k.saturating_sub(b.len()), k.min(a.len()));
+    while lo < hi {
+        let m = (lo + hi) / 2;
+        // `m < hi ≤ k` and `m ≥ lo ≥ k − b.len()`: `k − m − 1` indexes `b`.
+        if a[m] <= b[k - m - 1] {
+            lo = m + 1;
+        } else {
+            hi = m;
+        }
+    }
+    lo
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512dq")]
 /// [`merge`]'s AVX-512 form: appends to `out` (empty) and returns whether two
-/// members share an index, and their checksum. The merged vectors are
-/// appended as they come (the output is fresh memory: no zeroing pass before
-/// it), and each is checked against its lower neighbours and hashed in the
-/// same step, so that no second pass reads the output back.
+/// members share an index, and their checksum.
+///
+/// Long lists are merged by two chains at once ([`Chain`]): the merge path is
+/// split at its middle ([`merge_split`]), and each step advances both halves.
+/// One chain's step waits on the last one's sort network (about twenty
+/// cycles of dependent permutes for 16 members); two independent chains keep
+/// the core busy in that wait. The seam between the halves is checked for a
+/// shared index like every other neighbour pair.
 fn merge_avx512_body(
     proof: HasAvx512,
     a: &[Member],
@@ -335,86 +364,238 @@ fn merge_avx512_body(
             block_checksum_portable(seed, block, out),
         );
     }
+    let n = a.len() + b.len();
+    out.reserve(n);
     let base = _mm512_set1_epi64((seed ^ (block << 32)) as i64);
-    // The hashes of a vector's 16 members, added into 8 lanes.
-    let hashes = |v: __m512i| {
-        let low = hash8(base, _mm512_castsi512_si256(v));
-        _mm512_add_epi64(low, hash8(base, _mm512_extracti64x4_epi64::<1>(v)))
-    };
-    out.reserve(a.len() + b.len());
-    let load = |s: &[u32], at: usize| {
-        let chunk: &[u32; 16] = s[at..at + 16].try_into().expect("16 members");
-        // SAFETY: 16 initialized u32s (64 bytes); the unaligned load reads
-        // exactly those.
-        unsafe { _mm512_loadu_si512(chunk.as_ptr().cast()) }
-    };
-    let lanes = |v: __m512i| {
-        let mut l = [0u32; 16];
-        // SAFETY: 16 writable u32s (64 bytes).
-        unsafe { _mm512_storeu_si512(l.as_mut_ptr().cast(), v) };
-        l
-    };
-    // Lanes whose index equals the lane below's (`prev`'s last for lane 0).
-    let same = |v: __m512i, prev: __m512i| {
-        let below = _mm512_alignr_epi32::<15>(v, prev);
-        _mm512_cmpeq_epi32_mask(_mm512_srli_epi32::<2>(v), _mm512_srli_epi32::<2>(below))
-    };
-    // Invariant: `hi` holds 16 members not yet written, none below any
-    // written one; everything else not written is `a[i..]` and `b[j..]`.
-    // The next vector comes from the list with the smaller head, so the 16
-    // smallest of `hi` and it are below every member still in the lists.
-    let (lo, mut hi) = merge16(load(a, 0), load(b, 0));
-    out.extend_from_slice(&lanes(lo));
-    let mut acc = hashes(lo);
-    // Lane 0 of the first vector has no lower neighbour.
-    let mut dup = same(lo, lo) & 0xfffe;
-    let mut prev = lo;
-    let (mut i, mut j) = (16usize, 16usize);
-    while i + 16 <= a.len() && j + 16 <= b.len() {
-        let next = if a[i] <= b[j] {
-            i += 16;
-            load(a, i - 16)
-        } else {
-            j += 16;
-            load(b, j - 16)
-        };
-        let (lo, h) = merge16(hi, next);
-        hi = h;
-        out.extend_from_slice(&lanes(lo));
-        acc = _mm512_add_epi64(acc, hashes(lo));
-        dup |= same(lo, prev);
-        prev = lo;
+    let room = &mut out.spare_capacity_mut()[..n];
+    // Macros, not methods or closures: the steps are this function's code,
+    // compiled with its target features, and both chains' steps form one
+    // loop body with their state in registers (a closure or method that is
+    // not inlined passes the chain through memory, and a step then waits on
+    // that round trip).
+    //
+    // Writes `v`'s 16 members and adds their hashes.
+    macro_rules! put {
+        ($c:expr, $v:expr) => {{
+            let v = $v;
+            for (d, x) in $c.out[$c.o..$c.o + 16].iter_mut().zip(lanes16(v)) {
+                d.write(x);
+            }
+            $c.o += 16;
+            let low = hash8(base, _mm512_castsi512_si256(v));
+            let high = hash8(base, _mm512_extracti64x4_epi64::<1>(v));
+            $c.acc = _mm512_add_epi64($c.acc, _mm512_add_epi64(low, high));
+        }};
     }
-    // The rest: `hi` and what is left of both lists. The loop ended because
-    // one of them has fewer than 16 left: it joins `hi` on the stack
-    // (`both`, at most 32), and each of those goes into `out` after the
-    // members of the other list below it, copied in bulk. (The other list's
-    // rest can be most of a block's members, where one list's last few lie
-    // near the block's end: merged one member at a time, into room zeroed
-    // first, it cost a `memset` and a scalar pass per block.)
-    let held = lanes(hi);
-    let (short, long) = if a.len() - i < 16 {
-        (&a[i..], &b[j..])
+    // The chain, its first 16 members written.
+    macro_rules! start {
+        ($lists:expr, $out:expr) => {{
+            let (a, b) = $lists;
+            let (lo, hi) = merge16(load16(a, 0), load16(b, 0));
+            let mut c = Chain::new((a, b), $out, hi, lo);
+            put!(c, lo);
+            // Lane 0 of the first vector has no lower neighbour.
+            c.near = _mm512_mask_mov_epi32(near_below(lo, lo), 1, _mm512_set1_epi32(-1));
+            c
+        }};
+    }
+    // Writes the next 16 members: the next vector comes from the list with
+    // the smaller head, so the 16 smallest of `hi` and it are below every
+    // member still in the lists.
+    macro_rules! step {
+        ($c:expr) => {{
+            let next = if $c.a[$c.i] <= $c.b[$c.j] {
+                $c.i += 16;
+                load16($c.a, $c.i - 16)
+            } else {
+                $c.j += 16;
+                load16($c.b, $c.j - 16)
+            };
+            let (lo, h) = merge16($c.hi, next);
+            $c.hi = h;
+            put!($c, lo);
+            $c.near = _mm512_min_epu32($c.near, near_below(lo, $c.prev));
+            $c.prev = lo;
+        }};
+    }
+    let k = n / 2;
+    let i = merge_split(a, b, k);
+    let (lower, upper) = ((&a[..i], &b[..k - i]), (&a[i..], &b[k - i..]));
+    let two = n >= TWO_CHAINS_FROM
+        && [lower.0, lower.1, upper.0, upper.1]
+            .iter()
+            .all(|l| l.len() >= 16);
+    let (dup, sum) = if two {
+        let (r0, r1) = room.split_at_mut(k);
+        let mut c0 = start!(lower, r0);
+        let mut c1 = start!(upper, r1);
+        while c0.more() && c1.more() {
+            step!(c0);
+            step!(c1);
+        }
+        while c0.more() {
+            step!(c0);
+        }
+        while c1.more() {
+            step!(c1);
+        }
+        let (d0, s0) = c0.finish(proof, (seed, block));
+        let (d1, s1) = c1.finish(proof, (seed, block));
+        // The seam: the lower half's last member and the upper's first.
+        // SAFETY: both halves are written whole (`Chain::finish`).
+        let (x, y) = unsafe { (r0[k - 1].assume_init(), r1[0].assume_init()) };
+        (d0 || d1 || x >> 2 == y >> 2, s0.wrapping_add(s1))
     } else {
-        (&b[j..], &a[i..])
+        let mut c = start!((a, b), room);
+        while c.more() {
+            step!(c);
+        }
+        c.finish(proof, (seed, block))
     };
-    let mut both = [0u32; 32];
-    let both = &mut both[..16 + short.len()];
-    merge_portable(&held, short, both);
-    let o = out.len();
-    let mut rest = long;
-    for &x in both.iter() {
-        // As `merge_portable`: a member of `both` before an equal one.
-        let k = rest.partition_point(|&y| y < x);
-        out.extend_from_slice(&rest[..k]);
-        out.push(x);
-        rest = &rest[k..];
+    // SAFETY: the chains wrote every one of the `n` members (each fills its
+    // whole region, see `Chain::finish`), within the capacity reserved.
+    unsafe { out.set_len(n) };
+    (dup, sum)
+}
+
+/// One merge of two ascending lists (each at least 16 long) into a region
+/// of exactly their length, 16 members per step with a bitonic network; the
+/// members are hashed into the checksum and checked against their lower
+/// neighbours as they are written, so that no second pass reads them back.
+#[cfg(target_arch = "x86_64")]
+struct Chain<'l, 'o> {
+    a: &'l [Member],
+    b: &'l [Member],
+    i: usize,
+    j: usize,
+    /// 16 members not yet written, none below any written one; everything
+    /// else not written is `a[i..]` and `b[j..]`.
+    hi: __m512i,
+    /// The last vector written, the hashes so far (8 lanes) and, per lane,
+    /// the least of each member xor its lower neighbour ([`near_below`]).
+    prev: __m512i,
+    acc: __m512i,
+    near: __m512i,
+    out: &'o mut [std::mem::MaybeUninit<Member>],
+    o: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<'l, 'o> Chain<'l, 'o> {
+    /// A chain over `a` and `b` (each at least 16 long) into `out` (their
+    /// length), with `hi` held and `lo` to be written first.
+    fn new(
+        (a, b): (&'l [Member], &'l [Member]),
+        out: &'o mut [std::mem::MaybeUninit<Member>],
+        hi: __m512i,
+        lo: __m512i,
+    ) -> Chain<'l, 'o> {
+        debug_assert!(a.len() >= 16 && b.len() >= 16 && out.len() == a.len() + b.len());
+        Chain {
+            a,
+            b,
+            i: 16,
+            j: 16,
+            hi,
+            prev: lo,
+            // SAFETY: `__m512i` is plain bits; zero is a valid value.
+            acc: unsafe { std::mem::zeroed() },
+            // SAFETY: as for `acc`.
+            near: unsafe { std::mem::zeroed() },
+            out,
+            o: 0,
+        }
     }
-    out.extend_from_slice(rest);
-    // The rest, with the last member before it.
-    let sum = fold8(acc).wrapping_add(block_checksum_avx512(proof, seed, block, &out[o..]));
-    let tail_dup = shares_an_index_avx512_body(proof, &out[o - 1..]);
-    (dup != 0 || tail_dup, sum)
+
+    /// Whether a step can be taken: 16 left in both lists.
+    #[inline(always)]
+    fn more(&self) -> bool {
+        self.i + 16 <= self.a.len() && self.j + 16 <= self.b.len()
+    }
+
+    /// Writes the rest, `hi` and what is left of both lists, and returns
+    /// whether two of the region's members share an index and their
+    /// checksum. Every member of the region is then written.
+    ///
+    /// The step loop ended because one list has fewer than 16 left: they
+    /// join `hi` on the stack (`both`, at most 32), and each of those goes
+    /// into the region after the members of the other list below it, copied
+    /// in bulk. (The other list's rest can be most of a block's members,
+    /// where one list's last few lie near the block's end: merged one member
+    /// at a time, into room zeroed first, it cost a `memset` and a scalar
+    /// pass per block.)
+    #[target_feature(enable = "avx512f,avx512dq")]
+    fn finish(self, proof: HasAvx512, (seed, block): (u64, u64)) -> (bool, u64) {
+        let held = lanes16(self.hi);
+        let (short, long) = if self.a.len() - self.i < 16 {
+            (&self.a[self.i..], &self.b[self.j..])
+        } else {
+            (&self.b[self.j..], &self.a[self.i..])
+        };
+        let mut both = [0u32; 32];
+        let both = &mut both[..16 + short.len()];
+        merge_portable(&held, short, both);
+        let (out, from) = (self.out, self.o);
+        let mut o = from;
+        let mut put = |s: &[Member]| {
+            for (d, &x) in out[o..o + s.len()].iter_mut().zip(s) {
+                d.write(x);
+            }
+            o += s.len();
+        };
+        let mut rest = long;
+        for x in both.iter() {
+            // As `merge_portable`: a member of `both` before an equal one.
+            let k = rest.partition_point(|y| y < x);
+            put(&rest[..k]);
+            put(std::slice::from_ref(x));
+            rest = &rest[k..];
+        }
+        put(rest);
+        assert_eq!(o, out.len(), "a chain writes its whole region");
+        // SAFETY: members `..o` of the region are written: the steps wrote
+        // `..from` and the loop above `from..o`, and `o` is its length.
+        let written: &[Member] = unsafe { &*(out as *const [_] as *const [Member]) };
+        // The rest, with the last member before it.
+        let tail = &written[from..];
+        let sum = fold8(self.acc).wrapping_add(block_checksum_avx512(proof, seed, block, tail));
+        let tail_dup = shares_an_index_avx512_body(proof, &written[from - 1..]);
+        let dup = _mm512_cmplt_epu32_mask(self.near, _mm512_set1_epi32(4)) != 0;
+        (dup || tail_dup, sum)
+    }
+}
+
+/// 16 members from `s[at..]`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn load16(s: &[Member], at: usize) -> __m512i {
+    let chunk: &[u32; 16] = s[at..at + 16].try_into().expect("16 members");
+    // SAFETY: 16 initialized u32s (64 bytes); the unaligned load reads
+    // exactly those.
+    unsafe { _mm512_loadu_si512(chunk.as_ptr().cast()) }
+}
+
+/// The 16 lanes of `v`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn lanes16(v: __m512i) -> [u32; 16] {
+    let mut l = [0u32; 16];
+    // SAFETY: 16 writable u32s (64 bytes).
+    unsafe { _mm512_storeu_si512(l.as_mut_ptr().cast(), v) };
+    l
+}
+
+/// Per lane of `v`, its member xor the lane below's (`prev`'s last for
+/// lane 0): below 4 exactly where the two share an index. The steps keep
+/// the least of these per lane rather than a mask of equal lanes (a compare
+/// and a move from the mask register per step).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn near_below(v: __m512i, prev: __m512i) -> __m512i {
+    _mm512_xor_si512(v, _mm512_alignr_epi32::<15>(v, prev))
 }
 
 /// [`shares_an_index`] 16 neighbour pairs at a time.
@@ -573,6 +754,53 @@ mod tests {
                     check(&a, &d, &again);
                 }
             }
+        }
+    }
+
+    /// Lists long enough for two chains: the merge path split at every
+    /// kind of place (inside either list, at a tie of equal members, one
+    /// half's list shorter than a vector), and a shared index on both sides
+    /// of the seam and on it.
+    #[test]
+    fn two_chains_agree_with_the_definition() {
+        let again: Vec<u8> = (0..5000).map(|k| [0u8, 4, 5, 6, 7][k % 5]).collect();
+        let mut seed = 0x9e37_79b9u32;
+        let mut rnd = |m: u32| {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            seed % m
+        };
+        let mut gaps = |n: usize, m: u32| -> Vec<(u32, u8)> {
+            (0..n).map(|_| (rnd(m + 1), rnd(4) as u8)).collect()
+        };
+        for (na, nb, ma, mb) in [
+            (700, 700, 3, 3),
+            (1500, 600, 2, 5),
+            (600, 1500, 5, 2),
+            (2000, 20, 1, 100),
+            (20, 2000, 100, 1),
+            (1000, 1000, 0, 0),
+        ] {
+            let a = list(&gaps(na, ma), 0);
+            let b = list(&gaps(nb, mb), 1);
+            check(&a, &b, &again);
+            // Disjoint ranges: the seam inside one list.
+            let c = list(&gaps(nb, mb), a.last().map_or(0, |&m| m >> 2) + 1);
+            check(&a, &c, &again);
+            // Equal members in both lists (ties go to the first list).
+            check(&a, &a, &again);
+        }
+        // Even indices against odd ones, one of `b`'s moved onto the index of
+        // `a`'s next member: near the middle, the pair lies across the seam
+        // (the merged positions 999 and 1000 of 2000) for one of them.
+        let a: Vec<Member> = (0..1000u32).map(|t| (2 * t) << 2 | (t & 3)).collect();
+        let b: Vec<Member> = (0..1000u32).map(|t| (2 * t + 1) << 2 | 1).collect();
+        check(&a, &b, &again);
+        for t in (0..40).chain(480..520).chain(960..999) {
+            let mut d = b.clone();
+            d[t] = (2 * t as u32 + 2) << 2 | ((a[t + 1] + 1) & 3);
+            check(&a, &d, &again);
         }
     }
 
