@@ -458,7 +458,6 @@ pub(crate) fn write_kept(blk: &mut [u8], wb: usize, kept: &Kept) {
 /// [`Level::Avx2`] where it has it, the portable code otherwise.
 fn run_block_on<S: Sink>(run: Run<'_, '_>, blk: &mut [u8], sink: &mut S) -> Result<u64> {
     let block = run.block;
-    prefetch_stream(block.stream);
     if blk.len() as u64 != block.words.saturating_mul(block.wb as u64) {
         return Err(block.error(&format!(
             "{} words given, the block has {}",
@@ -466,6 +465,7 @@ fn run_block_on<S: Sink>(run: Run<'_, '_>, blk: &mut [u8], sink: &mut S) -> Resu
             block.words
         )));
     }
+    prefetch_stream(block.stream);
     #[cfg(target_arch = "x86_64")]
     if run.platform.has(Level::Avx2) {
         dispatched!(Apply, Level::Avx2);

@@ -396,10 +396,10 @@ fn merge_avx512_body(
         ($lists:expr, $out:expr) => {{
             let (a, b) = $lists;
             let (lo, hi) = merge16(load16(a, 0), load16(b, 0));
-            let mut c = Chain::new((a, b), $out, hi, lo);
-            put!(c, lo);
             // Lane 0 of the first vector has no lower neighbour.
-            c.near = _mm512_mask_mov_epi32(near_below(lo, lo), 1, _mm512_set1_epi32(-1));
+            let near = _mm512_mask_mov_epi32(near_below(lo, lo), 1, _mm512_set1_epi32(-1));
+            let mut c = Chain::new((a, b), $out, (hi, lo), (_mm512_setzero_si512(), near));
+            put!(c, lo);
             c
         }};
     }
@@ -487,12 +487,13 @@ struct Chain<'l, 'o> {
 #[cfg(target_arch = "x86_64")]
 impl<'l, 'o> Chain<'l, 'o> {
     /// A chain over `a` and `b` (each at least 16 long) into `out` (their
-    /// length), with `hi` held and `lo` to be written first.
+    /// length), with `hi` held, `lo` to be written first, and the hashes and
+    /// least neighbour xors (see [`Chain`]) starting at `acc` and `near`.
     fn new(
         (a, b): (&'l [Member], &'l [Member]),
         out: &'o mut [std::mem::MaybeUninit<Member>],
-        hi: __m512i,
-        lo: __m512i,
+        (hi, lo): (__m512i, __m512i),
+        (acc, near): (__m512i, __m512i),
     ) -> Chain<'l, 'o> {
         debug_assert!(a.len() >= 16 && b.len() >= 16 && out.len() == a.len() + b.len());
         Chain {
@@ -502,10 +503,8 @@ impl<'l, 'o> Chain<'l, 'o> {
             j: 16,
             hi,
             prev: lo,
-            // SAFETY: `__m512i` is plain bits; zero is a valid value.
-            acc: unsafe { std::mem::zeroed() },
-            // SAFETY: as for `acc`.
-            near: unsafe { std::mem::zeroed() },
+            acc,
+            near,
             out,
             o: 0,
         }
