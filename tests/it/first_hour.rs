@@ -61,6 +61,29 @@ fn closed_port() -> u16 {
         .port()
 }
 
+/// A loopback port that refuses connections for as long as the guard
+/// lives: a socket bound to it that never listens, without `SO_REUSEADDR`,
+/// so no server another test starts at the same time (on a port it picked
+/// and released, as `common::free_port` does) can take the port over. A
+/// released port could be handed out again; CI once met a server's 404
+/// there instead of "Connection refused".
+struct DeadPort {
+    port: u16,
+    _bound: tokio::net::TcpSocket,
+}
+
+fn dead_port() -> DeadPort {
+    let socket = tokio::net::TcpSocket::new_v4().expect("a TCP socket");
+    socket
+        .bind("127.0.0.1:0".parse().unwrap())
+        .expect("binding an ephemeral loopback port");
+    let port = socket.local_addr().expect("a bound port").port();
+    DeadPort {
+        port,
+        _bound: socket,
+    }
+}
+
 /// A listener on loopback that accepts connections and never answers (a
 /// metadata service or an endpoint that hangs); lives as long as the test
 /// process.
@@ -123,7 +146,8 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
 fn an_unreachable_or_unauthenticated_store_fails_within_15_s_naming_the_cause() {
     // A dead AWS_ENDPOINT: retried, each retry one line at the default log
     // level, then an error naming the endpoint and its address.
-    let dead = closed_port();
+    let dead_guard = dead_port();
+    let dead = dead_guard.port;
     let endpoint = format!("http://127.0.0.1:{dead}");
     let s3 = |c: &mut Command| {
         c.env("AWS_ENDPOINT", &endpoint)
