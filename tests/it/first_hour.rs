@@ -52,8 +52,9 @@ fn error_line(o: &Output) -> String {
     lines[0].to_string()
 }
 
-/// A port on loopback that nothing listens on.
-fn closed_port() -> u16 {
+/// A loopback port that was free a moment ago, for a daemon to listen on
+/// (released here, so not for an endpoint that must stay dead: `dead_port`).
+fn released_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -703,7 +704,7 @@ async fn a_relative_out_reaches_hooks_environment_webhooks_and_status_as_absolut
     assert_eq!(seen, want.to_str().unwrap());
 
     // The daemon's status names it absolute too, and accounts the version.
-    let port = closed_port();
+    let port = released_port();
     let key = "notify-secret-0123456789";
     let mut daemon = wc(&[
         "subscribe",
