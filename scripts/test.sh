@@ -137,6 +137,12 @@ step "clippy (default features, and with failpoints)"
 cargo clippy --all-targets -- -D warnings
 cargo clippy --all-targets --features failpoints -- -D warnings
 
+# Arm hosts (NVIDIA Grace and others) build the same code: the workspace is
+# linted for aarch64 too, so that x86-only kernels leave nothing undefined
+# or unused there (it compiles, it does not run; scripts/check_aarch64.sh).
+step "clippy for aarch64 (Arm hosts)"
+./scripts/check_aarch64.sh
+
 step "deploy files (docker compose config, kubernetes-validate, hadolint)"
 VENV="$venv" deploy/check.sh
 

@@ -147,6 +147,7 @@ impl FastWriter {
 
     /// The writer's bytes, position, pending bits and their count, for a
     /// hot loop that keeps the last three in registers and stores them back.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) fn parts(&mut self) -> (&mut Vec<u8>, &mut usize, &mut u64, &mut u32) {
         (&mut self.buf, &mut self.pos, &mut self.acc, &mut self.n)
     }
@@ -158,6 +159,7 @@ impl FastWriter {
 
     /// A writer over `buf`, whose bytes it overwrites from the start (a
     /// buffer kept between blocks: room already made is not zeroed again).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) fn over(buf: Vec<u8>) -> FastWriter {
         FastWriter {
             buf,
@@ -168,6 +170,7 @@ impl FastWriter {
     /// Pads the last byte with zero bits and returns the buffer and the
     /// length of the stream at its start (the rest is scratch, kept as room
     /// for [`FastWriter::over`]).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) fn finish_over(mut self) -> (Vec<u8>, usize) {
         self.reserve(8);
         let end = self.pos + self.n.div_ceil(8) as usize;

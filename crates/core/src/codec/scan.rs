@@ -2,7 +2,9 @@
 //! compare it is measured against.
 
 use crate::dtype::{read_word, word_mask};
-use crate::platform::{Level, Platform, dispatched};
+#[cfg(any(target_arch = "x86_64", test))]
+use crate::platform::Level;
+use crate::platform::{Platform, dispatched};
 
 /// Bytes per piece: the unit the scan hands to its caller. Small, so that the
 /// caller's per-change work on one piece overlaps the memory traffic of the

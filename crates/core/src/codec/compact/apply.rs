@@ -14,7 +14,9 @@ use crate::digest::ChangeBatch;
 use crate::dtype::{KeyKind, from_key, load, read_word, store, to_key, word_mask, write_word};
 use crate::error::{Error, Result};
 use crate::format::ValueCoding;
-use crate::platform::{Level, Platform, dispatched, prefetch_l2};
+#[cfg(any(target_arch = "x86_64", test))]
+use crate::platform::Level;
+use crate::platform::{Platform, dispatched, prefetch_l2};
 
 /// Groups of [`BATCH`] entries held by the step-coded pipeline: a group is
 /// resolved `SLOTS - 1` groups (240 entries) after it was decoded and its

@@ -10,7 +10,9 @@ use crate::codec::scan::{PIECE, for_each_change_piece_on};
 use crate::digest::{ChangeBatch, LANES, TensorSeed};
 use crate::dtype::{KeyKind, load, step_magnitude, to_key, word_mask};
 use crate::format::{BlockEntry, ValueCoding};
-use crate::platform::{Level, Platform, dispatched};
+#[cfg(any(target_arch = "x86_64", test))]
+use crate::platform::Level;
+use crate::platform::{Platform, dispatched};
 
 /// Diffs `base` against `new` and encodes the changes.
 pub fn encode_tensor(

@@ -199,6 +199,7 @@ impl Escapes {
     /// summed at the end: one table counted every escape in turn, and each
     /// count waited for the one before it through memory (most escapes are
     /// the same few values).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(super) fn add_all(&mut self, xs: &[u16]) {
         let mut small = [[0u64; 64]; 4];
         let mut quads = xs.chunks_exact(4);

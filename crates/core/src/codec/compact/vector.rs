@@ -37,10 +37,11 @@ use std::arch::x86_64::{
 use super::{Ctx, Group};
 use crate::codec::bits::FastWriter;
 use crate::digest::ChangeBatch;
-use crate::dtype::KeyKind;
 #[cfg(target_arch = "x86_64")]
-use crate::platform::HasAvx512;
-use crate::platform::{Level, Platform, dispatched};
+use crate::dtype::KeyKind;
+use crate::platform::Platform;
+#[cfg(target_arch = "x86_64")]
+use crate::platform::{HasAvx512, Level, dispatched};
 
 /// What [`encode_direct`] did.
 #[derive(Debug, PartialEq, Eq)]
@@ -73,10 +74,12 @@ pub struct Part<'a> {
 /// Words scanned per round: the scan fills the arrays from one region, then
 /// the kernel drains them. Small, so the entries' work overlaps the memory
 /// traffic of the next region (the size of `scan::PIECE`, for the same reason).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(super) const REGION: usize = 2048;
 
 /// The changes of one region plus the carried ones, with slack for full-vector
 /// stores past the end.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(super) struct Records {
     pub(super) index: [u32; REGION + 8 + 32],
     pub(super) old: [u16; REGION + 8 + 32],
