@@ -8,7 +8,9 @@
 //! Every function has a portable form that defines it; the AVX-512 forms
 //! are tested against them on random and edge-case lists.
 
-use super::context::{BIG, Member, block_checksum_portable};
+#[cfg(test)]
+use super::context::block_checksum_portable;
+use super::context::{BIG, Member, member_hash};
 #[cfg(target_arch = "x86_64")]
 use super::context::{block_checksum_avx512, fold8, hash8};
 #[cfg(target_arch = "x86_64")]
@@ -106,20 +108,89 @@ pub(crate) fn merge(
     }
     let _ = platform;
     out.resize(a.len() + b.len(), 0);
-    merge_portable(a, b, out);
-    (
-        shares_an_index(out),
-        block_checksum_portable(seed, block, out),
-    )
+    merge_two_ends(a, b, out, (seed, block))
+}
+
+/// The portable form of [`merge`]'s work, for CPUs without AVX-512 (Arm
+/// hosts among them): merges `a` and `b` into `out` (their length together)
+/// from both ends at once, the first half of `out` front to back and the
+/// rest back to front, and sums the checksum and checks neighbours as it
+/// writes. A one-ended merge is one chain (each step's loads wait on the
+/// step before); the two ends are two chains that run side by side, and
+/// the checksum's multiplies and the neighbour checks stay off both.
+///
+/// The two halves meet where a stable merge (`a`'s member first of two
+/// equal ones) puts them: the front takes `a`'s on a tie, the back `b`'s.
+fn merge_two_ends(
+    a: &[Member],
+    b: &[Member],
+    out: &mut [Member],
+    (seed, block): (u64, u64),
+) -> (bool, u64) {
+    let n = a.len() + b.len();
+    debug_assert_eq!(out.len(), n);
+    if n == 0 {
+        return (false, 0);
+    }
+    let half = n / 2;
+    let (front, back) = out.split_at_mut(half);
+    // Past a list's end (front) or before its start (back) a sentinel no
+    // member reaches: members are compared as `i64`.
+    let at = |l: &[Member], k: usize| l.get(k).map_or(i64::MAX, |&m| m as i64);
+    let before = |l: &[Member], k: usize| {
+        k.checked_sub(1)
+            .and_then(|k| l.get(k))
+            .map_or(-1, |&m| m as i64)
+    };
+    let (mut i, mut j) = (0usize, 0usize);
+    let (mut ie, mut je) = (a.len(), b.len());
+    let (mut dup, mut sum) = (false, 0u64);
+    // The last member each end wrote (its neighbour check), none yet.
+    let (mut prev_f, mut prev_b) = (-1i64, -1i64);
+    let mut step_back = |k: usize, dup: &mut bool, sum: &mut u64| {
+        let (x, y) = (before(a, ie), before(b, je));
+        let take_a = x > y;
+        let m = if take_a { x } else { y };
+        ie -= take_a as usize;
+        je -= !take_a as usize;
+        back[k] = m as Member;
+        *dup |= prev_b >= 0 && prev_b >> 2 == m >> 2;
+        prev_b = m;
+        *sum = sum.wrapping_add(member_hash(seed, block, m as Member));
+    };
+    let rest = n - half;
+    for (k, slot) in front.iter_mut().enumerate() {
+        let (x, y) = (at(a, i), at(b, j));
+        let take_a = x <= y;
+        let m = if take_a { x } else { y };
+        i += take_a as usize;
+        j += !take_a as usize;
+        *slot = m as Member;
+        dup |= prev_f >= 0 && prev_f >> 2 == m >> 2;
+        prev_f = m;
+        sum = sum.wrapping_add(member_hash(seed, block, m as Member));
+        step_back(rest - 1 - k, &mut dup, &mut sum);
+    }
+    if rest > half {
+        step_back(0, &mut dup, &mut sum);
+    }
+    // The seam: the front's last and the back's first.
+    if half > 0 {
+        dup |= out[half - 1] >> 2 == out[half] >> 2;
+    }
+    (dup, sum)
 }
 
 /// Whether two neighbours of an ascending member list share an index.
+#[cfg(target_arch = "x86_64")]
 fn shares_an_index(out: &[Member]) -> bool {
     out.windows(2)
         .fold(false, |d, w| d | (w[0] >> 2 == w[1] >> 2))
 }
 
-/// The portable merge: one member per round, no branch on the data.
+/// A merge one member per round, no branch on the data: the AVX-512
+/// merge's last members (the portable form is [`merge_two_ends`]).
+#[cfg(target_arch = "x86_64")]
 fn merge_portable(a: &[Member], b: &[Member], out: &mut [Member]) {
     debug_assert_eq!(out.len(), a.len() + b.len());
     let (mut i, mut j, mut o) = (0usize, 0usize, 0usize);
@@ -362,11 +433,7 @@ fn merge_avx512_body(
     debug_assert!(out.is_empty());
     if a.len() < 16 || b.len() < 16 {
         out.resize(a.len() + b.len(), 0);
-        merge_portable(a, b, out);
-        return (
-            shares_an_index(out),
-            block_checksum_portable(seed, block, out),
-        );
+        return merge_two_ends(a, b, out, (seed, block));
     }
     let n = a.len() + b.len();
     out.reserve(n);
