@@ -14,11 +14,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 target=aarch64-unknown-linux-gnu
+# Without the target's standard library (rustup downloads it once; a
+# machine without access to static.rust-lang.org cannot), the lint is
+# skipped, visibly, like the container tests without Docker;
+# WEIGHTCAST_REQUIRE_AARCH64=1 makes that a failure.
 if ! rustup target list --installed | grep -qx "$target"; then
-  rustup target add "$target" || {
-    echo "check_aarch64: rustup could not add $target (it downloads the target's standard library)" >&2
-    exit 1
-  }
+  if ! rustup target add "$target"; then
+    if [ "${WEIGHTCAST_REQUIRE_AARCH64:-0}" = 1 ]; then
+      echo "check_aarch64: rustup could not add $target (it downloads the target's standard library)" >&2
+      exit 1
+    fi
+    echo "SKIPPED: check_aarch64: rustup could not add $target (it downloads the target's standard library; WEIGHTCAST_REQUIRE_AARCH64=1 makes this a failure)"
+    exit 0
+  fi
 fi
 mkdir -p .ci-work
 cc="$PWD/.ci-work/aarch64-lint-cc"
