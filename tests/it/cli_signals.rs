@@ -1,7 +1,7 @@
 //! The long-running commands stop cleanly on SIGTERM and SIGINT (what compose,
 //! Kubernetes and Ctrl-C send), with exit status 0.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -12,14 +12,6 @@ fn signal(pid: u32, sig: &str) {
         .expect("running kill")
         .success();
     assert!(ok, "kill -{sig} {pid}");
-}
-
-/// The first `127.0.0.1:PORT` in a log line (field names may be coloured).
-fn bound_addr(line: &str) -> Option<std::net::SocketAddr> {
-    let at = line.find("127.0.0.1:")?;
-    let rest = &line[at + "127.0.0.1:".len()..];
-    let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
-    format!("127.0.0.1:{}", &rest[..digits]).parse().ok()
 }
 
 /// Starts `args` listening on port 0, learns the port it bound from its log
@@ -46,28 +38,9 @@ fn stops_on(args: &[&str], sig: &str) {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    // Read the log on a thread (and keep draining it, so the daemon never
-    // blocks on a full pipe); the first bound address comes back here.
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut tx = Some(tx);
-        for line in BufReader::new(stderr).lines() {
-            let Ok(line) = line else { break };
-            if let Some(addr) = bound_addr(&line)
-                && let Some(tx) = tx.take()
-            {
-                let _ = tx.send(addr);
-            }
-        }
-    });
-    let addr = match rx.recv_timeout(Duration::from_secs(30)) {
-        Ok(addr) => addr,
-        Err(e) => {
-            let _ = child.kill();
-            panic!("{args:?} never logged a bound address: {e}");
-        }
-    };
+    let addr =
+        crate::common::bound_address(&mut child, &format!("{args:?}"), Duration::from_secs(30))
+            .addr;
     let mut conn = std::net::TcpStream::connect(addr).expect("connecting to the daemon");
     write!(conn, "GET /healthz HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
     let mut reply = String::new();

@@ -57,6 +57,73 @@ fn start(program: &str, args: &[String], what: &str, hint: &str) -> Child {
         .unwrap_or_else(|e| panic!("cannot start {what} (`{program}`): {e}"))
 }
 
+/// What a daemon started with `--listen 127.0.0.1:0` logs, kept as it is
+/// written, and the address it bound.
+pub struct DaemonLog {
+    /// The address the daemon bound (the first `127.0.0.1:PORT` it logged).
+    pub addr: std::net::SocketAddr,
+    /// Every line of its standard error so far.
+    pub log: std::sync::Arc<Mutex<String>>,
+}
+
+impl DaemonLog {
+    /// The log so far.
+    pub fn text(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+}
+
+/// The first `127.0.0.1:PORT` in a log line (field names may be coloured).
+pub fn bound_addr(line: &str) -> Option<std::net::SocketAddr> {
+    let at = line.find("127.0.0.1:")?;
+    let rest = &line[at + "127.0.0.1:".len()..];
+    let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+    format!("127.0.0.1:{}", &rest[..digits]).parse().ok()
+}
+
+/// Learns the address a daemon bound from its log: `child` was started with
+/// `--listen 127.0.0.1:0` and its standard error piped. Reads that on a
+/// thread for the daemon's whole life (so that it never blocks on a full
+/// pipe), keeps every line, and returns once the first address is logged.
+/// Kills `child` and fails naming `what` if none is within `within`.
+///
+/// A port picked by the test and released before the daemon binds it can be
+/// taken meanwhile by a server another test starts, whose answers would be
+/// mistaken for the daemon's; port 0 has no such window.
+pub fn bound_address(child: &mut Child, what: &str, within: Duration) -> DaemonLog {
+    use std::io::BufRead;
+    let stderr = child
+        .stderr
+        .take()
+        .unwrap_or_else(|| panic!("{what}: start it with its standard error piped"));
+    let log = std::sync::Arc::new(Mutex::new(String::new()));
+    let keep = log.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut tx = Some(tx);
+        for line in std::io::BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            keep.lock().unwrap().push_str(&format!("{line}\n"));
+            if let Some(addr) = bound_addr(&line)
+                && let Some(tx) = tx.take()
+            {
+                let _ = tx.send(addr);
+            }
+        }
+    });
+    match rx.recv_timeout(within) {
+        Ok(addr) => DaemonLog { addr, log },
+        Err(e) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "{what} never logged the address it bound ({e}):\n{}",
+                log.lock().unwrap()
+            );
+        }
+    }
+}
+
 /// An HTTP client for the tests' requests to the daemons they start: every
 /// request bounded (5 minutes: a publish on a loaded machine), so that a
 /// server that never answers fails the test instead of hanging the suite.

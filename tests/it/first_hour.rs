@@ -7,7 +7,6 @@
 //! every version's time and bytes accounted.
 
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -52,20 +51,11 @@ fn error_line(o: &Output) -> String {
     lines[0].to_string()
 }
 
-/// A loopback port that was free a moment ago, for a daemon to listen on
-/// (released here, so not for an endpoint that must stay dead: `dead_port`).
-fn released_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// A loopback port that refuses connections for as long as the guard
 /// lives: a socket bound to it that never listens, without `SO_REUSEADDR`,
 /// so no server another test starts at the same time (on a port it picked
-/// and released, as `common::free_port` does) can take the port over. A
+/// and released, as `common::free_port` does for the object-store servers)
+/// can take the port over. A
 /// released port could be handed out again; CI once met a server's 404
 /// there instead of "Connection refused".
 struct DeadPort {
@@ -704,7 +694,6 @@ async fn a_relative_out_reaches_hooks_environment_webhooks_and_status_as_absolut
     assert_eq!(seen, want.to_str().unwrap());
 
     // The daemon's status names it absolute too, and accounts the version.
-    let port = released_port();
     let key = "notify-secret-0123456789";
     let mut daemon = wc(&[
         "subscribe",
@@ -714,7 +703,7 @@ async fn a_relative_out_reaches_hooks_environment_webhooks_and_status_as_absolut
         "--out",
         "rel/daemon",
         "--listen",
-        &format!("127.0.0.1:{port}"),
+        "127.0.0.1:0",
         "--notify-key",
         key,
     ])
@@ -722,6 +711,12 @@ async fn a_relative_out_reaches_hooks_environment_webhooks_and_status_as_absolut
     .stderr(std::process::Stdio::piped())
     .spawn()
     .unwrap();
+    let logged = common::bound_address(
+        &mut daemon,
+        "the subscriber daemon",
+        Duration::from_secs(60),
+    );
+    let port = logged.addr.port();
     weightcast::store::install_crypto_provider();
     let client = common::http_client();
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -739,14 +734,8 @@ async fn a_relative_out_reaches_hooks_environment_webhooks_and_status_as_absolut
         }
         if Instant::now() > deadline || daemon.try_wait().unwrap().is_some() {
             let _ = daemon.kill();
-            let mut err = String::new();
-            daemon
-                .stderr
-                .take()
-                .unwrap()
-                .read_to_string(&mut err)
-                .unwrap();
-            panic!("the daemon did not reach version 0:\n{err}");
+            let _ = daemon.wait();
+            panic!("the daemon did not reach version 0:\n{}", logged.text());
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     };

@@ -3,7 +3,7 @@
 //! or make it allocate what the bucket does not hold (docs/reliability.md,
 //! "Hostile bucket").
 
-use std::io::{BufRead, Read, Write};
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -170,33 +170,9 @@ fn a_fifo_in_a_file_bucket_is_refused_promptly_and_sigterm_is_honoured() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
-    let keep = log.clone();
-    let stderr = daemon.stderr.take().unwrap();
-    std::thread::spawn(move || {
-        let mut tx = Some(tx);
-        for line in std::io::BufReader::new(stderr).lines() {
-            let Ok(line) = line else { break };
-            if let Some(at) = line.find("127.0.0.1:")
-                && let Some(tx) = tx.take()
-            {
-                let port: String = line[at + 10..]
-                    .chars()
-                    .take_while(char::is_ascii_digit)
-                    .collect();
-                let _ = tx.send(format!("127.0.0.1:{port}"));
-            }
-            keep.lock().unwrap().push_str(&format!("{line}\n"));
-        }
-    });
-    let addr = match rx.recv_timeout(Duration::from_secs(30)) {
-        Ok(a) => a,
-        Err(e) => {
-            let _ = daemon.kill();
-            panic!("the daemon never logged its address: {e}");
-        }
-    };
+    let daemon_log =
+        crate::common::bound_address(&mut daemon, "the daemon", Duration::from_secs(30));
+    let addr = daemon_log.addr.to_string();
     let started = Instant::now();
     let status = loop {
         let (code, body) = get(&addr, "/v1/status");
@@ -208,7 +184,7 @@ fn a_fifo_in_a_file_bucket_is_refused_promptly_and_sigterm_is_honoured() {
             let _ = daemon.kill();
             panic!(
                 "/v1/status never reported the FIFO: {body}\n{}",
-                log.lock().unwrap()
+                daemon_log.text()
             );
         }
         std::thread::sleep(Duration::from_millis(200));
@@ -229,7 +205,7 @@ fn a_fifo_in_a_file_bucket_is_refused_promptly_and_sigterm_is_honoured() {
         Duration::from_secs(15),
         "the daemon after SIGTERM",
     );
-    assert!(exit.success(), "{exit}: {}", log.lock().unwrap());
+    assert!(exit.success(), "{exit}: {}", daemon_log.text());
     assert!(took < Duration::from_secs(5), "stopped after {took:?}");
 }
 

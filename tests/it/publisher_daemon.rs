@@ -285,7 +285,6 @@ struct Daemon {
 impl Daemon {
     /// Starts the real binary on port 0 and learns its port from its log.
     fn start(url: &str, state: &std::path::Path, root: &std::path::Path, grace: &str) -> Daemon {
-        use std::io::BufRead;
         let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_weightcast"))
             .args(["publisher", "--store", url, "--listen", "127.0.0.1:0"])
             .args(["--token", TOKEN, "--shutdown-grace", grace, "--state"])
@@ -301,33 +300,13 @@ impl Daemon {
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        let stderr = child.stderr.take().unwrap();
-        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
-        let (tx, rx) = std::sync::mpsc::channel();
-        let keep = log.clone();
-        std::thread::spawn(move || {
-            let mut tx = Some(tx);
-            for line in std::io::BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                if let Some(at) = line.find("127.0.0.1:")
-                    && let Some(tx) = tx.take()
-                {
-                    let port: String = line[at + 10..]
-                        .chars()
-                        .take_while(char::is_ascii_digit)
-                        .collect();
-                    let _ = tx.send(format!("http://127.0.0.1:{port}"));
-                }
-                keep.lock().unwrap().push_str(&format!("{line}\n"));
-            }
-        });
-        let base = match rx.recv_timeout(std::time::Duration::from_secs(60)) {
-            Ok(b) => b,
-            Err(e) => {
-                let _ = child.kill();
-                panic!("the publisher daemon never logged its address: {e}");
-            }
-        };
+        let logged = crate::common::bound_address(
+            &mut child,
+            "the publisher daemon",
+            std::time::Duration::from_secs(60),
+        );
+        let base = format!("http://{}", logged.addr);
+        let log = logged.log;
         Daemon { child, base, log }
     }
 
