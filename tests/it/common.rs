@@ -42,6 +42,11 @@ fn exists(program: &str) -> bool {
 /// when the test binary exits, however it exits. (Servers live in statics,
 /// which are never dropped, so without this they would outlive the tests.)
 fn start(program: &str, args: &[String], what: &str, hint: &str) -> Child {
+    start_with(program, args, (what, hint), Stdio::null())
+}
+
+/// [`start`], the server's standard error going to `stderr`.
+fn start_with(program: &str, args: &[String], (what, hint): (&str, &str), stderr: Stdio) -> Child {
     if !exists(program) {
         panic!("cannot start {what}: `{program}` not found. {hint}");
     }
@@ -52,7 +57,7 @@ fn start(program: &str, args: &[String], what: &str, hint: &str) -> Child {
         .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(stderr)
         .spawn()
         .unwrap_or_else(|e| panic!("cannot start {what} (`{program}`): {e}"))
 }
@@ -91,6 +96,18 @@ pub fn bound_addr(line: &str) -> Option<std::net::SocketAddr> {
 /// taken meanwhile by a server another test starts, whose answers would be
 /// mistaken for the daemon's; port 0 has no such window.
 pub fn bound_address(child: &mut Child, what: &str, within: Duration) -> DaemonLog {
+    read_bound_address(child, what, within, true)
+}
+
+/// [`bound_address`]; with `keep_all` false, the lines after the address
+/// are read and dropped (a server that logs every request, for the whole
+/// test binary).
+fn read_bound_address(
+    child: &mut Child,
+    what: &str,
+    within: Duration,
+    keep_all: bool,
+) -> DaemonLog {
     use std::io::BufRead;
     let stderr = child
         .stderr
@@ -103,7 +120,9 @@ pub fn bound_address(child: &mut Child, what: &str, within: Duration) -> DaemonL
         let mut tx = Some(tx);
         for line in std::io::BufReader::new(stderr).lines() {
             let Ok(line) = line else { break };
-            keep.lock().unwrap().push_str(&format!("{line}\n"));
+            if keep_all || tx.is_some() {
+                keep.lock().unwrap().push_str(&format!("{line}\n"));
+            }
             if let Some(addr) = bound_addr(&line)
                 && let Some(tx) = tx.take()
             {
@@ -202,14 +221,12 @@ fn wait_for(port: u16, what: &str) {
     panic!("{what} did not start listening on 127.0.0.1:{port} within 60 s");
 }
 
+/// What to do when a server program is missing.
+const SERVERS_HINT: &str = "Run the suite with ./scripts/test.sh, which installs it and sets \
+     MOTO_SERVER, FAKE_GCS_SERVER and GARAGE";
+
 fn spawn(program: &str, args: &[String], what: &str, port: u16) -> Server {
-    let child = start(
-        program,
-        args,
-        what,
-        "Run the suite with ./scripts/test.sh, which installs it and sets MOTO_SERVER, \
-         FAKE_GCS_SERVER and GARAGE",
-    );
+    let child = start(program, args, what, SERVERS_HINT);
     wait_for(port, what);
     Server {
         port,
@@ -221,22 +238,25 @@ fn spawn(program: &str, args: &[String], what: &str, port: u16) -> Server {
 pub fn moto() -> &'static Server {
     static S: OnceLock<Server> = OnceLock::new();
     S.get_or_init(|| {
-        let port = free_port();
+        // On port 0, the port learned from its log (" * Running on
+        // http://127.0.0.1:PORT"): no window between a pick and its bind.
         let program = std::env::var("MOTO_SERVER").unwrap_or_else(|_| "moto_server".into());
-        let server = spawn(
+        let args = ["-H", "127.0.0.1", "-p", "0"].map(String::from);
+        let mut child = start_with(
             &program,
-            &[
-                "-H".into(),
-                "127.0.0.1".into(),
-                "-p".into(),
-                port.to_string(),
-            ],
-            "moto_server",
-            port,
+            &args,
+            ("moto_server", SERVERS_HINT),
+            Stdio::piped(),
         );
+        let port = read_bound_address(&mut child, "moto_server", Duration::from_secs(60), false)
+            .addr
+            .port();
         // moto's ListBuckets answer.
-        http_probe(server.port, "ListAllMyBucketsResult", "moto_server");
-        server
+        http_probe(port, "ListAllMyBucketsResult", "moto_server");
+        Server {
+            port,
+            child: Mutex::new(child),
+        }
     })
 }
 
