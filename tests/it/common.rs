@@ -45,14 +45,15 @@ fn start(program: &str, args: &[String], what: &str, hint: &str) -> Child {
     start_with(program, args, (what, hint), Stdio::null())
 }
 
-/// [`start`], the server's standard error going to `stderr`.
+/// [`start`], the server's standard output and error going to `stderr`.
 fn start_with(program: &str, args: &[String], (what, hint): (&str, &str), stderr: Stdio) -> Child {
     if !exists(program) {
         panic!("cannot start {what}: `{program}` not found. {hint}");
     }
     Command::new("sh")
         .arg("-c")
-        .arg("\"$0\" \"$@\" </dev/null & pid=$!; read _; kill $pid 2>/dev/null; wait $pid")
+        // The server's standard output joins its standard error.
+        .arg("\"$0\" \"$@\" </dev/null 1>&2 & pid=$!; read _; kill $pid 2>/dev/null; wait $pid")
         .arg(program)
         .args(args)
         .stdin(Stdio::piped())
@@ -78,12 +79,14 @@ impl DaemonLog {
     }
 }
 
-/// The first `127.0.0.1:PORT` in a log line (field names may be coloured).
+/// The first `127.0.0.1:PORT` in a log line (field names may be coloured),
+/// port 0 aside (what a server says it is about to bind, not what it bound).
 pub fn bound_addr(line: &str) -> Option<std::net::SocketAddr> {
     let at = line.find("127.0.0.1:")?;
     let rest = &line[at + "127.0.0.1:".len()..];
     let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
-    format!("127.0.0.1:{}", &rest[..digits]).parse().ok()
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{}", &rest[..digits]).parse().ok()?;
+    (addr.port() != 0).then_some(addr)
 }
 
 /// Learns the address a daemon bound from its log: `child` was started with
@@ -601,7 +604,6 @@ pub const AZURITE_KEY: &str =
 pub fn azurite() -> &'static Server {
     static S: OnceLock<Server> = OnceLock::new();
     S.get_or_init(|| {
-        let port = free_port();
         let program = std::env::var("AZURITE_BLOB").unwrap_or_else(|_| {
             format!(
                 "{}/.ci-work/azurite/node_modules/.bin/azurite-blob",
@@ -612,7 +614,7 @@ pub fn azurite() -> &'static Server {
             "--blobHost",
             "127.0.0.1",
             "--blobPort",
-            &port.to_string(),
+            "0",
             "--inMemoryPersistence",
             "--extentMemoryLimit",
             "2048",
@@ -623,13 +625,21 @@ pub fn azurite() -> &'static Server {
         .iter()
         .map(|s| s.to_string())
         .collect();
-        let child = start(
+        // On port 0, the port learned from its log ("… successfully listens
+        // on http://127.0.0.1:PORT"; it first says it starts on port 0).
+        let mut child = start_with(
             &program,
             &args,
-            "Azurite",
-            "Run the suite with ./scripts/test.sh, which installs it (npm install --prefix \
-             .ci-work/azurite azurite), or set AZURITE_BLOB to an azurite-blob program",
+            (
+                "Azurite",
+                "Run the suite with ./scripts/test.sh, which installs it (npm install --prefix \
+                 .ci-work/azurite azurite), or set AZURITE_BLOB to an azurite-blob program",
+            ),
+            Stdio::piped(),
         );
+        let port = read_bound_address(&mut child, "Azurite", Duration::from_secs(60), false)
+            .addr
+            .port();
         wait_for(port, "Azurite");
         Server {
             port,
