@@ -23,10 +23,11 @@
 //!
 //! A phase may also be a comma-separated list of phases, run in that order
 //! each repetition: `apply1f,apply1f,apply2f,apply2f` times each encoding's
-//! apply right after one of its own, as a subscriber applies them. (The
-//! first apply after the other encoding's is slower and noisier on the
-//! development VM, whichever encoding it is, so a list that always puts one
-//! variant second measures the order as well as the code.)
+//! apply right after one of its own, as a subscriber applies them. (On the
+//! development VM a phase's place in the list changed its time: `compact2`
+//! right after a `compact` apply was slower than after one of its own, so
+//! a list that puts variants in different places measures the order as
+//! well as the code.)
 
 #[path = "common/trace.rs"]
 mod trace;
