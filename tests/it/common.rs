@@ -68,7 +68,8 @@ fn start_with(program: &str, args: &[String], (what, hint): (&str, &str), stderr
 pub struct DaemonLog {
     /// The address the daemon bound (the first `127.0.0.1:PORT` it logged).
     pub addr: std::net::SocketAddr,
-    /// Every line of its standard error so far.
+    /// Every line of its standard error so far (for a server read by
+    /// `read_bound_address` without `keep_all`: the lines up to the address).
     pub log: std::sync::Arc<Mutex<String>>,
 }
 
